@@ -1,0 +1,29 @@
+"""fsdp2-strategy: one FSDP2 engine for any trainer.
+
+    import fsdp2_strategy as f2
+    model = f2.shard_model(model, f2.FSDP2Config(wrap_policy="auto", mixed_precision="bf16"))
+    optimizer = torch.optim.AdamW(model.parameters())
+"""
+
+from .compat import fully_shard
+from .config import FSDP2Config, ModuleOverride
+from .distributed import shutdown
+from .plan import ShardingPlan, sharding_plan
+from .sharding import shard_model
+from .training import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, set_gradient_sync
+
+__all__ = [
+    "FSDP2Config",
+    "ModuleOverride",
+    "ShardingPlan",
+    "check_optimizer",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "fully_shard",
+    "no_sync",
+    "set_gradient_sync",
+    "shard_model",
+    "sharding_plan",
+    "shutdown",
+]
+__version__ = "0.1.0"

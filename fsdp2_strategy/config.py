@@ -1,0 +1,315 @@
+"""`FSDP2Config`: every sharding choice in one validated dataclass.
+
+A config is built from keyword arguments, a dict (`FSDP2Config.from_dict`) or a YAML file
+(`FSDP2Config.from_yaml`). Validation happens once, in `__post_init__`, field by field, and
+every error names the field and the values it accepts. Values stay close to what the user
+wrote (strings, classes, callables); they are resolved against a concrete model and mesh
+later, by `policy.py`, `precision.py` and `mesh.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import torch
+from torch import nn
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "NO_SHARD")
+"""Accepted names for `FSDP2Config.sharding_strategy` (FSDP1's vocabulary)."""
+
+PRECISION_NAMES = ("bf16", "fp16", "fp32")
+"""Accepted strings for `FSDP2Config.mixed_precision`."""
+
+WrapPolicy = Union[str, int, Callable[[nn.Module, str], bool], Sequence[Union[str, type]], type, None]
+
+
+def _strategy_name(value: Any) -> str:
+    """Normalise a strategy given as a string or torch's FSDP1 `ShardingStrategy` enum."""
+    if isinstance(value, enum.Enum):
+        value = value.name
+    if isinstance(value, str) and value.upper() in SHARDING_STRATEGIES:
+        return value.upper()
+    raise ValueError(
+        f"FSDP2Config.sharding_strategy={value!r} is not supported; use one of "
+        f"{', '.join(SHARDING_STRATEGIES)} (or torch.distributed.fsdp.ShardingStrategy)."
+    )
+
+
+def _check_reshard(value: Any, name: str) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int) and value >= 1:
+        return
+    raise ValueError(
+        f"{name}={value!r} is invalid; use None (follow the sharding strategy), True, False, "
+        "or a positive int that divides the shard group size (reshard to that many ranks)."
+    )
+
+
+def _check_mixed_precision(value: Any, name: str) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if value is None or isinstance(value, (MixedPrecisionPolicy, dict)):
+        return
+    if isinstance(value, str) and value.lower() in PRECISION_NAMES:
+        return
+    raise ValueError(
+        f"{name}={value!r} is invalid; use None, one of {PRECISION_NAMES}, a dict of "
+        "MixedPrecisionPolicy fields (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs), "
+        "or a torch.distributed.fsdp.MixedPrecisionPolicy."
+    )
+
+
+def _check_wrap_policy(value: Any, name: str) -> None:
+    if value is None or value == "auto" or callable(value) and not isinstance(value, type):
+        return
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is invalid; use 'auto', classes, class names, an int or a callable.")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"{name}={value} is invalid; a min-params threshold must be a positive int.")
+        return
+    items = [value] if isinstance(value, (str, type)) else value
+    if isinstance(items, (list, tuple, set, frozenset)) and all(
+        isinstance(v, str) or (isinstance(v, type) and issubclass(v, nn.Module)) for v in items
+    ):
+        return
+    raise ValueError(
+        f"{name}={value!r} is invalid; use 'auto', None (only the root), nn.Module classes, "
+        "class-name strings, an int min-params threshold, or a callable (module, name) -> bool."
+    )
+
+
+def _check_module_list(value: Any, name: str, allow_auto: bool) -> None:
+    if value is None or (allow_auto and value == "auto"):
+        return
+    items = [value] if isinstance(value, (str, type)) else value
+    if isinstance(items, (list, tuple, set, frozenset)) and all(
+        isinstance(v, str) or (isinstance(v, type) and issubclass(v, nn.Module)) for v in items
+    ):
+        return
+    auto = "'auto', " if allow_auto else ""
+    raise ValueError(f"{name}={value!r} is invalid; use None, {auto}nn.Module classes or class-name strings.")
+
+
+def _check_nonneg_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} is invalid; use an int >= 0 (how many blocks ahead; 0 disables).")
+
+
+@dataclass
+class ModuleOverride:
+    """Per-module settings applied to modules whose qualified name matches a glob.
+
+    Any field left as None inherits the global `FSDP2Config` value.
+    """
+
+    sharding_strategy: Any = None
+    """Strategy for this module's group (e.g. "HYBRID_SHARD" while the rest is "FULL_SHARD")."""
+    reshard_after_forward: bool | int | None = None
+    """Reshard choice for this group; overrides the strategy's default."""
+    mixed_precision: Any = None
+    """Precision for this group: same forms as `FSDP2Config.mixed_precision`."""
+    cpu_offload: bool | None = None
+    """Offload this group's parameters to CPU."""
+
+    def validate(self, pattern: str) -> None:
+        prefix = f"FSDP2Config.module_overrides[{pattern!r}]"
+        if self.sharding_strategy is not None:
+            self.sharding_strategy = _strategy_name(self.sharding_strategy)
+        _check_reshard(self.reshard_after_forward, f"{prefix}.reshard_after_forward")
+        _check_mixed_precision(self.mixed_precision, f"{prefix}.mixed_precision")
+        if self.cpu_offload is not None and not isinstance(self.cpu_offload, bool):
+            raise ValueError(f"{prefix}.cpu_offload={self.cpu_offload!r} is invalid; use True or False.")
+
+
+@dataclass
+class FSDP2Config:
+    """How `shard_model` applies FSDP2 to a model. Every field is optional."""
+
+    sharding_strategy: Any = "FULL_SHARD"
+    """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: parameters stay gathered between forward and
+    backward), HYBRID_SHARD (shard inside a node, replicate across nodes), HYBRID_SHARD_ZERO2,
+    or NO_SHARD (replicate everywhere, DDP-like). torch's FSDP1 `ShardingStrategy` is accepted."""
+
+    reshard_after_forward: bool | int | None = None
+    """Overrides the strategy: True frees gathered parameters after forward, False keeps them
+    until backward, an int reshards to groups of that many ranks (must divide the shard size)."""
+
+    mesh_shape: tuple[int, ...] | None = None
+    """Device-mesh shape: `(shard,)` or `(replicate, shard)` for hybrid strategies. Default: the
+    world size for full/grad-op sharding; `(num_nodes, ranks_per_node)` for hybrid ones."""
+
+    wrap_policy: WrapPolicy = "auto"
+    """Which submodules become their own FSDP group: "auto" (repeated blocks: Hugging Face
+    `_no_split_modules`, else the largest ModuleList/Sequential of same-class children),
+    module classes, class-name strings, an int min-params threshold, a callable
+    `(module, qualified_name) -> bool`, or None (only the root)."""
+
+    mixed_precision: Any = None
+    """None (keep parameter dtype), "bf16"/"fp16" (low-precision compute, fp32 master weights and
+    fp32 gradient reduction), "fp32", a dict of `MixedPrecisionPolicy` fields (dtype names
+    allowed), or a `torch.distributed.fsdp.MixedPrecisionPolicy`."""
+
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state on CPU. Pinned memory is used only
+    where an accelerator exists."""
+
+    activation_checkpointing: Any = None
+    """Recompute activations in backward for: None (off), "auto" (the wrapped blocks), or module
+    classes / class names."""
+
+    ignored_modules: Any = None
+    """Module classes, class names, or module instances whose parameters FSDP leaves alone (not
+    sharded, not reduced: the user owns their synchronisation)."""
+
+    compile: bool | dict = False
+    """`torch.compile` each wrapped block (True, or a dict of `torch.compile` keyword arguments)."""
+
+    forward_prefetch: int = 0
+    """How many blocks ahead to all-gather explicitly during forward (0: torch's implicit order)."""
+
+    backward_prefetch: int = 0
+    """How many blocks ahead to all-gather explicitly during backward (0: torch's default of one)."""
+
+    module_overrides: dict = field(default_factory=dict)
+    """Glob on a module's qualified name -> partial config (`sharding_strategy`,
+    `reshard_after_forward`, `mixed_precision`, `cpu_offload`). A matching module becomes its
+    own group with those settings; the first matching glob wins."""
+
+    log_plan: bool = True
+    """Log the sharding plan table on rank 0 after `shard_model`."""
+
+    def __post_init__(self) -> None:
+        self.sharding_strategy = _strategy_name(self.sharding_strategy)
+        _check_reshard(self.reshard_after_forward, "FSDP2Config.reshard_after_forward")
+        self._validate_mesh_shape()
+        _check_wrap_policy(self.wrap_policy, "FSDP2Config.wrap_policy")
+        _check_mixed_precision(self.mixed_precision, "FSDP2Config.mixed_precision")
+        if not isinstance(self.cpu_offload, bool):
+            raise ValueError(f"FSDP2Config.cpu_offload={self.cpu_offload!r} is invalid; use True or False.")
+        _check_module_list(self.activation_checkpointing, "FSDP2Config.activation_checkpointing", allow_auto=True)
+        self._validate_ignored_modules()
+        if not isinstance(self.compile, (bool, dict)):
+            raise ValueError(f"FSDP2Config.compile={self.compile!r} is invalid; use True, False or a dict of torch.compile kwargs.")
+        _check_nonneg_int(self.forward_prefetch, "FSDP2Config.forward_prefetch")
+        _check_nonneg_int(self.backward_prefetch, "FSDP2Config.backward_prefetch")
+        self.module_overrides = self._validated_overrides(self.module_overrides)
+
+    def _validate_mesh_shape(self) -> None:
+        if self.mesh_shape is None:
+            return
+        shape = self.mesh_shape
+        if isinstance(shape, int):
+            shape = (shape,)
+        if (
+            not isinstance(shape, (list, tuple))
+            or not 1 <= len(shape) <= 2
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape)
+        ):
+            raise ValueError(
+                f"FSDP2Config.mesh_shape={self.mesh_shape!r} is invalid; use (shard,) or "
+                "(replicate, shard) with positive ints whose product is the world size."
+            )
+        self.mesh_shape = tuple(shape)
+
+    def _validate_ignored_modules(self) -> None:
+        value = self.ignored_modules
+        if value is None:
+            return
+        items = [value] if isinstance(value, (str, type, nn.Module)) else value
+        if not isinstance(items, (list, tuple, set, frozenset)) or not all(
+            isinstance(v, (str, nn.Module)) or (isinstance(v, type) and issubclass(v, nn.Module)) for v in items
+        ):
+            raise ValueError(
+                f"FSDP2Config.ignored_modules={value!r} is invalid; use module classes, class names or module instances."
+            )
+
+    @staticmethod
+    def _validated_overrides(overrides: Any) -> dict[str, ModuleOverride]:
+        if overrides is None:
+            return {}
+        if not isinstance(overrides, Mapping):
+            raise ValueError(
+                "FSDP2Config.module_overrides must map a glob on module names to a partial config, "
+                "e.g. {'layers.1': {'sharding_strategy': 'HYBRID_SHARD'}}."
+            )
+        allowed = {f.name for f in dataclasses.fields(ModuleOverride)}
+        result: dict[str, ModuleOverride] = {}
+        for pattern, spec in overrides.items():
+            if isinstance(spec, ModuleOverride):
+                override = spec
+            elif isinstance(spec, Mapping):
+                unknown = set(spec) - allowed
+                if unknown:
+                    raise ValueError(
+                        f"FSDP2Config.module_overrides[{pattern!r}] has unknown keys {sorted(unknown)}; "
+                        f"accepted keys: {sorted(allowed)}."
+                    )
+                override = ModuleOverride(**spec)
+            else:
+                raise ValueError(
+                    f"FSDP2Config.module_overrides[{pattern!r}]={spec!r} is invalid; use a dict with keys {sorted(allowed)}."
+                )
+            override.validate(pattern)
+            result[str(pattern)] = override
+        return result
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "FSDP2Config":
+        """Build a config from a mapping; unknown keys raise `ValueError` listing the valid ones."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(values) - names
+        if unknown:
+            raise ValueError(f"Unknown FSDP2Config fields {sorted(unknown)}; valid fields: {sorted(names)}.")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "FSDP2Config":
+        """Read a YAML file holding a mapping of field names (optionally under a `fsdp2:` key)."""
+        import yaml
+
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if isinstance(data, Mapping) and set(data) == {"fsdp2"}:
+            data = data["fsdp2"]
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{path}: expected a mapping of FSDP2Config fields, got {type(data).__name__}.")
+        if isinstance(data.get("mesh_shape"), list):
+            data = {**data, "mesh_shape": tuple(data["mesh_shape"])}
+        return cls.from_dict(data)
+
+    @classmethod
+    def coerce(cls, config: "FSDP2Config | Mapping[str, Any] | str | Path | None", **overrides: Any) -> "FSDP2Config":
+        """Accept a config, a dict, a YAML path or None, with keyword overrides on top."""
+        if config is None:
+            base: dict[str, Any] = {}
+        elif isinstance(config, FSDP2Config):
+            base = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls)}
+        elif isinstance(config, Mapping):
+            base = dict(config)
+        elif isinstance(config, (str, Path)):
+            return cls.coerce(cls.from_yaml(config), **overrides)
+        else:
+            raise ValueError(f"config must be an FSDP2Config, a dict or a YAML path, got {type(config).__name__}.")
+        base.update(overrides)
+        return cls.from_dict(base)
+
+
+def dtype_from_name(value: Any, name: str) -> torch.dtype | None:
+    """Turn "bf16"/"bfloat16"/"torch.float32"/a dtype into a `torch.dtype`, naming `name` on error."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    aliases = {
+        "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+        "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+        "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    }
+    key = str(value).lower().removeprefix("torch.")
+    if key in aliases:
+        return aliases[key]
+    raise ValueError(f"{name}={value!r} is not a dtype; use one of {sorted(aliases)} or a torch.dtype.")

@@ -1,0 +1,151 @@
+"""FSDP groups: which modules get their own group, and with which settings.
+
+A group is one `fully_shard` call. This module decides the list of groups (policy, module
+overrides, tied weights, already-sharded subtrees) and each group's resolved settings; it
+does not shard anything itself.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+
+from .config import FSDP2Config
+from .distributed import log_rank_zero
+from .policy import match_override, select_wrapped
+from .precision import resolve_mixed_precision, resolve_offload
+
+GROUP_ATTR = "_fsdp2_group"
+
+
+@dataclass
+class GroupSettings:
+    """What one `fully_shard` call receives, plus the text the plan shows."""
+
+    strategy: str
+    reshard_after_forward: Union[bool, int, None]
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    cpu_offload: bool
+    override: Optional[str] = None
+    """The module_overrides glob that produced these settings, if any."""
+    reshard_reason: str = ""
+    """Why the reshard choice differs from the strategy's (shown in the plan)."""
+
+
+def settings_for(name: str, config: FSDP2Config) -> GroupSettings:
+    """Global settings with the first matching `module_overrides` entry applied."""
+    pattern = match_override(name, config.module_overrides) if name else None
+    override = config.module_overrides.get(pattern) if pattern else None
+    strategy = config.sharding_strategy
+    reshard = config.reshard_after_forward
+    precision = config.mixed_precision
+    offload = config.cpu_offload
+    if override is not None:
+        if override.sharding_strategy is not None:
+            strategy = override.sharding_strategy
+            # A strategy override also brings its own reshard default unless given explicitly.
+            reshard = override.reshard_after_forward
+        elif override.reshard_after_forward is not None:
+            reshard = override.reshard_after_forward
+        if override.mixed_precision is not None:
+            precision = override.mixed_precision
+        if override.cpu_offload is not None:
+            offload = override.cpu_offload
+    field = f"FSDP2Config.module_overrides[{pattern!r}]" if pattern else "FSDP2Config.mixed_precision"
+    return GroupSettings(
+        strategy=strategy,
+        reshard_after_forward=reshard,
+        mp_policy=resolve_mixed_precision(precision, field),
+        offload_policy=resolve_offload(offload),
+        cpu_offload=offload,
+        override=pattern,
+    )
+
+
+def _prefixes(name: str) -> list[str]:
+    """"a.b.c" -> ["a", "a.b", "a.b.c"]."""
+    parts = name.split(".") if name else []
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _nearest_group(name: str, wrapped: set[str]) -> str:
+    for prefix in reversed(_prefixes(name)):
+        if prefix in wrapped:
+            return prefix
+    return ""
+
+
+def _common_prefix(names: list[str]) -> str:
+    split = [n.split(".") if n else [] for n in names]
+    common: list[str] = []
+    for parts in zip(*split):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def merge_tied_groups(model: nn.Module, wrapped: list[str]) -> list[str]:
+    """Drop wrapped modules that would split a tied parameter across two groups.
+
+    torch raises when a parameter is "shared with a parameter already managed by another FSDP
+    group"; keeping all owners of a tied weight (embedding and output head) in the group of
+    their closest common ancestor avoids that and gathers the weight once.
+    """
+    owners: dict[int, list[str]] = defaultdict(list)
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for _, param in module.named_parameters(recurse=False):
+            owners[id(param)].append(mod_name)
+    keep = set(wrapped)
+    for names in owners.values():
+        if len(names) < 2 or len({_nearest_group(n, keep) for n in names}) == 1:
+            continue
+        ancestor = _common_prefix(names)
+        dropped = sorted({p for n in names for p in _prefixes(n) if p in keep and len(p) > len(ancestor)})
+        keep.difference_update(dropped)
+        log_rank_zero(
+            "Tied parameter shared by %s: not sharding %s separately; the weight stays in group %r.",
+            ", ".join(repr(n) for n in names), ", ".join(repr(d) for d in dropped), ancestor or "<root>",
+        )
+    return [n for n in wrapped if n in keep]
+
+
+def already_sharded(model: nn.Module) -> list[str]:
+    """Submodules the user sharded with `fully_shard` before us: left exactly as they are."""
+    return [n for n, m in model.named_modules() if n and isinstance(m, FSDPModule)]
+
+
+def select_groups(model: nn.Module, config: FSDP2Config, ignored_names: list[str]) -> list[str]:
+    """Qualified names of the non-root groups, parents before children."""
+    skip = list(ignored_names) + already_sharded(model)
+    wrapped = set(select_wrapped(model, config.wrap_policy, skip=skip))
+
+    def allowed(name: str) -> bool:
+        return name != "" and not any(name == s or name.startswith(s + ".") for s in skip)
+
+    if config.module_overrides:
+        patterns = list(config.module_overrides)
+        matched = [n for n, _ in model.named_modules() if allowed(n) and match_override(n, patterns)]
+        for pattern in patterns:
+            if not any(match_override(n, [pattern]) for n, _ in model.named_modules() if n):
+                raise ValueError(
+                    f"FSDP2Config.module_overrides[{pattern!r}] matches no module of {type(model).__name__}; "
+                    f"qualified names look like {[n for n, _ in model.named_modules() if n][:6]}."
+                )
+        wrapped.update(matched)
+    ordered = [n for n, _ in model.named_modules() if n in wrapped]
+    return merge_tied_groups(model, ordered)
+
+
+def top_level(names: list[str]) -> list[str]:
+    """Names not nested inside another name of the list (the block sequence for prefetch)."""
+    chosen: list[str] = []
+    for n in names:
+        if not any(n.startswith(c + ".") for c in chosen):
+            chosen.append(n)
+    return chosen

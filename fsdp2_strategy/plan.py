@@ -1,0 +1,139 @@
+"""`sharding_plan`: what was sharded, how, and what it costs each rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from .groups import GROUP_ATTR
+from .precision import describe_precision
+from .replicated import replicated_params_of
+
+
+@dataclass
+class GroupPlan:
+    """One FSDP group (one `fully_shard` call) or the replicated / ignored remainder."""
+
+    name: str
+    """Qualified module name ("<root>" for the model itself)."""
+    module_type: str
+    """Class name of the module."""
+    num_params: int
+    """Parameter elements managed by this group (unsharded count)."""
+    local_bytes: int
+    """Bytes of those parameters held by this rank."""
+    mesh_shape: tuple
+    """Shape of the device mesh, e.g. (2,) or (1, 2)."""
+    strategy: str
+    """Sharding strategy name, "REPLICATED" for scalars, "IGNORED" for ignored modules."""
+    reshard_after_forward: object
+    """The reshard choice given to `fully_shard`."""
+    precision: str
+    """Compute/reduce dtypes, "param" when the parameter dtype is kept."""
+    cpu_offload: bool = False
+    """Whether this group's parameters live on CPU."""
+    note: str = ""
+    """Why a choice differs from the global config (override glob, last block)."""
+
+
+@dataclass
+class ShardingPlan:
+    """The plan of a sharded model; `str()` renders a table."""
+
+    groups: list[GroupPlan] = field(default_factory=list)
+
+    @property
+    def total_params(self) -> int:
+        return sum(g.num_params for g in self.groups)
+
+    @property
+    def local_bytes(self) -> int:
+        return sum(g.local_bytes for g in self.groups)
+
+    def __str__(self) -> str:
+        header = ("group", "type", "params", "MiB/rank", "mesh", "strategy", "reshard", "precision", "offload", "note")
+        rows = [header] + [
+            (
+                g.name, g.module_type, f"{g.num_params:,}", f"{g.local_bytes / 2**20:.2f}", "x".join(map(str, g.mesh_shape)),
+                g.strategy, str(g.reshard_after_forward), g.precision, "yes" if g.cpu_offload else "no", g.note,
+            )
+            for g in self.groups
+        ]
+        rows.append(("total", "", f"{self.total_params:,}", f"{self.local_bytes / 2**20:.2f}", "", "", "", "", "", ""))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def _managed_params(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters of `module` not inside a nested FSDP group, each once."""
+    out: dict[int, nn.Parameter] = {}
+
+    def walk(m: nn.Module, top: bool) -> None:
+        if not top and isinstance(m, FSDPModule):
+            return
+        for p in m.parameters(recurse=False):
+            if isinstance(p, DTensor):
+                out.setdefault(id(p), p)
+        for child in m.children():
+            walk(child, False)
+
+    walk(module, True)
+    return list(out.values())
+
+
+def _local_bytes(p) -> int:
+    local = p.to_local() if isinstance(p, DTensor) else p
+    return local.numel() * local.element_size()
+
+
+def sharding_plan(model: nn.Module) -> ShardingPlan:
+    """Describe every FSDP group of `model` plus replicated scalars, one row each."""
+    plan = ShardingPlan()
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        params = _managed_params(module)
+        settings = getattr(module, GROUP_ATTR, None)
+        mesh_shape = tuple(params[0].device_mesh.shape) if params else ()
+        note = ""
+        if settings is not None and settings.override:
+            note = f"override {settings.override!r}"
+        elif settings is not None and settings.reshard_reason:
+            note = settings.reshard_reason
+        plan.groups.append(
+            GroupPlan(
+                name=name or "<root>",
+                module_type=type(module).__name__.removeprefix("FSDP"),
+                num_params=sum(p.numel() for p in params),
+                local_bytes=sum(_local_bytes(p) for p in params),
+                mesh_shape=mesh_shape,
+                strategy=settings.strategy if settings else "fully_shard",
+                reshard_after_forward=settings.reshard_after_forward if settings else "?",
+                precision=describe_precision(settings.mp_policy) if settings else "?",
+                cpu_offload=settings.cpu_offload if settings else False,
+                note=note if settings else "sharded by the user",
+            )
+        )
+    replicated = replicated_params_of(model)
+    if replicated is not None:
+        plan.groups.append(
+            GroupPlan(
+                name=", ".join(replicated.params), module_type="scalar",
+                num_params=sum(p.numel() for p in replicated.params.values()),
+                local_bytes=sum(_local_bytes(p) for p in replicated.params.values()),
+                mesh_shape=tuple(replicated.mesh.shape), strategy="REPLICATED", reshard_after_forward="-",
+                precision="param", note="0-dim: fully_shard cannot shard it; grads averaged",
+            )
+        )
+    return plan
+
+
+def rank_param_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this rank holds (local shards plus plain tensors)."""
+    return sum(_local_bytes(p) for p in {id(p): p for p in model.parameters()}.values())

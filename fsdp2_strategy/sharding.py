@@ -1,0 +1,152 @@
+"""`shard_model`: apply activation checkpointing, compile and `fully_shard` to a model by policy."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import fully_shard as _torch_fully_shard
+
+from .config import FSDP2Config
+from .distributed import log_rank_zero
+from .groups import GROUP_ATTR, GroupSettings, select_groups, settings_for, top_level
+from .materialize import check_initialisable, has_meta_tensors, materialize
+from .mesh import MeshCache, mesh_device, check_reshard_factor, default_reshard_after_forward, shard_group_size
+from .policy import modules_matching, resolve_classes
+from .replicated import ATTR as REPLICATED_ATTR
+from .replicated import ReplicatedParams, find_scalar_params
+from .training import mark_replaced_params
+
+logger = logging.getLogger(__name__)
+
+
+def shard_model(
+    model: nn.Module,
+    config: FSDP2Config | Mapping[str, Any] | str | None = None,
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    **overrides: Any,
+) -> nn.Module:
+    """Shard `model` in place with FSDP2 according to `config` and return it.
+
+    Groups are chosen by `config.wrap_policy` and `config.module_overrides` and sharded
+    children first, the root last. Tied weights are kept in one group; scalar parameters are
+    replicated; a meta-device model is materialised (`init_weights()` or each module's
+    `reset_parameters()`). `mesh`, when given, is used for the global strategy. Keyword
+    arguments override config fields. Build the optimizer afterwards.
+    """
+    config = FSDP2Config.coerce(config, **overrides)
+    meshes = MeshCache(device_type=mesh.device_type if mesh is not None else None, given=mesh)
+    root_settings = settings_for("", config)
+    root_mesh = mesh if mesh is not None else meshes.get(root_settings.strategy, config.mesh_shape)
+
+    ignored_names = modules_matching(model, config.ignored_modules, "FSDP2Config.ignored_modules") if config.ignored_modules else []
+    ignored = {p for n in ignored_names for p in model.get_submodule(n).parameters()}
+    scalars = find_scalar_params(model, {id(p) for p in ignored})
+    groups = select_groups(model, config, ignored_names)
+    meta = has_meta_tensors(model)
+    if meta:
+        check_initialisable(model)
+
+    _apply_activation_checkpointing(model, config, groups)
+    if config.compile:
+        _compile_blocks(model, groups, config.compile)
+
+    params_before = list(model.parameters())
+    skip_fsdp = ignored | set(scalars.values())
+    last_block = groups[-1] if groups else None
+    sharded: list[str] = []
+    for name in reversed(groups):  # children before parents: bottom-up
+        settings = settings_for(name, config)
+        if name == last_block and settings.reshard_after_forward is None and settings.override is None:
+            # Backward starts with the last block: resharding it after forward would only
+            # all-gather it again at once.
+            settings.reshard_after_forward = False
+            settings.reshard_reason = "last block"
+        group_mesh = root_mesh if settings.strategy == root_settings.strategy else meshes.get(settings.strategy, None)
+        _shard_one(model.get_submodule(name), name, settings, group_mesh, skip_fsdp)
+        sharded.append(name)
+    if not isinstance(model, FSDPModule):
+        _shard_one(model, "", root_settings, root_mesh, skip_fsdp)
+    mark_replaced_params(params_before, model)
+
+    _set_prefetch(model, top_level(groups), config.forward_prefetch, config.backward_prefetch)
+    if scalars:
+        setattr(model, REPLICATED_ATTR, ReplicatedParams(scalars, root_mesh))
+    if meta:
+        materialize(model, root_mesh)
+    replicated = getattr(model, REPLICATED_ATTR, None)
+    if replicated is not None:
+        replicated.move_to(mesh_device(root_mesh))
+        replicated.broadcast()
+    if config.log_plan:
+        from .plan import sharding_plan
+
+        log_rank_zero("FSDP2 sharding plan:\n%s", sharding_plan(model))
+    return model
+
+
+def _shard_one(module: nn.Module, name: str, settings: GroupSettings, mesh: DeviceMesh, skip: set) -> None:
+    reshard = settings.reshard_after_forward
+    if reshard is None:
+        reshard = default_reshard_after_forward(settings.strategy)
+    field = f"FSDP2Config.module_overrides[{settings.override!r}].reshard_after_forward" if settings.override else "FSDP2Config.reshard_after_forward"
+    check_reshard_factor(reshard, shard_group_size(mesh), field)
+    own = {p for p in module.parameters() if p in skip}
+    try:
+        _torch_fully_shard(
+            module,
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=settings.mp_policy,
+            offload_policy=settings.offload_policy,
+            ignored_params=own or None,
+        )
+    except Exception as exc:
+        raise type(exc)(f"fully_shard failed on module {name or '<root>'!r} ({type(module).__name__}): {exc}") from exc
+    # torch's None means False for the root and True elsewhere: record what really happens.
+    settings.reshard_after_forward = reshard if reshard is not None else name != ""
+    setattr(module, GROUP_ATTR, settings)
+
+
+def _apply_activation_checkpointing(model: nn.Module, config: FSDP2Config, groups: list[str]) -> None:
+    spec = config.activation_checkpointing
+    if spec is None:
+        return
+    if spec == "auto":
+        names = top_level(groups)
+        if not names:
+            raise ValueError(
+                "FSDP2Config.activation_checkpointing='auto' checkpoints the wrapped blocks, but the wrap "
+                "policy selected none; name the block classes explicitly."
+            )
+    else:
+        classes = resolve_classes(model, spec, "FSDP2Config.activation_checkpointing")
+        names = top_level([n for n, m in model.named_modules() if n and isinstance(m, classes)])
+    from torch.distributed._composable import checkpoint
+
+    for name in names:
+        # The composable API keeps parameter names unchanged (a wrapper module would add a
+        # prefix to every checkpoint key).
+        checkpoint(model.get_submodule(name))
+
+
+def _compile_blocks(model: nn.Module, groups: list[str], options: bool | dict) -> None:
+    kwargs = options if isinstance(options, dict) else {}
+    for name in top_level(groups):
+        block = model.get_submodule(name)
+        # Compile forward only: FSDP's hooks stay eager around it and names stay unchanged.
+        block.forward = torch.compile(block.forward, **kwargs)
+
+
+def _set_prefetch(model: nn.Module, blocks: list[str], forward: int, backward: int) -> None:
+    modules = [model.get_submodule(n) for n in blocks]
+    for i, module in enumerate(modules):
+        if forward:
+            module.set_modules_to_forward_prefetch(modules[i + 1 : i + 1 + forward])
+        if backward:
+            module.set_modules_to_backward_prefetch(list(reversed(modules[max(0, i - backward) : i])))

@@ -1,0 +1,1 @@
+"""Adapters that make existing trainers use the fsdp2_strategy core."""
