@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
@@ -149,3 +149,20 @@ def top_level(names: list[str]) -> list[str]:
         if not any(n.startswith(c + ".") for c in chosen):
             chosen.append(n)
     return chosen
+
+
+def own_named_params(module: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """Parameters of `module` outside nested FSDP groups (those its own hooks gather), each once."""
+    seen: set[int] = set()
+
+    def walk(m: nn.Module, prefix: str, top: bool):
+        if not top and isinstance(m, FSDPModule):
+            return
+        for name, p in m.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield prefix + name, p
+        for child_name, child in m.named_children():
+            yield from walk(child, f"{prefix}{child_name}.", False)
+
+    yield from walk(module, "", True)

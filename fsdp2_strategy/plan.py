@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from .groups import GROUP_ATTR
+from .groups import GROUP_ATTR, own_named_params
 from .precision import describe_precision
 from .replicated import replicated_params_of
 
@@ -71,20 +70,7 @@ class ShardingPlan:
 
 
 def _managed_params(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters of `module` not inside a nested FSDP group, each once."""
-    out: dict[int, nn.Parameter] = {}
-
-    def walk(m: nn.Module, top: bool) -> None:
-        if not top and isinstance(m, FSDPModule):
-            return
-        for p in m.parameters(recurse=False):
-            if isinstance(p, DTensor):
-                out.setdefault(id(p), p)
-        for child in m.children():
-            walk(child, False)
-
-    walk(module, True)
-    return list(out.values())
+    return [p for _, p in own_named_params(module) if isinstance(p, DTensor)]
 
 
 def _local_bytes(p) -> int:

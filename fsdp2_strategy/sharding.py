@@ -10,10 +10,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 from .config import FSDP2Config
 from .distributed import log_rank_zero
-from .groups import GROUP_ATTR, GroupSettings, select_groups, settings_for, top_level
+from .groups import GROUP_ATTR, GroupSettings, own_named_params, select_groups, settings_for, top_level
 from .materialize import check_initialisable, has_meta_tensors, materialize
 from .mesh import MeshCache, mesh_device, check_reshard_factor, default_reshard_after_forward, shard_group_size
 from .policy import modules_matching, resolve_classes
@@ -56,33 +57,23 @@ def shard_model(
     if config.compile:
         _compile_blocks(model, groups, config.compile)
 
+    plan = _plan_groups(model, config, groups, root_settings, root_mesh, meshes)  # validates before any change
     params_before = list(model.parameters())
     skip_fsdp = ignored | set(scalars.values())
-    last_block = groups[-1] if groups else None
-    sharded: list[str] = []
-    for name in reversed(groups):  # children before parents: bottom-up
-        settings = settings_for(name, config)
-        if name == last_block and settings.reshard_after_forward is None and settings.override is None:
-            # Backward starts with the last block: resharding it after forward would only
-            # all-gather it again at once.
-            settings.reshard_after_forward = False
-            settings.reshard_reason = "last block"
-        group_mesh = root_mesh if settings.strategy == root_settings.strategy else meshes.get(settings.strategy, None)
+    for name, settings, group_mesh in reversed(plan):  # children before parents, root last
         _shard_one(model.get_submodule(name), name, settings, group_mesh, skip_fsdp)
-        sharded.append(name)
-    if not isinstance(model, FSDPModule):
-        _shard_one(model, "", root_settings, root_mesh, skip_fsdp)
     mark_replaced_params(params_before, model)
 
     _set_prefetch(model, top_level(groups), config.forward_prefetch, config.backward_prefetch)
-    if scalars:
-        setattr(model, REPLICATED_ATTR, ReplicatedParams(scalars, root_mesh))
+    _guard_direct_forward(model)
     if meta:
         materialize(model, root_mesh)
-    replicated = getattr(model, REPLICATED_ATTR, None)
-    if replicated is not None:
+    if scalars:
+        # Looked up again by name: materialising replaces meta parameters with new objects.
+        replicated = ReplicatedParams({n: model.get_parameter(n) for n in scalars}, root_mesh)
         replicated.move_to(mesh_device(root_mesh))
         replicated.broadcast()
+        setattr(model, REPLICATED_ATTR, replicated)
     if config.log_plan:
         from .plan import sharding_plan
 
@@ -90,12 +81,30 @@ def shard_model(
     return model
 
 
+def _plan_groups(model, config, groups, root_settings, root_mesh, meshes):
+    """(name, settings, mesh) for every group, root first, each reshard choice resolved and checked."""
+    plan = []
+    for name in [""] + groups:
+        if name == "" and isinstance(model, FSDPModule):
+            continue  # the user sharded the root already
+        settings = root_settings if name == "" else settings_for(name, config)
+        if name and name == groups[-1] and settings.reshard_after_forward is None and settings.override is None:
+            # Backward starts with the last block: resharding it after forward would only
+            # all-gather it again at once.
+            settings.reshard_after_forward = False
+            settings.reshard_reason = "last block"
+        if settings.reshard_after_forward is None:
+            settings.reshard_after_forward = default_reshard_after_forward(settings.strategy)
+        group_mesh = root_mesh if settings.strategy == root_settings.strategy else meshes.get(settings.strategy, None)
+        field = (f"FSDP2Config.module_overrides[{settings.override!r}].reshard_after_forward"
+                 if settings.override else "FSDP2Config.reshard_after_forward")
+        check_reshard_factor(settings.reshard_after_forward, shard_group_size(group_mesh), field)
+        plan.append((name, settings, group_mesh))
+    return plan
+
+
 def _shard_one(module: nn.Module, name: str, settings: GroupSettings, mesh: DeviceMesh, skip: set) -> None:
     reshard = settings.reshard_after_forward
-    if reshard is None:
-        reshard = default_reshard_after_forward(settings.strategy)
-    field = f"FSDP2Config.module_overrides[{settings.override!r}].reshard_after_forward" if settings.override else "FSDP2Config.reshard_after_forward"
-    check_reshard_factor(reshard, shard_group_size(mesh), field)
     own = {p for p in module.parameters() if p in skip}
     try:
         _torch_fully_shard(
@@ -150,3 +159,33 @@ def _set_prefetch(model: nn.Module, blocks: list[str], forward: int, backward: i
             module.set_modules_to_forward_prefetch(modules[i + 1 : i + 1 + forward])
         if backward:
             module.set_modules_to_backward_prefetch(list(reversed(modules[max(0, i - backward) : i])))
+
+
+class _GuardedForward:
+    """Wraps a sharded module's forward to catch `module.forward(x)` called directly.
+
+    FSDP2 gathers parameters in a hook of `module(x)`; calling `forward` skips it and the
+    module would compute on sharded DTensors, failing deep inside an op. A gathered module
+    holds plain tensors, so one attribute lookup tells the two cases apart.
+    """
+
+    def __init__(self, module: nn.Module, forward, probe: str):
+        self.module, self.forward, self.probe = module, forward, probe
+
+    def __call__(self, *args, **kwargs):
+        if isinstance(self.module.get_parameter(self.probe), DTensor):
+            raise ValueError(
+                f"{type(self.module).__name__}.forward() was called directly on a sharded module, so FSDP "
+                "did not gather its parameters. Call the module itself, model(inputs), or register extra "
+                "entry points with torch.distributed.fsdp.register_fsdp_forward_method(model, 'generate')."
+            )
+        return self.forward(*args, **kwargs)
+
+
+def _guard_direct_forward(model: nn.Module) -> None:
+    for module in model.modules():
+        if not isinstance(module, FSDPModule) or isinstance(module.forward, _GuardedForward):
+            continue
+        probe = next((n for n, p in own_named_params(module) if isinstance(p, DTensor)), None)
+        if probe is not None:
+            module.forward = _GuardedForward(module, module.forward, probe)

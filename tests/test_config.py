@@ -1,0 +1,131 @@
+"""FSDP2Config validation, YAML/dict construction and policy resolution (no process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
+
+import fsdp2_strategy as f2
+from fsdp2_strategy.mesh import strategy_mesh_shape, check_reshard_factor
+from fsdp2_strategy.policy import auto_block_classes, select_wrapped
+from fsdp2_strategy.precision import resolve_mixed_precision
+from _models import Block, TinyGPT
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(sharding_strategy="FULLSHARD"), "sharding_strategy"),
+        (dict(reshard_after_forward=0), "reshard_after_forward"),
+        (dict(reshard_after_forward="yes"), "reshard_after_forward"),
+        (dict(mesh_shape=(2, 0)), "mesh_shape"),
+        (dict(mesh_shape=(1, 2, 2)), "mesh_shape"),
+        (dict(wrap_policy=0), "wrap_policy"),
+        (dict(wrap_policy=True), "wrap_policy"),
+        (dict(wrap_policy=[3.5]), "wrap_policy"),
+        (dict(mixed_precision="int8"), "mixed_precision"),
+        (dict(cpu_offload="yes"), "cpu_offload"),
+        (dict(activation_checkpointing=5), "activation_checkpointing"),
+        (dict(ignored_modules=7), "ignored_modules"),
+        (dict(compile="max"), "compile"),
+        (dict(forward_prefetch=-1), "forward_prefetch"),
+        (dict(backward_prefetch=1.5), "backward_prefetch"),
+        (dict(module_overrides={"blocks.*": {"precision": "bf16"}}), "module_overrides"),
+        (dict(module_overrides={"blocks.*": {"sharding_strategy": "ZERO"}}), "sharding_strategy"),
+        (dict(module_overrides=["blocks"]), "module_overrides"),
+    ],
+)
+def test_invalid_field_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        f2.FSDP2Config(**kwargs)
+
+
+def test_unknown_field_lists_valid_ones():
+    with pytest.raises(ValueError, match="Unknown FSDP2Config fields \\['wrap'\\].*wrap_policy"):
+        f2.FSDP2Config.from_dict({"wrap": "auto"})
+
+
+def test_fsdp1_enum_and_yaml(tmp_path):
+    assert f2.FSDP2Config(sharding_strategy=ShardingStrategy.HYBRID_SHARD).sharding_strategy == "HYBRID_SHARD"
+    path = tmp_path / "fsdp2.yaml"
+    path.write_text(
+        "fsdp2:\n  sharding_strategy: shard_grad_op\n  mesh_shape: [2]\n  wrap_policy: [Block]\n"
+        "  mixed_precision: {param_dtype: bf16, reduce_dtype: float32}\n"
+        "  module_overrides:\n    'blocks.1': {mixed_precision: fp16}\n"
+    )
+    cfg = f2.FSDP2Config.from_yaml(path)
+    assert cfg.sharding_strategy == "SHARD_GRAD_OP" and cfg.mesh_shape == (2,)
+    assert cfg.module_overrides["blocks.1"].mixed_precision == "fp16"
+    mp = resolve_mixed_precision(cfg.mixed_precision)
+    assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
+    (tmp_path / "bad.yaml").write_text("wrap_policy: [Block]\nprecision: bf16\n")
+    with pytest.raises(ValueError, match="precision"):
+        f2.FSDP2Config.from_yaml(tmp_path / "bad.yaml")
+
+
+def test_precision_strings():
+    bf16 = resolve_mixed_precision("bf16")
+    assert bf16.param_dtype == torch.bfloat16 and bf16.reduce_dtype == torch.float32
+    fp16 = resolve_mixed_precision("fp16")
+    assert fp16.param_dtype == torch.float16 and fp16.reduce_dtype == torch.float32
+    given = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    assert resolve_mixed_precision(given) is given
+    with pytest.raises(ValueError, match="param_dtyp"):
+        resolve_mixed_precision({"param_dtyp": "bf16"})
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        resolve_mixed_precision({"reduce_dtype": "int3"})
+
+
+def test_mesh_shape_must_match_world_size():
+    assert strategy_mesh_shape("FULL_SHARD", None, 4) == (4,)
+    assert strategy_mesh_shape("NO_SHARD", None, 4) == (4, 1)
+    assert strategy_mesh_shape("HYBRID_SHARD", (2, 2), 4) == (2, 2)
+    with pytest.raises(ValueError, match="mesh_shape=\\(3,\\).*world size is 4"):
+        strategy_mesh_shape("FULL_SHARD", (3,), 4)
+    with pytest.raises(ValueError, match="mesh_shape.*HYBRID_SHARD"):
+        strategy_mesh_shape("FULL_SHARD", (2, 2), 4)
+    with pytest.raises(ValueError, match="two dims"):
+        strategy_mesh_shape("HYBRID_SHARD", (4,), 4)
+
+
+def test_int_reshard_must_divide_shard_size():
+    check_reshard_factor(2, 4, "FSDP2Config.reshard_after_forward")
+    with pytest.raises(ValueError, match="reshard_after_forward=3 does not divide the shard group size 4.*\\[1, 2, 4\\]"):
+        check_reshard_factor(3, 4, "FSDP2Config.reshard_after_forward")
+
+
+def test_wrap_policies_resolve():
+    model = TinyGPT(layers=3)
+    assert auto_block_classes(model) == (Block,)
+    assert select_wrapped(model, "auto") == ["blocks.0", "blocks.1", "blocks.2"]
+    assert select_wrapped(model, [Block]) == select_wrapped(model, ["Block"])
+    assert select_wrapped(model, lambda m, n: n == "ln_f") == ["ln_f"]
+    assert select_wrapped(model, None) == []
+    # min-params: the smallest subtrees reaching the threshold, children first
+    by_size = select_wrapped(model, 4000)
+    assert "blocks.0.mlp.0" in by_size and "blocks.0" not in by_size
+    assert select_wrapped(model, "auto", skip=["blocks.1"]) == ["blocks.0", "blocks.2"]
+
+
+def test_unknown_class_name_suggests_close_matches():
+    with pytest.raises(ValueError, match="wrap_policy: no module in TinyGPT has class name 'Blok'.*Did you mean 'Block'"):
+        select_wrapped(TinyGPT(), ["Blok"])
+
+
+def test_auto_uses_hf_no_split_modules():
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+    class HFLike(nn.Module):
+        _no_split_modules = ["Inner"]
+
+        def __init__(self):
+            super().__init__()
+            self.a = Inner()
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    assert auto_block_classes(HFLike()) == (Inner,)
