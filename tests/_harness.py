@@ -89,11 +89,11 @@ def run_distributed(
             p = ctx.Process(target=_worker, args=(rank, world_size, port, outdir, fn, args, dict(env or {}), timeout))
             p.start()
             procs.append(p)
-        deadline = time.monotonic() + timeout + 30
+        deadline = time.monotonic() + timeout + 10
         failure = None
         while any(p.is_alive() for p in procs):
             if time.monotonic() > deadline:
-                failure = f"timed out after {timeout + 30:.0f}s"
+                failure = f"timed out after {timeout + 10:.0f}s"
                 break
             exited_bad = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if exited_bad:

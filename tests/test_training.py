@@ -1,0 +1,96 @@
+"""Accumulation without sync, global-norm clipping and the optimizer check, on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from _comm import count_collectives
+from _harness import run_distributed
+from _models import TinyGPT, loss_fn, make_batch, rel_diff
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _accumulate_and_clip_world():
+    import torch.distributed as dist
+
+    import fsdp2_strategy as f2
+
+    rank = dist.get_rank()
+    out = {}
+    idx, target = make_batch(n=16)
+    torch.manual_seed(0)
+    ref = TinyGPT(temperature=True)
+    configs = {
+        "full": {},
+        "mixed_meshes": {"module_overrides": {"blocks.1": {"sharding_strategy": "HYBRID_SHARD"}}},
+        "hsdp_2x1": {"sharding_strategy": "HYBRID_SHARD", "mesh_shape": (2, 1)},
+        "bf16": {"mixed_precision": "bf16"},
+    }
+    # Reference: the whole global batch in one process, mean loss, torch's own clipping.
+    ref_model = copy.deepcopy(ref)
+    loss_fn(ref_model, idx, target).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm=0.5)
+    ref_grads = {n: p.grad for n, p in ref_model.named_parameters()}
+    ref_inf = torch.nn.utils.get_total_norm(list(ref_grads.values()), norm_type=float("inf"))  # of clipped grads
+
+    for name, cfg in configs.items():
+        model = f2.shard_model(copy.deepcopy(ref), cfg, log_plan=False)
+        micro = [slice(rank * 8 + i * 2, rank * 8 + i * 2 + 2) for i in range(4)]  # 4 micro-batches per rank
+        with count_collectives() as counts:
+            for i, sl in enumerate(micro):
+                if i < len(micro) - 1:
+                    with f2.no_sync(model):
+                        (loss_fn(model, idx[sl], target[sl]) / len(micro)).backward()
+                else:
+                    (loss_fn(model, idx[sl], target[sl]) / len(micro)).backward()
+        out[f"{name}_reduce_scatters"] = counts["reduce_scatter_single"]
+        out[f"{name}_all_reduces"] = counts["all_reduce"]
+        out[f"{name}_groups"] = len(f2.sharding_plan(model).groups) - 1  # minus the scalar row
+        norm = f2.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        out[f"{name}_norm"] = (norm.item(), ref_norm.item(), norm.dim(), type(norm).__name__)
+        out[f"{name}_grad_err"] = max(rel_diff(_full(p.grad), ref_grads[n]) for n, p in model.named_parameters())
+        if name == "full":
+            inf = f2.clip_grad_norm_(model.parameters(), max_norm=1e9, norm_type=float("inf"))
+            out["inf"] = (inf.item(), ref_inf.item())
+            f2.clip_grad_value_(model.parameters(), 1e-4)
+            out["value_max"] = max(_full(p.grad).abs().max().item() for p in model.parameters())
+
+    # Sync is back on after an exception inside no_sync.
+    model = f2.shard_model(copy.deepcopy(ref), log_plan=False)
+    try:
+        with f2.no_sync(model):
+            raise RuntimeError("user error")
+    except RuntimeError:
+        pass
+    with count_collectives() as counts:
+        loss_fn(model, idx[:2], target[:2]).backward()
+    out["after_exception_reduce_scatters"] = counts["reduce_scatter_single"]
+    return out
+
+
+def test_no_sync_accumulation_and_global_norm_clipping():
+    res = run_distributed(_accumulate_and_clip_world, 2, timeout=300)[0]
+    # Gradients are reduced once per group, on the last micro-batch only (not 4 times per group):
+    # reduce-scatter when sharded, all-reduce across replicas for HSDP 2x1 (shards of one rank);
+    # plus one all-reduce for the replicated scalar parameter.
+    # torch's HSDP also all-reduces over a replicate group of size one (blocks.1 on a 1x2 mesh).
+    expected = {"full": (4, 1), "mixed_meshes": (4, 2), "hsdp_2x1": (0, 5)}
+    for name, (reduce_scatters, all_reduces) in expected.items():
+        assert res[f"{name}_groups"] == 4
+        assert (res[f"{name}_reduce_scatters"], res[f"{name}_all_reduces"]) == (reduce_scatters, all_reduces), (name, res)
+    for name in expected:
+        norm, ref_norm, ndim, kind = res[f"{name}_norm"]
+        assert abs(norm - ref_norm) / ref_norm < 1e-5, (name, norm, ref_norm)
+        assert ndim == 0 and kind == "Tensor"
+        assert res[f"{name}_grad_err"] < 1e-5, (name, res[f"{name}_grad_err"])
+    assert abs(res["bf16_norm"][0] - res["bf16_norm"][1]) / res["bf16_norm"][1] < 5e-2
+    assert abs(res["inf"][0] - res["inf"][1]) / res["inf"][1] < 1e-5
+    assert res["value_max"] <= 1e-4 + 1e-12
+    assert res["after_exception_reduce_scatters"] > 0
