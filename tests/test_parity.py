@@ -24,6 +24,7 @@ CASES = {
     "class_names": dict(wrap_policy=["Block", "Attention"]),
     "offload": dict(cpu_offload=True),
     "ac_auto": dict(activation_checkpointing="auto"),
+    "ac_classes": dict(activation_checkpointing=["Attention"], wrap_policy=["Block"]),
     "prefetch": dict(forward_prefetch=2, backward_prefetch=2),
     "reshard_int": dict(reshard_after_forward=1),
     "overrides": dict(module_overrides={"blocks.1": {"sharding_strategy": "HYBRID_SHARD"},
