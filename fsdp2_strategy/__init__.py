@@ -10,6 +10,7 @@ from .config import FSDP2Config, ModuleOverride
 from .distributed import shutdown
 from .plan import ShardingPlan, sharding_plan
 from .sharding import shard_model
+from .weights import load_full_weights
 from .training import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, set_gradient_sync
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "clip_grad_norm_",
     "clip_grad_value_",
     "fully_shard",
+    "load_full_weights",
     "no_sync",
     "set_gradient_sync",
     "shard_model",
