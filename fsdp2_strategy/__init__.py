@@ -10,6 +10,7 @@ from .config import FSDP2Config, ModuleOverride
 from .distributed import shutdown
 from .plan import ShardingPlan, sharding_plan
 from .sharding import shard_model
+from .export import export_full, inspect_checkpoint
 from .weights import load_full_weights
 from .training import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, set_gradient_sync
 
@@ -20,7 +21,9 @@ __all__ = [
     "check_optimizer",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "export_full",
     "fully_shard",
+    "inspect_checkpoint",
     "load_full_weights",
     "no_sync",
     "set_gradient_sync",

@@ -1,0 +1,55 @@
+"""`fsdp2-strategy` command line: consolidate and inspect sharded checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from .export import export_full, inspect_checkpoint
+
+
+def _size(text: str) -> int:
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+    upper = text.strip().upper()
+    for unit, factor in units.items():
+        if upper.endswith(unit):
+            return int(float(upper[: -len(unit)]) * factor)
+    return int(upper)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsdp2-strategy", description="Tools for fsdp2-strategy checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cons = sub.add_parser("consolidate", help="write full weights (Hugging Face safetensors or a torch file)")
+    cons.add_argument("checkpoint", help="a DCP directory or a Checkpointer root (latest committed step)")
+    cons.add_argument("out", help="output folder")
+    cons.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    cons.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="convert on export")
+    cons.add_argument("--step", type=int, default=None, help="step of a Checkpointer root (default: latest)")
+    cons.add_argument("--max-shard-size", type=_size, default="5GB", help="split safetensors above this (e.g. 500MB)")
+    insp = sub.add_parser("inspect", help="list steps, tensors, shapes, dtypes and the saving world size")
+    insp.add_argument("checkpoint")
+    insp.add_argument("--step", type=int, default=None)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if args.command == "consolidate":
+            out = export_full(args.checkpoint, args.out, format=args.format, dtype=args.dtype, step=args.step,
+                              max_shard_size=args.max_shard_size)
+            print(f"wrote {out}")
+        else:
+            print(inspect_checkpoint(args.checkpoint, args.step))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"fsdp2-strategy {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

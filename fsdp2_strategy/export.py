@@ -1,0 +1,231 @@
+"""Consolidate a sharded DCP checkpoint into full weights, and describe a checkpoint.
+
+Runs in one process, without a process group: tensors are read from the DCP files with
+`no_dist=True`, a bounded batch at a time, so memory stays near one output file's size.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from .config import dtype_from_name
+from .distributed import logger
+
+METADATA = ".metadata"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+MODEL_PREFIX = "model."
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size
+
+
+def committed_steps(root: Path) -> dict[int, Path]:
+    """Step directories under `root` that hold `.metadata` (the commit marker)."""
+    steps = {}
+    for child in root.iterdir() if root.is_dir() else []:
+        match = STEP_DIR.match(child.name)
+        if match and (child / METADATA).is_file():
+            steps[int(match.group(1))] = child
+    return dict(sorted(steps.items()))
+
+
+def resolve_checkpoint_dir(path: str | Path, step: Optional[int] = None) -> Path:
+    """A DCP directory: `path` itself, or a step of a `Checkpointer` root (the latest by default)."""
+    path = Path(path)
+    if (path / METADATA).is_file() and step is None:
+        return path
+    steps = committed_steps(path)
+    if not steps:
+        raise FileNotFoundError(
+            f"{path} holds no committed DCP checkpoint (no {METADATA} in it or in any step-N/ folder); "
+            "a save that crashed leaves no .metadata and is never used."
+        )
+    if step is None:
+        return steps[max(steps)]
+    if step not in steps:
+        raise FileNotFoundError(f"{path}: step {step} is not committed; committed steps: {sorted(steps)}.")
+    return steps[step]
+
+
+def read_metadata(ckpt_dir: Path) -> Metadata:
+    return FileSystemReader(str(ckpt_dir)).read_metadata()
+
+
+def model_tensor_keys(metadata: Metadata) -> dict[str, str]:
+    """Output name -> DCP key for the model's tensors (keys under "model." when present)."""
+    tensors = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    prefixed = {k for k in tensors if k.startswith(MODEL_PREFIX)}
+    if prefixed:
+        return {k[len(MODEL_PREFIX):]: k for k in sorted(prefixed)}
+    return {k: k for k in sorted(tensors)}
+
+
+def saved_world_size(metadata: Metadata) -> int:
+    """Number of ranks that wrote the checkpoint (from the `__<rank>_<n>.distcp` file names)."""
+    ranks = set()
+    for info in (metadata.storage_data or {}).values():
+        match = re.match(r"__(\d+)_", getattr(info, "relative_path", ""))
+        if match:
+            ranks.add(int(match.group(1)))
+    return len(ranks) or 1
+
+
+def _nbytes(meta: TensorStorageMetadata, dtype: Optional[torch.dtype]) -> int:
+    dt = dtype or meta.properties.dtype
+    return torch.Size(meta.size).numel() * torch.empty((), dtype=dt).element_size()
+
+
+def _batches(keys: dict[str, str], metadata: Metadata, max_bytes: int, dtype) -> list[list[str]]:
+    batches: list[list[str]] = [[]]
+    size = 0
+    for name, key in keys.items():
+        nbytes = _nbytes(metadata.state_dict_metadata[key], dtype)
+        if batches[-1] and size + nbytes > max_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append(name)
+        size += nbytes
+    return batches
+
+
+def _read(ckpt_dir: Path, metadata: Metadata, keys: dict[str, str], names: list[str], dtype) -> dict[str, torch.Tensor]:
+    state = {}
+    for name in names:
+        meta = metadata.state_dict_metadata[keys[name]]
+        state[keys[name]] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    dcp.load(state, storage_reader=FileSystemReader(str(ckpt_dir)), no_dist=True)
+    return {name: (state[keys[name]].to(dtype) if dtype else state[keys[name]]).contiguous() for name in names}
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit="B", unit_scale=True)
+    except ImportError:  # tqdm is optional: fall back to log lines
+        class _Log:
+            def __init__(self):
+                self.done = 0
+
+            def update(self, n):
+                self.done += n
+                logger.info("%s: %.1f%%", desc, 100 * self.done / max(total, 1))
+
+            def close(self):
+                pass
+
+        return _Log()
+
+
+def export_full(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    format: str = "safetensors",
+    dtype: str | torch.dtype | None = None,
+    step: Optional[int] = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write the model weights of a sharded checkpoint as full tensors; returns `out_dir`.
+
+    `format="safetensors"` writes `model.safetensors`, or Hugging Face style
+    `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json` when the weights
+    exceed `max_shard_size` bytes; `format="torch"` writes one `model.pt` state dict.
+    `checkpoint_dir` is a DCP directory or a `Checkpointer` root (latest committed step, or
+    `step`). `dtype` ("bf16", "fp16", "fp32") converts on the way out.
+    """
+    if format not in ("safetensors", "torch"):
+        raise ValueError(f"format={format!r} is invalid; use 'safetensors' or 'torch'.")
+    target_dtype = dtype_from_name(dtype, "dtype")
+    ckpt_dir = resolve_checkpoint_dir(checkpoint_dir, step)
+    metadata = read_metadata(ckpt_dir)
+    keys = model_tensor_keys(metadata)
+    if not keys:
+        raise ValueError(f"{ckpt_dir} holds no tensors to export.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    limit = max_shard_size if format == "safetensors" else float("inf")
+    batches = _batches(keys, metadata, limit, target_dtype)
+    total = sum(_nbytes(metadata.state_dict_metadata[keys[n]], target_dtype) for n in keys)
+    bar = _progress(total, f"export {ckpt_dir.name}")
+    try:
+        if format == "torch":
+            state = _read(ckpt_dir, metadata, keys, batches[0], target_dtype)
+            bar.update(total)
+            torch.save(state, out / "model.pt")
+        else:
+            _write_safetensors(ckpt_dir, metadata, keys, batches, target_dtype, out, bar, total)
+    finally:
+        bar.close()
+    logger.info("Exported %d tensors from %s to %s", len(keys), ckpt_dir, out)
+    return out
+
+
+def _write_safetensors(ckpt_dir, metadata, keys, batches, dtype, out: Path, bar, total: int) -> None:
+    from safetensors.torch import save_file
+
+    weight_map = {}
+    for i, names in enumerate(batches, start=1):
+        fname = "model.safetensors" if len(batches) == 1 else f"model-{i:05d}-of-{len(batches):05d}.safetensors"
+        state = _read(ckpt_dir, metadata, keys, names, dtype)
+        save_file(state, str(out / fname), metadata={"format": "pt"})
+        bar.update(sum(t.numel() * t.element_size() for t in state.values()))
+        weight_map.update(dict.fromkeys(names, fname))
+    if len(batches) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+@dataclass
+class CheckpointInfo:
+    """What `inspect_checkpoint` reports."""
+
+    path: Path
+    """The DCP directory described."""
+    steps: dict[int, bool]
+    """Step -> committed, for every step-N folder of a Checkpointer root."""
+    world_size: int
+    """Ranks that wrote this checkpoint."""
+    tensors: dict[str, tuple[tuple[int, ...], str]]
+    """DCP key -> (shape, dtype) of every tensor."""
+    other_keys: list[str]
+    """Non-tensor entries (pickled objects such as extra state)."""
+
+    def __str__(self) -> str:
+        lines = [f"checkpoint: {self.path}", f"saved by {self.world_size} rank(s)"]
+        if self.steps:
+            lines.append("steps: " + ", ".join(f"{s}{'' if ok else ' (partial)'}" for s, ok in self.steps.items()))
+        width = max((len(k) for k in self.tensors), default=10)
+        lines.append(f"{'tensor'.ljust(width)}  shape  dtype")
+        lines += [f"{k.ljust(width)}  {list(shape)}  {dt}" for k, (shape, dt) in self.tensors.items()]
+        if self.other_keys:
+            lines.append("other entries: " + ", ".join(self.other_keys))
+        return "\n".join(lines)
+
+
+def inspect_checkpoint(path: str | Path, step: Optional[int] = None) -> CheckpointInfo:
+    """Steps (committed or partial), tensors with shapes and dtypes, and the saving world size."""
+    path = Path(path)
+    steps = {}
+    if path.is_dir():
+        for child in sorted(path.iterdir()):
+            match = STEP_DIR.match(child.name)
+            if match:
+                steps[int(match.group(1))] = (child / METADATA).is_file()
+    ckpt_dir = resolve_checkpoint_dir(path, step)
+    metadata = read_metadata(ckpt_dir)
+    tensors, others = {}, []
+    for key, meta in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(meta, TensorStorageMetadata):
+            tensors[key] = (tuple(meta.size), str(meta.properties.dtype).removeprefix("torch."))
+        else:
+            others.append(key)
+    return CheckpointInfo(ckpt_dir, dict(sorted(steps.items())), saved_world_size(metadata), tensors, others)
+

@@ -1,0 +1,87 @@
+"""export_full / CLI: a sharded DCP checkpoint becomes Hugging Face safetensors or a torch file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from _harness import run_distributed
+
+
+def _save_world(root: str):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import fsdp2_strategy as f2
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    model = f2.shard_model(GPT2LMHeadModel(config), log_plan=False)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.arange(8).view(1, 8), labels=torch.arange(8).view(1, 8)).loss.backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/step-000003")
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in msd.items()}
+    return full
+
+
+def test_consolidate_to_hf_safetensors_and_torch(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import fsdp2_strategy as f2
+
+    root = tmp_path / "ckpt"
+    full = run_distributed(_save_world, 2, str(root))[0]
+    (root / "step-000004").mkdir()  # a crashed save: no .metadata
+
+    info = f2.inspect_checkpoint(root)
+    assert info.world_size == 2 and info.steps == {3: True, 4: False}
+    assert info.tensors["model.lm_head.weight"] == ((96, 32), "float32")
+    assert "4 (partial)" in str(info)
+
+    out = f2.export_full(root, tmp_path / "hf")
+    exported = load_file(str(out / "model.safetensors"))
+    assert set(exported) == set(full)
+    assert all(torch.equal(exported[k], full[k]) for k in full)
+
+    # Hugging Face reads it back: same logits as the weights that were trained.
+    config = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    config.save_pretrained(out)
+    reloaded = GPT2LMHeadModel.from_pretrained(out).eval()
+    reference = GPT2LMHeadModel(config).eval()
+    reference.load_state_dict(full)
+    ids = torch.arange(10).view(1, 10)
+    assert torch.allclose(reloaded(ids).logits, reference(ids).logits, atol=1e-6)
+
+    # Over the size limit: several files plus an index; bf16 conversion.
+    sharded = f2.export_full(root, tmp_path / "split", max_shard_size=40_000, dtype="bf16")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all(f.endswith(f"-of-{len(files):05d}.safetensors") for f in files)
+    merged = {}
+    for f in files:
+        merged.update(load_file(str(sharded / f)))
+    assert all(torch.equal(merged[k], full[k].to(torch.bfloat16)) for k in full)
+
+    # CLI: torch format and inspect; a missing checkpoint is a clear error.
+    cli = [sys.executable, "-m", "fsdp2_strategy.cli"]
+    env = dict(os.environ)
+    done = subprocess.run(cli + ["consolidate", str(root), str(tmp_path / "pt"), "--format", "torch"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    state = torch.load(tmp_path / "pt" / "model.pt")
+    assert all(torch.equal(state[k], full[k]) for k in full)
+    shown = subprocess.run(cli + ["inspect", str(root)], capture_output=True, text=True, timeout=120, env=env)
+    assert shown.returncode == 0 and "saved by 2 rank(s)" in shown.stdout and "model.transformer.h.0.attn.c_attn.weight" in shown.stdout
+    missing = subprocess.run(cli + ["inspect", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=120, env=env)
+    assert missing.returncode == 2 and "no committed DCP checkpoint" in missing.stderr
+    with pytest.raises(ValueError, match="format='onnx'"):
+        f2.export_full(root, tmp_path / "x", format="onnx")
