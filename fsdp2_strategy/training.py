@@ -19,8 +19,31 @@ _REPLACED = "_fsdp2_replaced_by_sharding"
 
 
 # --------------------------------------------------------------------------- accumulation
+_PREPARED = "_fsdp2_accumulation_ready"
+
+
+def _prepare_for_accumulation(model: nn.Module) -> None:
+    """Gather and free every group once before the first unsynchronised backward.
+
+    torch 2.13 (with a mixed-precision policy) fails in the backward of a micro-batch that
+    does not use some group which has never been gathered ("'FSDPParam' object has no
+    attribute '_unsharded_param'"), e.g. a block first used on the last micro-batch. One
+    unshard/reshard per group creates what that code path expects; it costs one all-gather
+    of the model, once per model.
+    """
+    if getattr(model, _PREPARED, False):
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
+            module.reshard()
+    setattr(model, _PREPARED, True)
+
+
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Turn gradient reduction on or off for every FSDP group and replicated parameter of `model`."""
+    if not enabled:
+        _prepare_for_accumulation(model)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_requires_gradient_sync(enabled, recurse=False)

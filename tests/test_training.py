@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -15,6 +16,39 @@ def _full(t):
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class Cond(torch.nn.Module):
+    """A block (`b`) that only some micro-batches use."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x, use_b):
+        h = self.a(x)
+        return self.c(self.b(h) if use_b else h)
+
+
+def _conditional_block_errors(rank):
+    """Max relative grad error vs. one process, for blocks used only on the last / first micro-batch."""
+    import fsdp2_strategy as f2
+
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    errors = {}
+    for pattern in ((False, True), (True, False)):
+        torch.manual_seed(0)
+        ref = Cond()
+        model = f2.shard_model(copy.deepcopy(ref), wrap_policy=[torch.nn.Linear], mixed_precision="bf16", log_plan=False)
+        for i, use_b in enumerate(pattern):
+            local = x[rank * 4 + i * 2 : rank * 4 + i * 2 + 2]
+            with f2.no_sync(model) if i == 0 else contextlib.nullcontext():
+                (model(local, use_b).sum() / 2).backward()
+            both = torch.cat([x[r * 4 + i * 2 : r * 4 + i * 2 + 2] for r in range(2)])
+            (ref(both, use_b).sum() / 4).backward()
+        ref_p = dict(ref.named_parameters())
+        errors[pattern] = max(rel_diff(_full(p.grad), ref_p[n].grad) for n, p in model.named_parameters())
+    return errors
 
 
 def _accumulate_and_clip_world():
@@ -72,6 +106,7 @@ def _accumulate_and_clip_world():
     with count_collectives() as counts:
         loss_fn(model, idx[:2], target[:2]).backward()
     out["after_exception_reduce_scatters"] = counts["reduce_scatter_single"]
+    out["conditional"] = _conditional_block_errors(rank)
     return out
 
 
@@ -94,3 +129,6 @@ def test_no_sync_accumulation_and_global_norm_clipping():
     assert abs(res["inf"][0] - res["inf"][1]) / res["inf"][1] < 1e-5
     assert res["value_max"] <= 1e-4 + 1e-12
     assert res["after_exception_reduce_scatters"] > 0
+    # bf16 compute vs. an fp32 reference: ~3e-3 measured; torch 2.13 alone raises AttributeError
+    # ('_unsharded_param') for the block first used on the last micro-batch.
+    assert all(err < 1e-2 for err in res["conditional"].values()), res["conditional"]
