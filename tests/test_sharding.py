@@ -275,3 +275,18 @@ def test_world_sizes_one_and_four(world, cases):
     for errs in run_distributed(_world_size_world, world, cases, timeout=300):
         assert set(errs) == set(cases)
         assert all(e < 1e-5 for e in errs.values()), errs
+
+
+def _hybrid_default_mesh_world():
+    import fsdp2_strategy as f2
+
+    model = f2.shard_model(TinyGPT(), sharding_strategy="HYBRID_SHARD", log_plan=False)
+    return [g.mesh_shape for g in f2.sharding_plan(model).groups]
+
+
+def test_hybrid_mesh_follows_node_count():
+    # torchrun's LOCAL_WORLD_SIZE=1 on a world of 2 means two nodes: replicate across, shard within.
+    shapes = run_distributed(_hybrid_default_mesh_world, 2, env={"LOCAL_WORLD_SIZE": 1})[0]
+    assert set(shapes) == {(2, 1)}
+    shapes = run_distributed(_hybrid_default_mesh_world, 2)[0]
+    assert set(shapes) == {(1, 2)}
