@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -100,7 +101,9 @@ def _read(ckpt_dir: Path, metadata: Metadata, keys: dict[str, str], names: list[
     for name in names:
         meta = metadata.state_dict_metadata[keys[name]]
         state[keys[name]] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load(state, storage_reader=FileSystemReader(str(ckpt_dir)), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=FileSystemReader(str(ckpt_dir)), no_dist=True)
     return {name: (state[keys[name]].to(dtype) if dtype else state[keys[name]]).contiguous() for name in names}
 
 
