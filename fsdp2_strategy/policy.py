@@ -72,10 +72,6 @@ def auto_block_classes(model: nn.Module) -> tuple[type, ...]:
     return (best,) if best is not None else ()
 
 
-def _params_owned(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def select_wrapped(model: nn.Module, policy: Any, skip: Iterable[str] = ()) -> list[str]:
     """Qualified names of the submodules `policy` wraps (the root, "", is never included).
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Mapping, Optional
 
 import torch
@@ -17,12 +16,11 @@ from .distributed import log_rank_zero
 from .groups import GROUP_ATTR, GroupSettings, own_named_params, select_groups, settings_for, top_level
 from .materialize import check_initialisable, has_meta_tensors, materialize
 from .mesh import MeshCache, mesh_device, check_reshard_factor, default_reshard_after_forward, shard_group_size
+from .plan import sharding_plan
 from .policy import modules_matching, resolve_classes
 from .replicated import ATTR as REPLICATED_ATTR
 from .replicated import ReplicatedParams, find_scalar_params
 from .training import mark_replaced_params
-
-logger = logging.getLogger(__name__)
 
 
 def shard_model(
@@ -53,14 +51,15 @@ def shard_model(
     if meta:
         check_initialisable(model)
 
+    # Every group's settings are resolved and checked before the model is touched.
+    specs = _plan_groups(model, config, groups, root_settings, root_mesh, meshes)
     _apply_activation_checkpointing(model, config, groups)
     if config.compile:
         _compile_blocks(model, groups, config.compile)
 
-    plan = _plan_groups(model, config, groups, root_settings, root_mesh, meshes)  # validates before any change
     params_before = list(model.parameters())
     skip_fsdp = ignored | set(scalars.values())
-    for name, settings, group_mesh in reversed(plan):  # children before parents, root last
+    for name, settings, group_mesh in reversed(specs):  # children before parents, root last
         _shard_one(model.get_submodule(name), name, settings, group_mesh, skip_fsdp)
     mark_replaced_params(params_before, model)
 
@@ -75,8 +74,6 @@ def shard_model(
         replicated.broadcast()
         setattr(model, REPLICATED_ATTR, replicated)
     if config.log_plan:
-        from .plan import sharding_plan
-
         log_rank_zero("FSDP2 sharding plan:\n%s", sharding_plan(model))
     return model
 
