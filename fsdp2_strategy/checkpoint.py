@@ -1,0 +1,343 @@
+"""`Checkpointer`: sharded, atomic, resumable checkpoints with Distributed Checkpoint (DCP).
+
+Layout under `root`:
+
+    step-000100/            committed: DCP shards, `extra.pt`, `.metadata` (the commit marker)
+    .tmp-step-000200/       a save in progress, or one that crashed; never loaded
+
+Each rank writes only its own shards (no full gather). A save goes into `.tmp-step-N/` and
+rank 0 renames it to `step-N/` only after every rank finished writing and `.metadata` exists,
+so a crash at any moment leaves at most a `.tmp-*` directory behind: the previous step stays
+the latest, and a committed directory is never rewritten (torch's own `dcp.save` into an
+existing directory that dies half-way would leave a loadable, mixed checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from .distributed import log_rank_zero, logger, rank
+from .export import METADATA, committed_steps
+
+EXTRA_FILE = "extra.pt"
+TMP_PREFIX = ".tmp-"
+MODEL_KEY, OPTIM_KEY = "model", "optim"  # top-level keys; DCP flattens them to "model.<name>"
+_MAX_LISTED = 20  # keys listed per category in a mismatch error
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of a committed step (`step-000123`)."""
+    return f"step-{step:06d}"
+
+
+class Checkpointer:
+    """Save and load sharded model/optimizer state (plus `extra` state) one directory per step.
+
+    Args:
+        root: folder holding `step-N/` directories (created on the first save).
+        keep_last: after each committed save keep only the newest `keep_last` steps
+            (None keeps all). Stale `.tmp-*` directories from crashed saves are removed then too.
+        async_save: write in a background thread (`dcp.async_save`); `save()` returns once the
+            state is copied to CPU memory, and the step is committed by `wait()` or by the
+            next `save()`/`load()`.
+
+    Every method is collective: call it on every rank, in the same order.
+    """
+
+    def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = None, async_save: bool = False):
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"Checkpointer keep_last must be None or an int >= 1, got {keep_last!r}.")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self._pending: Optional[tuple[int, Future]] = None
+        self._async_group: Optional[dist.ProcessGroup] = None
+        self._stager = None
+
+    # ------------------------------------------------------------------ queries
+    def latest_step(self) -> Optional[int]:
+        """Largest committed step (a `step-N/` directory holding `.metadata`), or None."""
+        steps = committed_steps(self.root)
+        return max(steps) if steps else None
+
+    def step_path(self, step: int) -> Path:
+        """Where step `step` lives once committed."""
+        return self.root / step_dir_name(step)
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, *, model: Optional[nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
+             extra: Any = None) -> None:
+        """Save `model`/`optimizer` state (sharded) and `extra` as step `step`.
+
+        `extra` is any picklable object (step counters, RNG states, data-loader position);
+        rank 0's value is saved and `load()` returns it on every rank. Raises ValueError if
+        `step` is already committed. With `async_save=True` this returns before the write ends.
+        """
+        self.wait()  # one save in flight at a time; commits the previous one first
+        _check_step(step)
+        final = self.step_path(step)
+        if (final / METADATA).is_file():
+            raise ValueError(
+                f"Checkpoint step {step} already exists at {final}; committed steps are never rewritten. "
+                "Save under a new step number, or delete that directory first."
+            )
+        tmp = self._tmp_path(step)
+        self._prepare_tmp(tmp, extra)
+        state = _collect_state(model, optimizer)
+        if self.async_save:
+            self._pending = (step, self._start_async(state, tmp))
+            return
+        try:
+            dcp.save(state, storage_writer=self._storage_writer(tmp), no_dist=not _distributed())
+        except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+            raise RuntimeError(f"DCP save of step {step} into {tmp} failed: {exc}") from exc
+        self._commit(step)
+
+    def wait(self) -> None:
+        """Wait for an asynchronous save to finish writing, then commit it (collective)."""
+        if self._pending is None:
+            return
+        step, future = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except (CheckpointException, Exception) as exc:
+            raise RuntimeError(f"asynchronous DCP save of step {step} into {self._tmp_path(step)} failed: {exc}") from exc
+        self._commit(step)
+
+    def close(self) -> None:
+        """Finish a pending save and free the CPU staging buffers kept between async saves."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    # ------------------------------------------------------------------ load
+    def load(self, *, model: Optional[nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
+             step: Union[int, str] = "latest") -> Any:
+        """Load step `step` (default: the latest committed) into `model`/`optimizer`; return `extra`.
+
+        Works across world sizes and sharding layouts (DCP reshards on read). Raises
+        FileNotFoundError if the step is not committed, ValueError if the checkpoint does not
+        match the model (missing, unexpected or differently shaped keys are listed).
+        """
+        self.wait()
+        path = self._resolve(step)
+        if model is not None:
+            metadata = FileSystemReader(str(path)).read_metadata()
+            _check_compatible(metadata, model, optimizer, path)
+            state = _collect_state(model, optimizer)
+            try:
+                dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=not _distributed())
+            except CheckpointException as exc:
+                raise RuntimeError(f"DCP load from {path} failed: {exc}") from exc
+            _apply_state(model, optimizer, state)
+        elif optimizer is not None:
+            raise ValueError("Checkpointer.load(optimizer=...) needs model= too: optimizer state is keyed by parameter names.")
+        log_rank_zero("Loaded checkpoint %s", path)
+        return _read_extra(path)
+
+    # ------------------------------------------------------------------ internals
+    def _tmp_path(self, step: int) -> Path:
+        return self.root / f"{TMP_PREFIX}{step_dir_name(step)}"
+
+    def _storage_writer(self, path: Path) -> FileSystemWriter:
+        """The DCP writer for one save (a hook: tests override it to crash mid-write)."""
+        return FileSystemWriter(str(path))
+
+    def _prepare_tmp(self, tmp: Path, extra: Any) -> None:
+        """Rank 0 empties `tmp` (a crashed attempt may have left files) and writes `extra` into it."""
+        if rank() == 0:
+            if tmp.exists():
+                logger.warning("Removing %s left by an earlier save that did not finish", tmp)
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+            if extra is not None:
+                _write_extra(tmp / EXTRA_FILE, extra)
+        _barrier()  # no rank writes shards into a directory rank 0 may still be deleting
+
+    def _start_async(self, state: dict, tmp: Path) -> Future:
+        if self._async_group is None and _distributed():
+            # DCP's collectives run in a background thread; on the default group they could
+            # interleave with the training step's all-gathers and deadlock or mix data.
+            self._async_group = dist.new_group(backend="gloo")
+        if self._stager is None:
+            self._stager = _make_stager()
+        try:
+            response = dcp.async_save(state, storage_writer=self._storage_writer(tmp), process_group=self._async_group,
+                                      async_stager=self._stager, no_dist=not _distributed())
+        except CheckpointException as exc:
+            raise RuntimeError(f"DCP async save into {tmp} failed: {exc}") from exc
+        # A Future, or AsyncSaveResponse when staging itself is asynchronous.
+        return getattr(response, "upload_completion", response)
+
+    def _commit(self, step: int) -> None:
+        """Publish `.tmp-step-N` as `step-N` once every rank's shards and `.metadata` are written."""
+        _barrier()
+        if rank() == 0:
+            tmp, final = self._tmp_path(step), self.step_path(step)
+            if not (tmp / METADATA).is_file():
+                raise RuntimeError(f"DCP save of step {step} returned but {tmp / METADATA} is missing; not committing.")
+            if final.exists():  # an uncommitted `step-N` (no .metadata) from some other writer
+                logger.warning("Replacing uncommitted directory %s", final)
+                shutil.rmtree(final)
+            os.replace(tmp, final)  # atomic on POSIX: the step appears complete or not at all
+            _fsync_dir(self.root)
+            self._apply_retention()
+            log_rank_zero("Saved checkpoint %s", final)
+        _barrier()  # every rank sees the committed step when save()/wait() returns
+
+    def _apply_retention(self) -> None:
+        """Rank 0: drop committed steps beyond the newest `keep_last`, and stale `.tmp-*` dirs."""
+        doomed = []
+        if self.keep_last is not None:
+            steps = committed_steps(self.root)
+            doomed = [path for _, path in list(steps.items())[: -self.keep_last]]
+        for path in doomed:
+            # Un-publish first (rename), then delete: a crash during rmtree must not leave a
+            # directory that still holds `.metadata` but lost some shards.
+            trash = self.root / f"{TMP_PREFIX}deleting-{path.name}"
+            os.replace(path, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        for stale in self.root.glob(f"{TMP_PREFIX}*"):  # only one save is in flight, and it just committed
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def _resolve(self, step: Union[int, str]) -> Path:
+        steps = committed_steps(self.root)
+        if step == "latest":
+            if not steps:
+                raise FileNotFoundError(
+                    f"No committed checkpoint under {self.root} (no step-N/ directory with {METADATA}); "
+                    "partial saves are ignored. Save one first, or check the path."
+                )
+            return steps[max(steps)]
+        _check_step(step)
+        if step not in steps:
+            raise FileNotFoundError(
+                f"Checkpoint step {step} is not committed under {self.root}; committed steps: {sorted(steps) or 'none'}."
+            )
+        return steps[step]
+
+
+# ---------------------------------------------------------------------- helpers
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"Checkpoint step must be an int >= 0 (or 'latest' when loading), got {step!r}.")
+
+
+def _collect_state(model: Optional[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> dict:
+    """Sharded state dicts: each rank holds DTensor shards, nothing is gathered."""
+    if model is None:
+        if optimizer is not None:
+            raise ValueError("Checkpointer needs model= with optimizer=: optimizer state is keyed by parameter names.")
+        return {}
+    if optimizer is None:
+        return {MODEL_KEY: get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
+
+
+def _apply_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], state: dict) -> None:
+    if optimizer is None:
+        set_model_state_dict(model, state[MODEL_KEY])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIM_KEY])
+
+
+def _check_compatible(metadata: Metadata, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: Path) -> None:
+    """Raise ValueError listing keys and shapes that differ between the checkpoint and `model`."""
+    prefix = MODEL_KEY + "."
+    saved = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    current = get_model_state_dict(model)
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    shapes = sorted(
+        f"{k}: checkpoint {tuple(saved[k].size)} vs model {tuple(current[k].shape)}"
+        for k in set(saved) & set(current)
+        if isinstance(saved[k], TensorStorageMetadata) and isinstance(current[k], torch.Tensor)
+        and tuple(saved[k].size) != tuple(current[k].shape)
+    )
+    problems = [
+        f"{label} ({len(items)}): {_listing(items)}"
+        for label, items in (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
+                             ("shape mismatch", shapes))
+        if items
+    ]
+    if optimizer is not None and not any(k.startswith(OPTIM_KEY + ".") for k in metadata.state_dict_metadata):
+        problems.append("no optimizer state in checkpoint (it was saved without optimizer=); load with model= only")
+    if problems:
+        raise ValueError(f"Checkpoint {path} does not match the model:\n  " + "\n  ".join(problems))
+
+
+def _listing(items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_LISTED])
+    return shown + (f", ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")
+
+
+def _write_extra(path: Path, extra: Any) -> None:
+    with open(path, "wb") as f:
+        torch.save(extra, f)
+        f.flush()
+        os.fsync(f.fileno())  # durable before `.metadata` can exist
+
+
+def _read_extra(path: Path) -> Any:
+    file = path / EXTRA_FILE
+    if not file.is_file():
+        return None
+    # Our own file holding arbitrary picklable state (not only tensors); mapped to CPU so a
+    # checkpoint from an accelerator machine loads anywhere.
+    return torch.load(file, map_location="cpu", weights_only=False)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable (POSIX); silently skipped where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _make_stager():
+    """A DCP stager that copies to CPU synchronously; pinned memory and non-blocking copies
+    only with an accelerator (on a CPU-only machine they fail)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    accel = torch.accelerator.is_available()
+    # Synchronous staging: `save()` returns once the copy exists, so the caller may modify
+    # parameters (next optimizer step) at once while the background thread writes the copy.
+    return DefaultStager(StagingOptions(use_pinned_memory=accel, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=accel))

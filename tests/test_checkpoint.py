@@ -1,0 +1,333 @@
+"""Checkpointer: DCP save/load round trip, exact resume, resharding, atomic commit, retention,
+async save, clear errors, and a rank killed by SIGKILL in the middle of a save (2 gloo ranks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from _harness import DistributedTestError, run_distributed
+from _models import TinyGPT, loss_fn, make_batch
+
+TIMEOUT = 150
+
+
+# ---------------------------------------------------------------------- helpers run on every rank
+def _build(seed: int = 0, shard: bool = True, **model_kwargs):
+    import fsdp2_strategy as f2
+
+    torch.manual_seed(seed)
+    model = TinyGPT(**model_kwargs)
+    if shard:
+        f2.shard_model(model, log_plan=False)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _train(model, optimizer, steps: int) -> None:
+    """Each step's batch comes from the global RNG, so a resume must restore the RNG too."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for _ in range(steps):
+        idx, target = make_batch(n=8, seed=int(torch.randint(0, 10_000, (1,))))
+        local = slice(rank * 8 // world, (rank + 1) * 8 // world)
+        loss_fn(model, idx[local], target[local]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _snapshot(model, optimizer=None) -> dict:
+    """Full (gathered) parameters and optimizer state, keyed by name: what must survive a round trip."""
+    out = {f"param/{n}": _full(p) for n, p in model.named_parameters()}
+    if optimizer is not None:
+        for n, p in model.named_parameters():
+            for key, value in optimizer.state.get(p, {}).items():
+                out[f"optim/{n}/{key}"] = _full(value)
+    return out
+
+
+def _mismatches(a: dict, b: dict) -> list[str]:
+    """Keys missing on one side or not bitwise equal (empty list: identical)."""
+    bad = sorted(set(a) ^ set(b))
+    bad += [k for k in sorted(set(a) & set(b)) if not torch.equal(a[k], b[k])]
+    return bad
+
+
+def _error_of(fn, *args, **kwargs) -> tuple[str, str]:
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+# ---------------------------------------------------------------------- world 1: most checks
+def _main_world(root: str) -> dict:
+    import torch.distributed as dist
+
+    from fsdp2_strategy.checkpoint import Checkpointer
+
+    rank = dist.get_rank()
+    out: dict = {}
+    ck = Checkpointer(f"{root}/main")
+
+    # (1) + (2, first half): train 3 steps, save with extra, train 3 more -> params A.
+    model, opt = _build(seed=0)
+    _train(model, opt, 3)
+    saved = _snapshot(model, opt)
+    if rank == 0:
+        torch.save(saved, f"{root}/expected_step3.pt")
+    rng = torch.get_rng_state()
+    ck.save(3, model=model, optimizer=opt, extra={"step": 3, "rng": rng, "loader": [1, 2]})
+    _train(model, opt, 3)
+    out["params_A"] = _snapshot(model)
+
+    # (1) load into a freshly built, differently initialised model and optimizer.
+    fresh, fresh_opt = _build(seed=1)
+    extra = ck.load(model=fresh, optimizer=fresh_opt)
+    out["roundtrip_mismatches"] = _mismatches(saved, _snapshot(fresh, fresh_opt))
+    out["roundtrip_checked"] = len(saved)
+    out["extra_ok"] = extra["step"] == 3 and extra["loader"] == [1, 2] and torch.equal(extra["rng"], rng)
+
+    # (6) an existing step is never rewritten.
+    out["resave"] = _error_of(ck.save, 3, model=model, optimizer=opt)
+
+    # (7) a checkpoint from a different model: layers=2 (blocks.2 unexpected), vocab=80 (shape),
+    # temperature (missing).
+    other, other_opt = _build(seed=0, layers=2, vocab=80, temperature=True)
+    out["mismatch"] = _error_of(ck.load, model=other, optimizer=other_opt)
+    out["missing_step"] = _error_of(ck.load, model=fresh, step=4)
+    out["empty_root"] = _error_of(Checkpointer(f"{root}/nothing").load, model=fresh)
+
+    # (4) partial saves: a crashed temp dir and a step dir without .metadata are ignored.
+    if rank == 0:
+        Path(f"{root}/main/.tmp-step-000005").mkdir()
+        Path(f"{root}/main/step-000007").mkdir()
+        Path(f"{root}/main/step-000007/__0_0.distcp").write_bytes(b"partial")
+    dist.barrier()
+    out["partial_latest"] = ck.latest_step()
+    out["partial_load_7"] = _error_of(ck.load, model=fresh, step=7)
+    again, again_opt = _build(seed=2)
+    ck.load(model=again, optimizer=again_opt)
+    out["partial_load_latest_mismatches"] = _mismatches(saved, _snapshot(again, again_opt))
+
+    # (5) keep_last=2 keeps the two newest and removes stale temp dirs.
+    keep = Checkpointer(f"{root}/keep", keep_last=2)
+    if rank == 0:
+        Path(f"{root}/keep/.tmp-step-000099").mkdir(parents=True)
+    dist.barrier()
+    for step in (1, 2, 3, 4):
+        keep.save(step, model=model)
+    out["keep_dirs"] = sorted(os.listdir(f"{root}/keep"))
+    out["keep_latest"] = keep.latest_step()
+
+    # (8) async save: save() returns after staging; the step is committed only by wait().
+    asyn = Checkpointer(f"{root}/async", async_save=True)
+    before = _snapshot(model, opt)
+    asyn.save(10, model=model, optimizer=opt, extra={"k": "v"})
+    out["async_latest_before_wait"] = asyn.latest_step()
+    _train(model, opt, 1)  # changes parameters in place while the write may still run
+    asyn.wait()
+    out["async_latest_after_wait"] = asyn.latest_step()
+    asyn.save(11, model=model, optimizer=opt)  # the next save waits for nothing pending, then
+    _train(model, opt, 1)
+    asyn.save(12, model=model, optimizer=opt)  # ...and this one first commits step 11
+    out["async_latest_after_next_save"] = asyn.latest_step()
+    asyn.close()
+    back, back_opt = _build(seed=3)
+    out["async_extra"] = asyn.load(model=back, optimizer=back_opt, step=10)
+    out["async_mismatches"] = _mismatches(before, _snapshot(back, back_opt))
+    out["async_dirs"] = sorted(os.listdir(f"{root}/async"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def main_world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    results = run_distributed(_main_world, 2, str(root), timeout=TIMEOUT)
+    return root, results
+
+
+def test_roundtrip_restores_params_optimizer_and_extra(main_world):
+    _, results = main_world
+    for r in results:
+        assert r["roundtrip_checked"] > 40  # params and AdamW's exp_avg/exp_avg_sq/step were compared
+        assert r["roundtrip_mismatches"] == []
+        assert r["extra_ok"]
+
+
+def test_existing_step_is_never_rewritten(main_world):
+    _, results = main_world
+    for r in results:
+        kind, msg = r["resave"]
+        assert kind == "ValueError" and "step 3" in msg and "new step" in msg
+
+
+def test_different_model_lists_mismatched_keys(main_world):
+    _, results = main_world
+    kind, msg = results[0]["mismatch"]
+    assert kind == "ValueError"
+    assert "missing in checkpoint" in msg and "temperature" in msg
+    assert "unexpected in checkpoint" in msg and "blocks.2.attn.qkv.weight" in msg
+    assert "shape mismatch" in msg and "tok.weight: checkpoint (64, 32) vs model (80, 32)" in msg
+    assert results[1]["mismatch"][0] == "ValueError"  # every rank raises, none hangs
+
+
+def test_missing_checkpoint_is_a_clear_error(main_world):
+    _, results = main_world
+    kind, msg = results[0]["missing_step"]
+    assert kind == "FileNotFoundError" and "step 4" in msg and "[3]" in msg
+    kind, msg = results[0]["empty_root"]
+    assert kind == "FileNotFoundError" and "No committed checkpoint" in msg
+
+
+def test_partial_saves_are_ignored(main_world):
+    root, results = main_world
+    for r in results:
+        assert r["partial_latest"] == 3
+        assert r["partial_load_7"][0] == "FileNotFoundError"
+        assert r["partial_load_latest_mismatches"] == []
+    assert (root / "main" / ".tmp-step-000005").is_dir()  # without keep_last nothing was cleaned yet
+
+
+def test_keep_last_keeps_the_two_newest(main_world):
+    _, results = main_world
+    for r in results:
+        assert r["keep_dirs"] == ["step-000003", "step-000004"]  # stale .tmp-step-000099 removed too
+        assert r["keep_latest"] == 4
+
+
+def test_async_save_commits_on_wait(main_world):
+    _, results = main_world
+    for r in results:
+        assert r["async_latest_before_wait"] is None
+        assert r["async_latest_after_wait"] == 10
+        assert r["async_latest_after_next_save"] == 11
+        assert r["async_mismatches"] == []  # the copy was taken before the next optimizer step
+        assert r["async_extra"] == {"k": "v"}
+        assert r["async_dirs"] == ["step-000010", "step-000011", "step-000012"]
+
+
+# ---------------------------------------------------------------------- exact resume and resharding
+def _resume_world(root: str) -> dict:
+    from fsdp2_strategy.checkpoint import Checkpointer
+
+    model, opt = _build(seed=7)  # a different init and RNG: everything must come from the checkpoint
+    extra = Checkpointer(f"{root}/main").load(model=model, optimizer=opt, step=3)
+    torch.set_rng_state(extra["rng"])
+    _train(model, opt, 3)
+    return _snapshot(model)
+
+
+def test_exact_resume_in_a_new_world(main_world):
+    root, results = main_world
+    params_b = run_distributed(_resume_world, 2, str(root), timeout=TIMEOUT)
+    params_a = results[0]["params_A"]
+    assert len(params_a) > 20
+    assert _mismatches(params_a, params_b[0]) == []
+    assert _mismatches(params_a, params_b[1]) == []
+
+
+def _reshard_world(root: str) -> dict:
+    from fsdp2_strategy.checkpoint import Checkpointer
+
+    ck = Checkpointer(f"{root}/main")
+    sharded, sharded_opt = _build(seed=5)
+    ck.load(model=sharded, optimizer=sharded_opt, step=3)
+    plain, plain_opt = _build(seed=6, shard=False)
+    ck.load(model=plain, optimizer=plain_opt, step=3)
+    return {"sharded": _snapshot(sharded, sharded_opt), "plain": _snapshot(plain, plain_opt)}
+
+
+def test_two_rank_checkpoint_loads_on_one_rank(main_world):
+    root, _ = main_world
+    expected = torch.load(root / "expected_step3.pt")
+    (got,) = run_distributed(_reshard_world, 1, str(root), timeout=TIMEOUT)
+    assert _mismatches(expected, got["sharded"]) == []
+    assert _mismatches(expected, got["plain"]) == []
+
+
+# ---------------------------------------------------------------------- SIGKILL in the middle of a save
+def _crashing_checkpointer(root: str):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from fsdp2_strategy.checkpoint import Checkpointer
+
+    class DieAfterWritingShards(FileSystemWriter):
+        """Rank 1 writes its shard files, then is killed before `.metadata` exists."""
+
+        def write_data(self, plan, planner):
+            import torch.distributed as dist
+
+            future = super().write_data(plan, planner)
+            future.wait()
+            if dist.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return future
+
+    class Crashing(Checkpointer):
+        crash = False
+
+        def _storage_writer(self, path):
+            return DieAfterWritingShards(str(path)) if self.crash else super()._storage_writer(path)
+
+    return Crashing(root)
+
+
+def _killed_world(root: str) -> None:
+    import torch.distributed as dist
+
+    ck = _crashing_checkpointer(root)
+    model, opt = _build(seed=0)
+    _train(model, opt, 1)
+    ck.save(1, model=model, optimizer=opt, extra={"step": 1})
+    snapshot = _snapshot(model, opt)  # collective (full_tensor): every rank gathers
+    if dist.get_rank() == 0:
+        torch.save(snapshot, f"{root}/../expected_step1.pt")
+    _train(model, opt, 1)
+    ck.crash = True
+    ck.save(2, model=model, optimizer=opt, extra={"step": 2})  # rank 1 dies in here
+
+
+def _after_kill_world(root: str) -> dict:
+    from fsdp2_strategy.checkpoint import Checkpointer
+
+    ck = Checkpointer(root, keep_last=3)
+    out = {"latest": ck.latest_step()}
+    model, opt = _build(seed=9)
+    out["extra"] = ck.load(model=model, optimizer=opt)
+    out["restored"] = _snapshot(model, opt)
+    _train(model, opt, 1)
+    ck.save(2, model=model, optimizer=opt, extra={"step": 2})  # the crashed step can be saved again
+    out["latest_after_save"] = ck.latest_step()
+    out["dirs"] = sorted(os.listdir(root))
+    return out
+
+
+def test_sigkill_during_save_loses_only_that_step(tmp_path):
+    root = tmp_path / "run"
+    with pytest.raises(DistributedTestError):
+        run_distributed(_killed_world, 2, str(root), timeout=TIMEOUT)
+    partial = root / ".tmp-step-000002"
+    assert (root / "step-000001" / ".metadata").is_file()
+    assert partial.is_dir() and not (partial / ".metadata").exists() and not (root / "step-000002").exists()
+    assert any(name.startswith("__1_") for name in os.listdir(partial))  # rank 1 died after writing shards
+
+    results = run_distributed(_after_kill_world, 2, str(root), timeout=TIMEOUT)
+    expected = torch.load(tmp_path / "expected_step1.pt")
+    for r in results:
+        assert r["latest"] == 1
+        assert r["extra"] == {"step": 1}
+        assert _mismatches(expected, r["restored"]) == []
+        assert r["latest_after_save"] == 2
+        assert r["dirs"] == ["step-000001", "step-000002"]  # the crashed temp dir is gone
