@@ -14,11 +14,13 @@ existing directory that dies half-way would leave a loadable, mixed checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -99,14 +101,15 @@ class Checkpointer:
                 f"Checkpoint step {step} already exists at {final}; committed steps are never rewritten. "
                 "Save under a new step number, or delete that directory first."
             )
+        state = _collect_state(model, optimizer)  # validates the arguments before touching the disk
         tmp = self._tmp_path(step)
         self._prepare_tmp(tmp, extra)
-        state = _collect_state(model, optimizer)
         if self.async_save:
             self._pending = (step, self._start_async(state, tmp))
             return
         try:
-            dcp.save(state, storage_writer=self._storage_writer(tmp), no_dist=not _distributed())
+            with _single_process_quiet():
+                dcp.save(state, storage_writer=self._storage_writer(tmp), no_dist=not _distributed())
         except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
             raise RuntimeError(f"DCP save of step {step} into {tmp} failed: {exc}") from exc
         self._commit(step)
@@ -146,7 +149,8 @@ class Checkpointer:
             _check_compatible(metadata, model, optimizer, path)
             state = _collect_state(model, optimizer)
             try:
-                dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=not _distributed())
+                with _single_process_quiet():
+                    dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=not _distributed())
             except CheckpointException as exc:
                 raise RuntimeError(f"DCP load from {path} failed: {exc}") from exc
             _apply_state(model, optimizer, state)
@@ -192,18 +196,28 @@ class Checkpointer:
     def _commit(self, step: int) -> None:
         """Publish `.tmp-step-N` as `step-N` once every rank's shards and `.metadata` are written."""
         _barrier()
+        error = None
         if rank() == 0:
-            tmp, final = self._tmp_path(step), self.step_path(step)
-            if not (tmp / METADATA).is_file():
-                raise RuntimeError(f"DCP save of step {step} returned but {tmp / METADATA} is missing; not committing.")
-            if final.exists():  # an uncommitted `step-N` (no .metadata) from some other writer
-                logger.warning("Replacing uncommitted directory %s", final)
-                shutil.rmtree(final)
-            os.replace(tmp, final)  # atomic on POSIX: the step appears complete or not at all
-            _fsync_dir(self.root)
-            self._apply_retention()
-            log_rank_zero("Saved checkpoint %s", final)
-        _barrier()  # every rank sees the committed step when save()/wait() returns
+            try:
+                self._publish(step)
+            except Exception as exc:  # reported to every rank below, so none waits forever
+                error = f"committing step {step} under {self.root} failed: {type(exc).__name__}: {exc}"
+        error = _from_rank_zero(error)  # also the barrier: all ranks see the step when this returns
+        if error is not None:
+            raise RuntimeError(error)
+        log_rank_zero("Saved checkpoint %s", self.step_path(step))
+
+    def _publish(self, step: int) -> None:
+        """Rank 0: the atomic rename that commits a step, then retention."""
+        tmp, final = self._tmp_path(step), self.step_path(step)
+        if not (tmp / METADATA).is_file():
+            raise RuntimeError(f"DCP returned but {tmp / METADATA} is missing; the step stays uncommitted")
+        if final.exists():  # an uncommitted `step-N` (no .metadata) left by some other writer
+            logger.warning("Replacing uncommitted directory %s", final)
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # atomic on POSIX: the step appears complete or not at all
+        _fsync_dir(self.root)
+        self._apply_retention()
 
     def _apply_retention(self) -> None:
         """Rank 0: drop committed steps beyond the newest `keep_last`, and stale `.tmp-*` dirs."""
@@ -242,9 +256,27 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Without a process group DCP warns "assuming the intent is to save in a single process": it is."""
+    with warnings.catch_warnings():
+        if not _distributed():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to", category=UserWarning)
+        yield
+
+
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
+
+
+def _from_rank_zero(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a collective, so it synchronises like a barrier)."""
+    if not _distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _check_step(step: Any) -> None:

@@ -120,6 +120,11 @@ def _main_world(root: str) -> dict:
     again, again_opt = _build(seed=2)
     ck.load(model=again, optimizer=again_opt)
     out["partial_load_latest_mismatches"] = _mismatches(saved, _snapshot(again, again_opt))
+    out["partial_dirs_before_save"] = sorted(os.listdir(f"{root}/main"))
+    dist.barrier()  # every rank listed before rank 0 creates the next temp dir
+    ck.save(7, model=again)  # replaces the uncommitted step-000007, cleans the stale temp dir
+    out["partial_latest_after_save_7"] = ck.latest_step()
+    out["partial_dirs_after_save"] = sorted(os.listdir(f"{root}/main"))
 
     # (5) keep_last=2 keeps the two newest and removes stale temp dirs.
     keep = Checkpointer(f"{root}/keep", keep_last=2)
@@ -197,7 +202,10 @@ def test_partial_saves_are_ignored(main_world):
         assert r["partial_latest"] == 3
         assert r["partial_load_7"][0] == "FileNotFoundError"
         assert r["partial_load_latest_mismatches"] == []
-    assert (root / "main" / ".tmp-step-000005").is_dir()  # without keep_last nothing was cleaned yet
+        assert r["partial_dirs_before_save"] == [".tmp-step-000005", "step-000003", "step-000007"]
+        assert r["partial_latest_after_save_7"] == 7
+        assert r["partial_dirs_after_save"] == ["step-000003", "step-000007"]
+    assert (root / "main" / "step-000007" / ".metadata").is_file()
 
 
 def test_keep_last_keeps_the_two_newest(main_world):
@@ -216,6 +224,32 @@ def test_async_save_commits_on_wait(main_world):
         assert r["async_mismatches"] == []  # the copy was taken before the next optimizer step
         assert r["async_extra"] == {"k": "v"}
         assert r["async_dirs"] == ["step-000010", "step-000011", "step-000012"]
+
+
+def test_single_process_without_process_group(tmp_path):
+    """No process group at all: plain model, extra-only saves, argument errors."""
+    from fsdp2_strategy.checkpoint import Checkpointer
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ck = Checkpointer(tmp_path)
+    ck.save(0, extra={"only": "extra"})
+    assert ck.load() == {"only": "extra"}
+    ck.save(1, model=model)
+    torch.manual_seed(1)
+    other = TinyGPT()
+    assert ck.load(model=other) is None  # no extra saved
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    opt = torch.optim.AdamW(other.parameters())
+    with pytest.raises(ValueError, match="no optimizer state"):
+        ck.load(model=other, optimizer=opt)
+    with pytest.raises(ValueError, match="needs model="):
+        ck.save(2, optimizer=opt)
+    with pytest.raises(ValueError, match="step must be an int"):
+        ck.save(-1, model=model)
+    with pytest.raises(ValueError, match="keep_last"):
+        Checkpointer(tmp_path, keep_last=0)
+    assert sorted(os.listdir(tmp_path)) == ["step-000000", "step-000001"]
 
 
 # ---------------------------------------------------------------------- exact resume and resharding
