@@ -18,9 +18,10 @@ import contextlib
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,18 +65,18 @@ class Checkpointer:
     Every method is collective: call it on every rank, in the same order.
     """
 
-    def __init__(self, root: Union[str, os.PathLike], *, keep_last: Optional[int] = None, async_save: bool = False):
+    def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, async_save: bool = False):
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"Checkpointer keep_last must be None or an int >= 1, got {keep_last!r}.")
         self.root = Path(root)
         self.keep_last = keep_last
         self.async_save = async_save
-        self._pending: Optional[tuple[int, Future]] = None
-        self._async_group: Optional[dist.ProcessGroup] = None
+        self._pending: tuple[int, Future] | None = None
+        self._async_group: dist.ProcessGroup | None = None
         self._stager = None
 
     # ------------------------------------------------------------------ queries
-    def latest_step(self) -> Optional[int]:
+    def latest_step(self) -> int | None:
         """Largest committed step (a `step-N/` directory holding `.metadata`), or None."""
         steps = committed_steps(self.root)
         return max(steps) if steps else None
@@ -85,7 +86,7 @@ class Checkpointer:
         return self.root / step_dir_name(step)
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, *, model: Optional[nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
+    def save(self, step: int, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
              extra: Any = None) -> None:
         """Save `model`/`optimizer` state (sharded) and `extra` as step `step`.
 
@@ -134,8 +135,8 @@ class Checkpointer:
             self._stager = None
 
     # ------------------------------------------------------------------ load
-    def load(self, *, model: Optional[nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
-             step: Union[int, str] = "latest") -> Any:
+    def load(self, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+             step: int | str = "latest") -> Any:
         """Load step `step` (default: the latest committed) into `model`/`optimizer`; return `extra`.
 
         Works across world sizes and sharding layouts (DCP reshards on read). Raises
@@ -234,7 +235,7 @@ class Checkpointer:
         for stale in self.root.glob(f"{TMP_PREFIX}*"):  # only one save is in flight, and it just committed
             shutil.rmtree(stale, ignore_errors=True)
 
-    def _resolve(self, step: Union[int, str]) -> Path:
+    def _resolve(self, step: int | str) -> Path:
         steps = committed_steps(self.root)
         if step == "latest":
             if not steps:
@@ -284,7 +285,7 @@ def _check_step(step: Any) -> None:
         raise ValueError(f"Checkpoint step must be an int >= 0 (or 'latest' when loading), got {step!r}.")
 
 
-def _collect_state(model: Optional[nn.Module], optimizer: Optional[torch.optim.Optimizer]) -> dict:
+def _collect_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict:
     """Sharded state dicts: each rank holds DTensor shards, nothing is gathered."""
     if model is None:
         if optimizer is not None:
@@ -296,14 +297,14 @@ def _collect_state(model: Optional[nn.Module], optimizer: Optional[torch.optim.O
     return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
 
 
-def _apply_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], state: dict) -> None:
+def _apply_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
     if optimizer is None:
         set_model_state_dict(model, state[MODEL_KEY])
     else:
         set_state_dict(model, optimizer, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIM_KEY])
 
 
-def _check_compatible(metadata: Metadata, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], path: Path) -> None:
+def _check_compatible(metadata: Metadata, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Path) -> None:
     """Raise ValueError listing keys and shapes that differ between the checkpoint and `model`."""
     prefix = MODEL_KEY + "."
     saved = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
