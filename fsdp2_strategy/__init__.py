@@ -5,6 +5,7 @@
     optimizer = torch.optim.AdamW(model.parameters())
 """
 
+from .checkpoint import Checkpointer
 from .compat import fully_shard
 from .config import FSDP2Config, ModuleOverride
 from .distributed import shutdown
@@ -15,6 +16,7 @@ from .weights import load_full_weights
 from .training import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, set_gradient_sync
 
 __all__ = [
+    "Checkpointer",
     "FSDP2Config",
     "ModuleOverride",
     "ShardingPlan",
