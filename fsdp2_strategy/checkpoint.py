@@ -2,14 +2,15 @@
 
 Layout under `root`:
 
-    step-000100/            committed: DCP shards, `extra.pt`, `.metadata` (the commit marker)
+    step-000100/            committed: DCP shards, `extra.pt`, `checksums.json`, `.metadata` (the commit marker)
     .tmp-step-000200/       a save in progress, or one that crashed; never loaded
 
 Each rank writes only its own shards (no full gather). A save goes into `.tmp-step-N/` and
 rank 0 renames it to `step-N/` only after every rank finished writing and `.metadata` exists,
 so a crash at any moment leaves at most a `.tmp-*` directory behind: the previous step stays
 the latest, and a committed directory is never rewritten (torch's own `dcp.save` into an
-existing directory that dies half-way would leave a loadable, mixed checkpoint).
+existing directory that dies half-way would leave a loadable, mixed checkpoint). `load()`
+verifies the files against `checksums.json` first (see `checkpoint_integrity`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from . import checkpoint_integrity as integrity
 from .distributed import log_rank_zero, logger, rank
 from .export import METADATA, committed_steps
 
@@ -145,6 +147,7 @@ class Checkpointer:
         """
         self.wait()
         path = self._resolve(step)
+        self._verify(path)
         if model is not None:
             metadata = FileSystemReader(str(path)).read_metadata()
             _check_compatible(metadata, model, optimizer, path)
@@ -197,8 +200,9 @@ class Checkpointer:
     def _commit(self, step: int) -> None:
         """Publish `.tmp-step-N` as `step-N` once every rank's shards and `.metadata` are written."""
         _barrier()
-        error = None
-        if rank() == 0:
+        # Each rank hashes the files it wrote; rank 0 writes checksums.json before the rename.
+        error = integrity.write_checksums(self._tmp_path(step), rank())
+        if error is None and rank() == 0:
             try:
                 self._publish(step)
             except Exception as exc:  # reported to every rank below, so none waits forever
@@ -234,6 +238,18 @@ class Checkpointer:
             shutil.rmtree(trash, ignore_errors=True)
         for stale in self.root.glob(f"{TMP_PREFIX}*"):  # only one save is in flight, and it just committed
             shutil.rmtree(stale, ignore_errors=True)
+
+    def _verify(self, path: Path) -> None:
+        """Collective: raise ValueError on every rank if a file listed in `checksums.json` changed."""
+        world = dist.get_world_size() if _distributed() else 1
+        problems = integrity.verify(path, rank(), world)
+        if problems:
+            others = sorted(s for s, p in committed_steps(self.root).items() if p != path)
+            raise ValueError(
+                f"Checkpoint {path} is damaged and was not loaded (the model is unchanged):\n  "
+                + "\n  ".join(problems[:_MAX_LISTED])
+                + f"\nLoad an earlier step with load(step=N); other committed steps: {others or 'none'}."
+            )
 
     def _resolve(self, step: int | str) -> Path:
         steps = committed_steps(self.root)

@@ -17,13 +17,13 @@ TIMEOUT = 150
 
 
 # ---------------------------------------------------------------------- helpers run on every rank
-def _build(seed: int = 0, shard: bool = True, **model_kwargs):
+def _build(seed: int = 0, shard: bool = True, shard_kwargs: dict | None = None, **model_kwargs):
     import fsdp2_strategy as f2
 
     torch.manual_seed(seed)
     model = TinyGPT(**model_kwargs)
     if shard:
-        f2.shard_model(model, log_plan=False)
+        f2.shard_model(model, log_plan=False, **(shard_kwargs or {}))
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -280,15 +280,162 @@ def _reshard_world(root: str) -> dict:
     ck.load(model=sharded, optimizer=sharded_opt, step=3)
     plain, plain_opt = _build(seed=6, shard=False)
     ck.load(model=plain, optimizer=plain_opt, step=3)
+    # A checkpoint saved by this one-rank world, for the 1 -> 2 check in `integrity_world`.
+    one, one_opt = _build(seed=11)
+    _train(one, one_opt, 2)
+    torch.save(_snapshot(one, one_opt), f"{root}/expected_one.pt")
+    Checkpointer(f"{root}/one").save(2, model=one, optimizer=one_opt)
     return {"sharded": _snapshot(sharded, sharded_opt), "plain": _snapshot(plain, plain_opt)}
 
 
-def test_two_rank_checkpoint_loads_on_one_rank(main_world):
+@pytest.fixture(scope="module")
+def one_rank_world(main_world):
     root, _ = main_world
-    expected = torch.load(root / "expected_step3.pt")
     (got,) = run_distributed(_reshard_world, 1, str(root), timeout=TIMEOUT)
+    return root, got
+
+
+def test_two_rank_checkpoint_loads_on_one_rank(one_rank_world):
+    root, got = one_rank_world
+    expected = torch.load(root / "expected_step3.pt")
     assert _mismatches(expected, got["sharded"]) == []
     assert _mismatches(expected, got["plain"]) == []
+
+
+def _four_rank_world(root: str) -> dict:
+    from fsdp2_strategy.checkpoint import Checkpointer
+
+    ck = Checkpointer(f"{root}/main")  # step 3 was saved by 2 ranks
+    fsdp, fsdp_opt = _build(seed=12)
+    ck.load(model=fsdp, optimizer=fsdp_opt, step=3)
+    hsdp, hsdp_opt = _build(seed=13, shard_kwargs={"sharding_strategy": "HYBRID_SHARD", "mesh_shape": (2, 2)})
+    ck.load(model=hsdp, optimizer=hsdp_opt, step=3)
+    return {"fsdp": _snapshot(fsdp, fsdp_opt), "hsdp": _snapshot(hsdp, hsdp_opt),
+            "hsdp_mesh": tuple(next(hsdp.parameters()).device_mesh.shape)}
+
+
+def test_two_rank_checkpoint_loads_on_four_ranks_fsdp_and_hsdp(main_world):
+    root, _ = main_world
+    expected = torch.load(root / "expected_step3.pt")
+    assert len(expected) > 40  # params and AdamW's exp_avg/exp_avg_sq/step
+    results = run_distributed(_four_rank_world, 4, str(root), timeout=TIMEOUT)
+    for r in results:
+        assert r["hsdp_mesh"] == (2, 2)
+        assert _mismatches(expected, r["fsdp"]) == []
+        assert _mismatches(expected, r["hsdp"]) == []
+
+
+# ---------------------------------------------------------------------- 2 ranks: 1 -> 2, FSDP -> HSDP, damaged files
+_DAMAGE = {  # name -> (file in step-000002, what is done to it)
+    "flip": ("__1_0.distcp", "flip"),
+    "truncate": ("__0_0.distcp", "truncate"),
+    "delete": ("__1_0.distcp", "delete"),
+    "extra": ("extra.pt", "flip"),
+}
+
+
+def _damage(path: Path, how: str) -> None:
+    if how == "delete":
+        path.unlink()
+        return
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        data = data[: len(data) // 2]
+    else:  # one byte in the middle
+        data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _integrity_world(root: str) -> dict:
+    import shutil
+
+    import torch.distributed as dist
+
+    from fsdp2_strategy.checkpoint import Checkpointer
+
+    rank = dist.get_rank()
+    out: dict = {}
+    # Resharding: 1 -> 2 ranks, and 2-rank FSDP -> 2-rank HSDP (replicate 2 x shard 1).
+    one, one_opt = _build(seed=14)
+    Checkpointer(f"{root}/one").load(model=one, optimizer=one_opt, step=2)
+    out["one_to_two"] = _snapshot(one, one_opt)
+    hsdp, hsdp_opt = _build(seed=15, shard_kwargs={"sharding_strategy": "HYBRID_SHARD", "mesh_shape": (2, 1)})
+    Checkpointer(f"{root}/main").load(model=hsdp, optimizer=hsdp_opt, step=3)
+    out["hsdp"] = _snapshot(hsdp, hsdp_opt)
+    out["hsdp_mesh"] = tuple(next(hsdp.parameters()).device_mesh.shape)
+
+    # Damaged committed files: every rank raises ValueError, the model stays unchanged.
+    ck = Checkpointer(f"{root}/integrity")
+    model, opt = _build(seed=16)
+    _train(model, opt, 1)
+    ck.save(1, model=model, optimizer=opt, extra={"step": 1})
+    step1 = _snapshot(model, opt)
+    _train(model, opt, 1)
+    ck.save(2, model=model, optimizer=opt, extra={"step": 2})
+    step2 = _snapshot(model, opt)
+    out["files"] = sorted(os.listdir(ck.step_path(2)))
+    target, target_opt = _build(seed=17)
+    untouched = _snapshot(target)
+    for case, (name, how) in _DAMAGE.items():
+        path = ck.step_path(2) / name
+        if rank == 0:
+            shutil.copy(path, f"{root}/backup")
+            _damage(path, how)
+        dist.barrier()
+        out[case] = _error_of(ck.load, model=target, optimizer=target_opt, step=2)
+        out[f"{case}_model_changed"] = _mismatches(untouched, _snapshot(target))
+        dist.barrier()  # every rank is done reading before rank 0 repairs the file
+        if rank == 0:
+            shutil.copy(f"{root}/backup", path)
+        dist.barrier()
+    # Repaired: loads; and a checkpoint without checksums.json (plain DCP) still loads.
+    out["repaired_extra"] = ck.load(model=target, optimizer=target_opt, step=2)
+    out["repaired_mismatches"] = _mismatches(step2, _snapshot(target, target_opt))
+    if rank == 0:
+        (ck.step_path(1) / "checksums.json").unlink()
+    dist.barrier()
+    plain, plain_opt = _build(seed=18)
+    out["plain_dcp_extra"] = ck.load(model=plain, optimizer=plain_opt, step=1)
+    out["plain_dcp_mismatches"] = _mismatches(step1, _snapshot(plain, plain_opt))
+    return out
+
+
+@pytest.fixture(scope="module")
+def integrity_world(one_rank_world):
+    root, _ = one_rank_world
+    return root, run_distributed(_integrity_world, 2, str(root), timeout=TIMEOUT)
+
+
+def test_one_rank_checkpoint_loads_on_two_ranks_and_fsdp_loads_as_hsdp(integrity_world):
+    root, results = integrity_world
+    expected_one = torch.load(root / "expected_one.pt")
+    expected_main = torch.load(root / "expected_step3.pt")
+    assert len(expected_one) > 40
+    for r in results:
+        assert _mismatches(expected_one, r["one_to_two"]) == []
+        assert r["hsdp_mesh"] == (2, 1)
+        assert _mismatches(expected_main, r["hsdp"]) == []
+
+
+@pytest.mark.parametrize("case", sorted(_DAMAGE))
+def test_damaged_checkpoint_file_is_a_clear_error(integrity_world, case):
+    root, results = integrity_world
+    name, _ = _DAMAGE[case]
+    assert name in results[0]["files"] and "checksums.json" in results[0]["files"]
+    for r in results:  # every rank raises the same error, none hangs
+        kind, msg = r[case]
+        assert kind == "ValueError", (kind, msg)
+        assert name in msg and "step-000002" in msg
+        assert {"flip": "corrupted", "truncate": "truncated", "delete": "missing", "extra": "corrupted"}[case] in msg
+        assert "earlier step" in msg and "[1]" in msg  # committed steps to fall back to
+        assert r[f"{case}_model_changed"] == []
+
+
+def test_repaired_and_plain_dcp_checkpoints_load(integrity_world):
+    _, results = integrity_world
+    for r in results:
+        assert r["repaired_extra"] == {"step": 2} and r["repaired_mismatches"] == []
+        assert r["plain_dcp_extra"] == {"step": 1} and r["plain_dcp_mismatches"] == []
 
 
 # ---------------------------------------------------------------------- SIGKILL in the middle of a save
