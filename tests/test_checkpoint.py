@@ -240,6 +240,12 @@ def test_single_process_without_process_group(tmp_path):
     other = TinyGPT()
     assert ck.load(model=other) is None  # no extra saved
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    shard = tmp_path / "step-000001" / "__0_0.distcp"
+    good = shard.read_bytes()
+    _damage(shard, "flip")
+    with pytest.raises(ValueError, match=r"(?s)step-000001.*__0_0\.distcp: corrupted.*committed steps: \[0\]"):
+        ck.load(model=other)
+    shard.write_bytes(good)
     opt = torch.optim.AdamW(other.parameters())
     with pytest.raises(ValueError, match="no optimizer state"):
         ck.load(model=other, optimizer=opt)
@@ -419,7 +425,7 @@ def test_one_rank_checkpoint_loads_on_two_ranks_and_fsdp_loads_as_hsdp(integrity
 
 @pytest.mark.parametrize("case", sorted(_DAMAGE))
 def test_damaged_checkpoint_file_is_a_clear_error(integrity_world, case):
-    root, results = integrity_world
+    _, results = integrity_world
     name, _ = _DAMAGE[case]
     assert name in results[0]["files"] and "checksums.json" in results[0]["files"]
     for r in results:  # every rank raises the same error, none hangs
