@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import checkpoint_integrity as integrity
-from .distributed import log_rank_zero, logger, rank
+from .distributed import is_distributed, log_rank_zero, logger, rank
 from .export import METADATA, committed_steps
 
 EXTRA_FILE = "extra.pt"
@@ -112,7 +112,7 @@ class Checkpointer:
             return
         try:
             with _single_process_quiet():
-                dcp.save(state, storage_writer=self._storage_writer(tmp), no_dist=not _distributed())
+                dcp.save(state, storage_writer=self._storage_writer(tmp), no_dist=not is_distributed())
         except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
             raise RuntimeError(f"DCP save of step {step} into {tmp} failed: {exc}") from exc
         self._commit(step)
@@ -154,7 +154,7 @@ class Checkpointer:
             state = _collect_state(model, optimizer)
             try:
                 with _single_process_quiet():
-                    dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=not _distributed())
+                    dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=not is_distributed())
             except CheckpointException as exc:
                 raise RuntimeError(f"DCP load from {path} failed: {exc}") from exc
             _apply_state(model, optimizer, state)
@@ -183,7 +183,7 @@ class Checkpointer:
         _barrier()  # no rank writes shards into a directory rank 0 may still be deleting
 
     def _start_async(self, state: dict, tmp: Path) -> Future:
-        if self._async_group is None and _distributed():
+        if self._async_group is None and is_distributed():
             # DCP's collectives run in a background thread; on the default group they could
             # interleave with the training step's all-gathers and deadlock or mix data.
             self._async_group = dist.new_group(backend="gloo")
@@ -191,7 +191,7 @@ class Checkpointer:
             self._stager = _make_stager()
         try:
             response = dcp.async_save(state, storage_writer=self._storage_writer(tmp), process_group=self._async_group,
-                                      async_stager=self._stager, no_dist=not _distributed())
+                                      async_stager=self._stager, no_dist=not is_distributed())
         except CheckpointException as exc:
             raise RuntimeError(f"DCP async save into {tmp} failed: {exc}") from exc
         # A Future, or AsyncSaveResponse when staging itself is asynchronous.
@@ -241,7 +241,7 @@ class Checkpointer:
 
     def _verify(self, path: Path) -> None:
         """Collective: raise ValueError on every rank if a file listed in `checksums.json` changed."""
-        world = dist.get_world_size() if _distributed() else 1
+        world = dist.get_world_size() if is_distributed() else 1
         problems = integrity.verify(path, rank(), world)
         if problems:
             others = sorted(s for s, p in committed_steps(self.root).items() if p != path)
@@ -269,27 +269,23 @@ class Checkpointer:
 
 
 # ---------------------------------------------------------------------- helpers
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 @contextlib.contextmanager
 def _single_process_quiet() -> Iterator[None]:
     """Without a process group DCP warns "assuming the intent is to save in a single process": it is."""
     with warnings.catch_warnings():
-        if not _distributed():
+        if not is_distributed():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to", category=UserWarning)
         yield
 
 
 def _barrier() -> None:
-    if _distributed():
+    if is_distributed():
         dist.barrier()
 
 
 def _from_rank_zero(value: Any) -> Any:
     """Rank 0's `value` on every rank (a collective, so it synchronises like a barrier)."""
-    if not _distributed():
+    if not is_distributed():
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)

@@ -18,14 +18,12 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .distributed import is_distributed
+
 CHECKSUMS_FILE = "checksums.json"
 ALGORITHM = "crc32"
 _CHUNK = 4 << 20
 _SHARED_FILES = (".metadata", "extra.pt")  # written once, by rank 0 (DCP / Checkpointer)
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def file_checksum(path: Path) -> str:
@@ -54,7 +52,7 @@ def write_checksums(directory: Path, rank: int) -> str | None:
         mine: Any = ("ok", local_entries(directory, rank))
     except Exception as exc:  # reported, never left to hang the other ranks
         mine = ("error", f"rank {rank}: {type(exc).__name__}: {exc}")
-    if _distributed():
+    if is_distributed():
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
     else:
@@ -111,7 +109,7 @@ def verify(directory: Path, rank: int, world_size: int) -> list[str]:
             found = _problems(directory, expected, names[rank::world_size])
         except Exception as exc:  # also unreadable JSON: every rank hits it alike
             found = [f"{CHECKSUMS_FILE}: unreadable ({type(exc).__name__}: {exc})"] if rank == 0 else []
-    if _distributed():
+    if is_distributed():
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, found)
         found = sorted(p for part in gathered for p in part)

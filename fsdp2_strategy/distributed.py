@@ -22,14 +22,19 @@ import torch.distributed as dist
 logger = logging.getLogger("fsdp2_strategy")
 
 
+def is_distributed() -> bool:
+    """True when a default process group is initialised."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def rank() -> int:
     """Global rank (0 without a process group)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if is_distributed() else 0
 
 
 def world_size() -> int:
     """World size (1 without a process group)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if is_distributed() else 1
 
 
 def log_rank_zero(message: str, *args, level: int = logging.INFO) -> None:
