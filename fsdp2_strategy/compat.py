@@ -63,22 +63,19 @@ def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
     mixing the two vocabularies for one setting raises `ValueError`.
     """
     fsdp1 = {k: kwargs.pop(k) for k in FSDP1_KEYWORDS if k in kwargs}
-    for extra in ("device_id", "use_orig_params", "sync_module_states", "limit_all_gathers"):
-        # What these FSDP1 switches asked for is what FSDP2 always does (the mesh picks the device,
-        # parameters keep their names, meta init replaces broadcasting, no rate limiter needed).
-        if kwargs.pop(extra, None) is not None:
-            fsdp1.setdefault("auto_wrap_policy", None)
+    # What these FSDP1 switches asked for is what FSDP2 always does (the mesh picks the device,
+    # parameters keep their names, meta init replaces broadcasting, no rate limiter needed).
+    no_ops = [k for k in ("device_id", "use_orig_params", "sync_module_states", "limit_all_gathers")
+              if kwargs.pop(k, None) is not None]
     for refused, fix in (("process_group", "pass mesh=DeviceMesh(...) instead"),
                          ("param_init_fn", "define init_weights() or reset_parameters() and build on the meta device")):
         if kwargs.pop(refused, None) is not None:
             raise ValueError(f"fully_shard({refused}=...) is FSDP1-only and has no FSDP2 equivalent; {fix}.")
     prefetch = {k: kwargs.pop(k) for k in ("forward_prefetch", "backward_prefetch") if k in kwargs}
-    if prefetch:
-        fsdp1.setdefault("auto_wrap_policy", None)
     unknown = set(kwargs) - set(FSDP2_KEYWORDS)
     if unknown:
         raise ValueError(f"fully_shard got unknown keywords {sorted(unknown)}; FSDP1: {list(FSDP1_KEYWORDS)}, FSDP2: {list(FSDP2_KEYWORDS)}.")
-    if not fsdp1:
+    if not (fsdp1 or no_ops or prefetch):
         return _torch_fully_shard(module, **kwargs)
 
     from .sharding import shard_model

@@ -194,6 +194,9 @@ def _fsdp1_and_errors_world():
     f2.fully_shard(model2, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}))
     out["callable_policy"] = [g.name for g in f2.sharding_plan(model2).groups]
     _expect(ValueError, "process_group", f2.fully_shard, TinyGPT(), process_group=object())
+    flags = TinyGPT()
+    f2.fully_shard(flags, use_orig_params=True, forward_prefetch=True)  # FSDP1 switches: routed through shard_model
+    out["flags_rows"] = [(g.name, g.strategy) for g in f2.sharding_plan(flags).groups]
 
     # Errors, each before the model is touched.
     _expect(ValueError, r"mesh_shape=\(3,\).*world size is 2", f2.shard_model, TinyGPT(), mesh_shape=(3,))
@@ -240,6 +243,7 @@ def test_fsdp1_vocabulary_and_clear_errors():
     assert [r[0] for r in rows] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
     assert all(r[1] == "SHARD_GRAD_OP" and r[2] == "bf16/fp32" and r[3] and r[4] is False for r in rows)
     assert res["ignored_plain"]
+    assert res["flags_rows"] == [("<root>", "FULL_SHARD")]
     assert res["callable_policy"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
     assert res["untouched"] and res["call_ok"]
     assert res["user_group"] == "sharded by the user"
