@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 
 from .config import FSDP2Config
 from .distributed import log_rank_zero
-from .policy import match_override, select_wrapped
+from .policy import match_override, select_wrapped, wrappable
 from .precision import resolve_mixed_precision, resolve_offload
 
 GROUP_ATTR = "_fsdp2_group"
@@ -122,15 +122,11 @@ def already_sharded(model: nn.Module) -> list[str]:
 
 def select_groups(model: nn.Module, config: FSDP2Config, ignored_names: list[str]) -> list[str]:
     """Qualified names of the non-root groups, parents before children."""
-    skip = list(ignored_names) + already_sharded(model)
+    skip = tuple(ignored_names) + tuple(already_sharded(model))
     wrapped = set(select_wrapped(model, config.wrap_policy, skip=skip))
-
-    def allowed(name: str) -> bool:
-        return name != "" and not any(name == s or name.startswith(s + ".") for s in skip)
-
     if config.module_overrides:
         patterns = list(config.module_overrides)
-        matched = [n for n, _ in model.named_modules() if allowed(n) and match_override(n, patterns)]
+        matched = [n for n, _ in model.named_modules() if wrappable(n, skip) and match_override(n, patterns)]
         for pattern in patterns:
             if not any(match_override(n, [pattern]) for n, _ in model.named_modules() if n):
                 raise ValueError(

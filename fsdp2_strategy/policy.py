@@ -72,6 +72,11 @@ def auto_block_classes(model: nn.Module) -> tuple[type, ...]:
     return (best,) if best is not None else ()
 
 
+def wrappable(name: str, skip: tuple[str, ...]) -> bool:
+    """A submodule may get its own group: not the root, and not inside a skipped subtree."""
+    return name != "" and not any(name == s or name.startswith(s + ".") for s in skip)
+
+
 def select_wrapped(model: nn.Module, policy: Any, skip: Iterable[str] = ()) -> list[str]:
     """Qualified names of the submodules `policy` wraps (the root, "", is never included).
 
@@ -80,7 +85,7 @@ def select_wrapped(model: nn.Module, policy: Any, skip: Iterable[str] = ()) -> l
     skip = tuple(skip)
 
     def allowed(name: str) -> bool:
-        return name != "" and not any(name == s or name.startswith(s + ".") for s in skip)
+        return wrappable(name, skip)
 
     if policy is None:
         return []
