@@ -15,11 +15,8 @@ verifies the files against `checksums.json` first (see `checkpoint_integrity`).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import warnings
-from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -28,9 +25,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -38,14 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from . import checkpoint_integrity as integrity
+from . import checkpoint_dir as cdir
+from .checkpoint_dir import TMP_PREFIX
 from .distributed import is_distributed, log_rank_zero, logger, rank
 from .export import METADATA, committed_steps
 
 EXTRA_FILE = "extra.pt"
-TMP_PREFIX = ".tmp-"
 MODEL_KEY, OPTIM_KEY = "model", "optim"  # top-level keys; DCP flattens them to "model.<name>"
-_MAX_LISTED = 20  # keys listed per category in a mismatch error
 
 
 def step_dir_name(step: int) -> str:
@@ -105,16 +101,11 @@ class Checkpointer:
                 "Save under a new step number, or delete that directory first."
             )
         state = _collect_state(model, optimizer)  # validates the arguments before touching the disk
-        tmp = self._tmp_path(step)
-        self._prepare_tmp(tmp, extra)
+        tmp = cdir.prepare_tmp(final, {EXTRA_FILE: extra} if extra is not None else None)
         if self.async_save:
             self._pending = (step, self._start_async(state, tmp))
             return
-        try:
-            with _single_process_quiet():
-                dcp.save(state, storage_writer=self._storage_writer(tmp), no_dist=not is_distributed())
-        except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
-            raise RuntimeError(f"DCP save of step {step} into {tmp} failed: {exc}") from exc
+        cdir.write_dcp(state, tmp, self._storage_writer(tmp))
         self._commit(step)
 
     def wait(self) -> None:
@@ -149,14 +140,9 @@ class Checkpointer:
         path = self._resolve(step)
         self._verify(path)
         if model is not None:
-            metadata = FileSystemReader(str(path)).read_metadata()
-            _check_compatible(metadata, model, optimizer, path)
+            _check_compatible(cdir.read_metadata(path), model, optimizer, path)
             state = _collect_state(model, optimizer)
-            try:
-                with _single_process_quiet():
-                    dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=not is_distributed())
-            except CheckpointException as exc:
-                raise RuntimeError(f"DCP load from {path} failed: {exc}") from exc
+            cdir.load_dcp(state, path)
             _apply_state(model, optimizer, state)
         elif optimizer is not None:
             raise ValueError("Checkpointer.load(optimizer=...) needs model= too: optimizer state is keyed by parameter names.")
@@ -165,22 +151,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ internals
     def _tmp_path(self, step: int) -> Path:
-        return self.root / f"{TMP_PREFIX}{step_dir_name(step)}"
+        return cdir.tmp_path_for(self.step_path(step))
 
     def _storage_writer(self, path: Path) -> FileSystemWriter:
         """The DCP writer for one save (a hook: tests override it to crash mid-write)."""
         return FileSystemWriter(str(path))
-
-    def _prepare_tmp(self, tmp: Path, extra: Any) -> None:
-        """Rank 0 empties `tmp` (a crashed attempt may have left files) and writes `extra` into it."""
-        if rank() == 0:
-            if tmp.exists():
-                logger.warning("Removing %s left by an earlier save that did not finish", tmp)
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-            if extra is not None:
-                _write_extra(tmp / EXTRA_FILE, extra)
-        _barrier()  # no rank writes shards into a directory rank 0 may still be deleting
 
     def _start_async(self, state: dict, tmp: Path) -> Future:
         if self._async_group is None and is_distributed():
@@ -199,30 +174,14 @@ class Checkpointer:
 
     def _commit(self, step: int) -> None:
         """Publish `.tmp-step-N` as `step-N` once every rank's shards and `.metadata` are written."""
-        _barrier()
-        # Each rank hashes the files it wrote; rank 0 writes checksums.json before the rename.
-        error = integrity.write_checksums(self._tmp_path(step), rank())
-        if error is None and rank() == 0:
+        cdir.commit(self.step_path(step))
+        if rank() == 0:
             try:
-                self._publish(step)
-            except Exception as exc:  # reported to every rank below, so none waits forever
-                error = f"committing step {step} under {self.root} failed: {type(exc).__name__}: {exc}"
-        error = _from_rank_zero(error)  # also the barrier: all ranks see the step when this returns
-        if error is not None:
-            raise RuntimeError(error)
+                self._apply_retention()
+            except OSError as exc:  # pruning is housekeeping: the step itself is committed
+                logger.warning("Could not prune old checkpoints under %s: %s", self.root, exc)
+        cdir.barrier()  # retention done before any rank saves again
         log_rank_zero("Saved checkpoint %s", self.step_path(step))
-
-    def _publish(self, step: int) -> None:
-        """Rank 0: the atomic rename that commits a step, then retention."""
-        tmp, final = self._tmp_path(step), self.step_path(step)
-        if not (tmp / METADATA).is_file():
-            raise RuntimeError(f"DCP returned but {tmp / METADATA} is missing; the step stays uncommitted")
-        if final.exists():  # an uncommitted `step-N` (no .metadata) left by some other writer
-            logger.warning("Replacing uncommitted directory %s", final)
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # atomic on POSIX: the step appears complete or not at all
-        _fsync_dir(self.root)
-        self._apply_retention()
 
     def _apply_retention(self) -> None:
         """Rank 0: drop committed steps beyond the newest `keep_last`, and stale `.tmp-*` dirs."""
@@ -241,15 +200,8 @@ class Checkpointer:
 
     def _verify(self, path: Path) -> None:
         """Collective: raise ValueError on every rank if a file listed in `checksums.json` changed."""
-        world = dist.get_world_size() if is_distributed() else 1
-        problems = integrity.verify(path, rank(), world)
-        if problems:
-            others = sorted(s for s, p in committed_steps(self.root).items() if p != path)
-            raise ValueError(
-                f"Checkpoint {path} is damaged and was not loaded (the model is unchanged):\n  "
-                + "\n  ".join(problems[:_MAX_LISTED])
-                + f"\nLoad an earlier step with load(step=N); other committed steps: {others or 'none'}."
-            )
+        others = sorted(s for s, p in committed_steps(self.root).items() if p != path)
+        cdir.verify_dir(path, f"Load an earlier step with load(step=N); other committed steps: {others or 'none'}.")
 
     def _resolve(self, step: int | str) -> Path:
         steps = committed_steps(self.root)
@@ -269,29 +221,6 @@ class Checkpointer:
 
 
 # ---------------------------------------------------------------------- helpers
-@contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """Without a process group DCP warns "assuming the intent is to save in a single process": it is."""
-    with warnings.catch_warnings():
-        if not is_distributed():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to", category=UserWarning)
-        yield
-
-
-def _barrier() -> None:
-    if is_distributed():
-        dist.barrier()
-
-
-def _from_rank_zero(value: Any) -> Any:
-    """Rank 0's `value` on every rank (a collective, so it synchronises like a barrier)."""
-    if not is_distributed():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _check_step(step: Any) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"Checkpoint step must be an int >= 0 (or 'latest' when loading), got {step!r}.")
@@ -318,39 +247,10 @@ def _apply_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, stat
 
 def _check_compatible(metadata: Metadata, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Path) -> None:
     """Raise ValueError listing keys and shapes that differ between the checkpoint and `model`."""
-    prefix = MODEL_KEY + "."
-    saved = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
-    current = get_model_state_dict(model)
-    missing = sorted(set(current) - set(saved))
-    unexpected = sorted(set(saved) - set(current))
-    shapes = sorted(
-        f"{k}: checkpoint {tuple(saved[k].size)} vs model {tuple(current[k].shape)}"
-        for k in set(saved) & set(current)
-        if isinstance(saved[k], TensorStorageMetadata) and isinstance(current[k], torch.Tensor)
-        and tuple(saved[k].size) != tuple(current[k].shape)
-    )
-    problems = [
-        f"{label} ({len(items)}): {_listing(items)}"
-        for label, items in (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
-                             ("shape mismatch", shapes))
-        if items
-    ]
-    if optimizer is not None and not any(k.startswith(OPTIM_KEY + ".") for k in metadata.state_dict_metadata):
-        problems.append("no optimizer state in checkpoint (it was saved without optimizer=); load with model= only")
-    if problems:
-        raise ValueError(f"Checkpoint {path} does not match the model:\n  " + "\n  ".join(problems))
-
-
-def _listing(items: list[str]) -> str:
-    shown = ", ".join(items[:_MAX_LISTED])
-    return shown + (f", ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")
-
-
-def _write_extra(path: Path, extra: Any) -> None:
-    with open(path, "wb") as f:
-        torch.save(extra, f)
-        f.flush()
-        os.fsync(f.fileno())  # durable before `.metadata` can exist
+    extra = []
+    if optimizer is not None and not cdir.has_prefix(metadata, OPTIM_KEY + "."):
+        extra.append("no optimizer state in checkpoint (it was saved without optimizer=); load with model= only")
+    cdir.check_compatible(metadata, get_model_state_dict(model), MODEL_KEY + ".", path, extra)
 
 
 def _read_extra(path: Path) -> Any:
@@ -361,19 +261,6 @@ def _read_extra(path: Path) -> Any:
     # checkpoint from an accelerator machine loads anywhere.
     return torch.load(file, map_location="cpu", weights_only=False)
 
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable (POSIX); silently skipped where directories cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _make_stager():

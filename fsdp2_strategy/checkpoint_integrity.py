@@ -2,7 +2,7 @@
 would load silently wrong values.
 
 At commit time every rank hashes the files it wrote (`__<rank>_<n>.distcp`; rank 0 also
-`.metadata` and `extra.pt`), rank 0 gathers the results and writes `checksums.json` into the
+every other file: `.metadata` and the small files a trainer adds, such as `extra.pt` or `meta.pt`), rank 0 gathers the results and writes `checksums.json` into the
 temporary directory before the rename. At load time the ranks verify a share of the listed
 files each (size, then CRC-32) and exchange their findings, so every rank raises the same
 ValueError together. A checkpoint without `checksums.json` (plain DCP) is loaded unverified.
@@ -23,7 +23,6 @@ from .distributed import is_distributed
 CHECKSUMS_FILE = "checksums.json"
 ALGORITHM = "crc32"
 _CHUNK = 4 << 20
-_SHARED_FILES = (".metadata", "extra.pt")  # written once, by rank 0 (DCP / Checkpointer)
 
 
 def file_checksum(path: Path) -> str:
@@ -38,8 +37,9 @@ def file_checksum(path: Path) -> str:
 def local_entries(directory: Path, rank: int) -> dict[str, dict[str, Any]]:
     """{file name: {"size", "crc32"}} for the files `rank` wrote into `directory`."""
     names = sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
-    if rank == 0:
-        names += [n for n in _SHARED_FILES if (directory / n).is_file()]
+    if rank == 0:  # the files written once (DCP's `.metadata`, the trainer's non-tensor state)
+        names += sorted(p.name for p in directory.iterdir()
+                        if p.is_file() and not p.name.endswith(".distcp") and p.name != CHECKSUMS_FILE)
     return {n: {"size": (directory / n).stat().st_size, ALGORITHM: file_checksum(directory / n)} for n in names}
 
 

@@ -23,7 +23,9 @@ from .distributed import logger
 
 METADATA = ".metadata"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-MODEL_PREFIX = "model."
+# Where the model's tensors sit in a DCP checkpoint: `Checkpointer` ("model.") and
+# Lightning's sharded checkpoints ("state_dict."; also what our Lightning adapter writes).
+MODEL_PREFIXES = ("model.", "state_dict.")
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size
 
 
@@ -60,12 +62,25 @@ def read_metadata(ckpt_dir: Path) -> Metadata:
 
 
 def model_tensor_keys(metadata: Metadata) -> dict[str, str]:
-    """Output name -> DCP key for the model's tensors (keys under "model." when present)."""
+    """Output name -> DCP key for the model's tensors (keys under a known model prefix when present)."""
     tensors = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    prefixed = {k for k in tensors if k.startswith(MODEL_PREFIX)}
-    if prefixed:
-        return {k[len(MODEL_PREFIX):]: k for k in sorted(prefixed)}
+    for prefix in MODEL_PREFIXES:
+        prefixed = {k for k in tensors if k.startswith(prefix)}
+        if prefixed:
+            return {k[len(prefix):]: k for k in sorted(prefixed)}
     return {k: k for k in sorted(tensors)}
+
+
+def read_full_model_state(checkpoint_dir: str | Path, step: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """The model's full (unsharded) tensors from a sharded checkpoint, in this one process.
+
+    For single-process use (inference, `load_from_checkpoint`): every tensor is materialised,
+    so this needs host memory for the whole model; `export_full` streams instead.
+    """
+    ckpt_dir = resolve_checkpoint_dir(checkpoint_dir, step)
+    metadata = read_metadata(ckpt_dir)
+    keys = model_tensor_keys(metadata)
+    return _read(ckpt_dir, metadata, keys, list(keys), None)
 
 
 def saved_world_size(metadata: Metadata) -> int:

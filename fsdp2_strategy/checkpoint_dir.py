@@ -1,0 +1,231 @@
+"""One atomic DCP directory: the save/commit/verify/load primitives behind every checkpoint.
+
+`Checkpointer` (one directory per step) and the trainer adapters (Lightning's
+`trainer.save_checkpoint(path)`, Accelerate's `save_state(dir)`) all write a checkpoint the
+same way:
+
+1. `prepare_tmp(final, files)`: rank 0 empties `.tmp-<name>/` beside `final` and writes the
+   small non-tensor files (pickled with `torch.save`, fsynced) into it;
+2. `write_dcp(state, tmp)`: every rank writes its own shards; DCP writes `.metadata` last;
+3. `commit(final)`: every rank hashes its files into `checksums.json`, then rank 0 renames
+   the directory into place. Until that rename nothing at `final` changes, so a crash at any
+   moment loses at most the save in progress.
+
+`load_dir(path, state)` verifies the checksums (every rank raises the same error together)
+before DCP reads anything, so a damaged checkpoint never half-loads into a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from . import checkpoint_integrity as integrity
+from .distributed import is_distributed, logger, rank
+from .export import METADATA
+
+TMP_PREFIX = ".tmp-"
+_MAX_LISTED = 20  # keys listed per category in a mismatch error
+
+
+def tmp_path_for(final: Path) -> Path:
+    """Where a save destined for `final` is written until it commits."""
+    return final.parent / f"{TMP_PREFIX}{final.name}"
+
+
+def is_committed(path: Path) -> bool:
+    """A directory holding DCP's `.metadata` (written last by DCP, then the directory renamed)."""
+    return (Path(path) / METADATA).is_file()
+
+
+# ---------------------------------------------------------------------- save
+def prepare_tmp(final: Path, files: Mapping[str, Any] | None = None) -> Path:
+    """Collective: rank 0 creates an empty `.tmp-<name>` and writes `files` (name -> object) into it."""
+    tmp = tmp_path_for(final)
+    if rank() == 0:
+        if tmp.exists():
+            logger.warning("Removing %s left by an earlier save that did not finish", tmp)
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        for name, value in (files or {}).items():
+            write_file(tmp / name, value)
+    barrier()  # no rank writes shards into a directory rank 0 may still be deleting
+    return tmp
+
+
+def write_dcp(state: dict, path: Path, writer: FileSystemWriter | None = None) -> None:
+    """Collective: every rank writes its shards of `state` into `path` (synchronously)."""
+    try:
+        with single_process_quiet():
+            dcp.save(state, storage_writer=writer or FileSystemWriter(str(path)), no_dist=not is_distributed())
+    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+        raise RuntimeError(f"DCP save into {path} failed: {exc}") from exc
+
+
+def commit(final: Path, *, replace: bool = False) -> None:
+    """Collective: checksum the finished `.tmp-<name>` and rename it to `final`.
+
+    `replace=False` refuses to overwrite a committed `final`; `replace=True` swaps it out
+    (for names a trainer rewrites, such as Lightning's `last.ckpt`).
+    """
+    barrier()
+    error = integrity.write_checksums(tmp_path_for(final), rank())
+    if error is None and rank() == 0:
+        try:
+            publish(final, replace=replace)
+        except Exception as exc:  # reported to every rank below, so none waits forever
+            error = f"committing {final} failed: {type(exc).__name__}: {exc}"
+    error = from_rank_zero(error)  # also the barrier: every rank sees `final` when this returns
+    if error is not None:
+        raise RuntimeError(error)
+
+
+def publish(final: Path, *, replace: bool = False) -> None:
+    """Rank 0: the rename that makes a finished save visible at `final`."""
+    tmp = tmp_path_for(final)
+    if not (tmp / METADATA).is_file():
+        raise RuntimeError(f"DCP returned but {tmp / METADATA} is missing; {final} stays as it was")
+    if final.exists() or final.is_symlink():
+        if is_committed(final) and not replace:
+            raise FileExistsError(f"{final} is a committed checkpoint and is never rewritten")
+        # Un-publish the old directory with a rename first: `final` then holds either the
+        # old checkpoint or the new one, never a mix; only a crash in the instant between the
+        # two renames leaves no `final` (the old copy is still beside it as `.tmp-old-*`).
+        old = final.parent / f"{TMP_PREFIX}old-{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        if final.is_dir() and not final.is_symlink():
+            os.replace(final, old)
+        else:  # a stray file or link where the directory goes
+            final.unlink()
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)  # atomic on POSIX: the checkpoint appears complete or not at all
+    fsync_dir(final.parent)
+
+
+def save_dir(final: Path, state: dict, *, files: Mapping[str, Any] | None = None, replace: bool = False) -> None:
+    """Collective: atomically write `state` (sharded, DCP) plus rank 0's `files` as directory `final`."""
+    final = Path(final)
+    tmp = prepare_tmp(final, files)
+    write_dcp(state, tmp)
+    commit(final, replace=replace)
+
+
+# ---------------------------------------------------------------------- load
+def verify_dir(path: Path, hint: str = "") -> None:
+    """Collective: raise ValueError on every rank if a file listed in `checksums.json` changed."""
+    world = dist.get_world_size() if is_distributed() else 1
+    problems = integrity.verify(path, rank(), world)
+    if problems:
+        raise ValueError(
+            f"Checkpoint {path} is damaged and was not loaded (the model is unchanged):\n  "
+            + "\n  ".join(problems[:_MAX_LISTED]) + (f"\n{hint}" if hint else "")
+        )
+
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's metadata of a committed directory (tensor names, shapes, dtypes)."""
+    return FileSystemReader(str(path)).read_metadata()
+
+
+def load_dcp(state: dict, path: Path) -> None:
+    """Collective: fill `state` in place from the DCP files in `path` (resharding as needed)."""
+    try:
+        with single_process_quiet():
+            dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=not is_distributed())
+    except CheckpointException as exc:
+        raise RuntimeError(f"DCP load from {path} failed: {exc}") from exc
+
+
+def check_compatible(metadata: Metadata, current: Mapping[str, Any], prefix: str, path: Path,
+                     extra_problems: list[str] | None = None) -> None:
+    """Raise ValueError listing keys and shapes that differ between the checkpoint and `current`.
+
+    `current` is the model's (sharded) state dict; its keys sit under `prefix` in the checkpoint.
+    """
+    saved = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    shapes = sorted(
+        f"{k}: checkpoint {tuple(saved[k].size)} vs model {tuple(current[k].shape)}"
+        for k in set(saved) & set(current)
+        if isinstance(saved[k], TensorStorageMetadata) and isinstance(current[k], torch.Tensor)
+        and tuple(saved[k].size) != tuple(current[k].shape)
+    )
+    problems = [
+        f"{label} ({len(items)}): {_listing(items)}"
+        for label, items in (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
+                             ("shape mismatch", shapes))
+        if items
+    ] + list(extra_problems or [])
+    if problems:
+        raise ValueError(f"Checkpoint {path} does not match the model:\n  " + "\n  ".join(problems))
+
+
+def has_prefix(metadata: Metadata, prefix: str) -> bool:
+    """Whether any saved key starts with `prefix` (e.g. optimizer state was saved)."""
+    return any(k.startswith(prefix) for k in metadata.state_dict_metadata)
+
+
+# ---------------------------------------------------------------------- small helpers
+def _listing(items: list[str]) -> str:
+    shown = ", ".join(items[:_MAX_LISTED])
+    return shown + (f", ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """Without a process group DCP warns "assuming the intent is to save in a single process": it is."""
+    with warnings.catch_warnings():
+        if not is_distributed():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to", category=UserWarning)
+        yield
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def from_rank_zero(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a collective, so it synchronises like a barrier)."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def write_file(path: Path, value: Any) -> None:
+    """`torch.save` made durable: fsynced before `.metadata` can exist."""
+    with open(path, "wb") as f:
+        torch.save(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename durable (POSIX); silently skipped where directories cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
