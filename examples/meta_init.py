@@ -1,0 +1,167 @@
+"""Build a model too big for one rank on the meta device, shard it, load real weights.
+
+    torchrun --standalone --nproc_per_node=2 examples/meta_init.py [--dim 1024 --layers 16]
+
+No rank ever holds the whole model: it is built on the meta device (shapes only, no
+storage), `shard_model` allocates each rank's shard, and `load_full_weights` reads only
+that rank's rows of each tensor from a safetensors file. The script first writes such a
+file (rank 0, seeded; skipped when `--weights` already exists), then reports every rank's
+peak memory while building and loading, next to the model's full size. On GPUs (nccl) the
+peak device memory is reported as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdp2_strategy as f2
+
+MIB = 2**20
+warnings.filterwarnings("ignore", message="DTensor random operators")  # CPU meshes: harmless here
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block: 8 * dim**2 parameters, the unit `wrap_policy="auto"` shards."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def build_model(dim: int, layers: int) -> nn.Module:
+    """The model; on whatever device is current (`with torch.device("meta")` for no storage)."""
+    return nn.Sequential(*[Block(dim) for _ in range(layers)], nn.LayerNorm(dim))
+
+
+# --------------------------------------------------------------------------- memory readings
+def reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS counter (VmHWM) to the current RSS (Linux; else a no-op)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux: ru_maxrss below is then the peak since process start
+
+
+def rss_mib(field: str = "VmHWM") -> float:
+    """Resident memory in MiB: `VmRSS` (now) or `VmHWM` (peak since the last reset)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# --------------------------------------------------------------------------- the weights file
+def write_weights(path: Path, dim: int, layers: int, seed: int = 0) -> None:
+    """Write the full model's weights (seeded) to a safetensors file; rank 0 only."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    state = {k: v.contiguous() for k, v in build_model(dim, layers).state_dict().items()}
+    save_file(state, str(path))
+
+
+@torch.no_grad()
+def weight_checksum(model: nn.Module) -> float:
+    """Sum of every weight, added up over ranks shard by shard (no full tensor is gathered)."""
+    local = sum(float(p.to_local().double().sum()) if hasattr(p, "to_local") else float(p.double().sum())
+                for p in model.parameters())
+    total = torch.tensor([local], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total)
+
+
+def file_checksum(path: Path) -> float:
+    """The same sum read from the file (rank 0, one tensor at a time)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return sum(float(f.get_tensor(k).double().sum()) for k in f.keys())
+
+
+# --------------------------------------------------------------------------- main
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dim", type=int, default=1024, help="hidden size (block = 8*dim^2 params)")
+    parser.add_argument("--layers", type=int, default=16, help="number of blocks")
+    parser.add_argument("--weights", type=Path, default=None, help="safetensors file (written if missing)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+
+    # 1. A full checkpoint to load (what from_pretrained would read), written once by rank 0.
+    shared = [str(args.weights or Path(tempfile.gettempdir()) / f"meta_init_{args.dim}x{args.layers}.safetensors")]
+    dist.broadcast_object_list(shared)
+    path = Path(shared[0])
+    if rank == 0 and not path.exists():
+        write_weights(path, args.dim, args.layers)
+    expected = [file_checksum(path) if rank == 0 else None]
+    dist.broadcast_object_list(expected)  # also a barrier: the file exists from here on
+
+    # 2. Measured: build on meta, shard, load this rank's slices.
+    reset_peak_rss()
+    if backend == "nccl":
+        torch.cuda.reset_peak_memory_stats()
+    before = rss_mib("VmRSS")
+    with torch.device("meta"):
+        model = build_model(args.dim, args.layers)
+    full_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB
+    f2.shard_model(model, f2.FSDP2Config(wrap_policy="auto"))
+    f2.load_full_weights(model, path)
+    growth = rss_mib("VmHWM") - before
+    gpu_peak = torch.cuda.max_memory_allocated() / MIB if backend == "nccl" else None
+    shard_mib = f2.sharding_plan(model).local_bytes / MIB
+
+    # 3. Proof that the right weights arrived, and that the model runs.
+    checksum = weight_checksum(model)
+    device = next(p.to_local().device for p in model.parameters() if hasattr(p, "to_local"))
+    with torch.no_grad():
+        out = model(torch.randn(2, args.dim, generator=torch.Generator().manual_seed(0)).to(device))
+    rows = [None] * world
+    dist.all_gather_object(rows, (rank, before, growth, shard_mib, gpu_peak))
+    if rank == 0:
+        report(rows, full_mib, checksum, expected[0], bool(torch.isfinite(out).all()))
+    f2.shutdown()
+
+
+def report(rows: list, full_mib: float, checksum: float, expected: float, finite: bool) -> None:
+    """Print the per-rank memory table (rank 0)."""
+    print(f"model: {full_mib:.0f} MiB of fp32 parameters in full, sharded over {len(rows)} ranks")
+    gpu = rows[0][4] is not None
+    print(f"{'rank':>4} {'RSS before (MiB)':>17} {'peak growth (MiB)':>18} {'own shard (MiB)':>16}"
+          + (f" {'GPU peak (MiB)':>15}" if gpu else ""))
+    for rank, before, growth, shard, gpu_peak in rows:
+        print(f"{rank:>4} {before:>17.0f} {growth:>18.0f} {shard:>16.0f}" + (f" {gpu_peak:>15.0f}" if gpu else ""))
+    worst = max(r[2] for r in rows)
+    print(f"largest per-rank peak growth / full model size: {worst / full_mib:.2f}")
+    match = abs(checksum - expected) <= 1e-6 * max(1.0, abs(expected))
+    print(f"weights match the file: {match} (checksum {checksum:.6f} vs {expected:.6f}); forward output finite: {finite}")
+
+
+if __name__ == "__main__":
+    main()
