@@ -1,0 +1,169 @@
+"""Pieces the benchmarks share: the model, synthetic data, Lightning modules, step timing.
+
+Not a public API: the benchmark scripts put this folder on `sys.path` and import it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BATCH_SEED = 1234
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block (8 * dim**2 parameters): the unit every variant shards."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class Net(nn.Module):
+    """Input projection, `layers` blocks in a ModuleList (what `wrap_policy="auto"` picks), head."""
+
+    def __init__(self, dim: int, layers: int, inputs: int = 32):
+        super().__init__()
+        self.inp = nn.Linear(inputs, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, 2)  # 2 rows: every rank of a 2-rank world owns a non-empty shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_net(dim: int, layers: int, seed: int = 0) -> Net:
+    """The same initial weights on every rank and in every variant."""
+    torch.manual_seed(seed)
+    return Net(dim, layers)
+
+
+def hand_shard(net: Net, mesh=None) -> Net:
+    """What people write by hand: `fully_shard` on each block, then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def batches(n: int, batch: int, inputs: int = 32, seed: int = BATCH_SEED) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`n` (x, y) micro-batches of a fixed random regression task; different on each rank."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    gen = torch.Generator().manual_seed(seed + rank)
+    w = torch.randn(inputs, 2, generator=torch.Generator().manual_seed(seed))
+    out = []
+    for _ in range(n):
+        x = torch.randn(batch, inputs, generator=gen)
+        out.append((x, x @ w))
+    return out
+
+
+def timed_steps(step: Callable[[int], None], steps: int) -> list[float]:
+    """Seconds per call of `step(i)`, each call started on all ranks together."""
+    times = []
+    for i in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step(i)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def interleave(variants: dict[str, Callable[[], list[float]]], rounds: int) -> dict[str, list[float]]:
+    """Run each variant once per round, interleaved A B, B A, A B, ... (the order alternates so
+    that neither always runs first after the other); the first round is warm-up."""
+    results: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(rounds + 1):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times = variants[name]()
+            if r > 0:
+                results[name].extend(times)
+    return results
+
+
+def print_ratio_table(results: dict[str, list[float]], baseline: str, title: str) -> None:
+    """Median per step of each variant, its spread (25th-75th percentile) and its ratio to
+    `baseline` (rank 0 prints). The spread says how much of a ratio is noise."""
+    if dist.get_rank() != 0:
+        return
+    base = statistics.median(results[baseline])
+    print(title)
+    print(f"{'variant':<36} {'median s/step':>14} {'p25-p75':>15} {'ratio':>7} {'n':>4}")
+    for name, times in results.items():
+        med = statistics.median(times)
+        q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (med, med, med)
+        print(f"{name:<36} {med:>14.4f} {q1:>7.3f}-{q3:<7.3f} {med / base:>7.3f} {len(times):>4}")
+
+
+# --------------------------------------------------------------------------- Lightning
+def lightning_module(dim: int, layers: int, *, shard_in_configure_model: bool, lr: float = 1e-3):
+    """A LightningModule training `Net`; optionally applying `fully_shard` itself in configure_model."""
+    import lightning.pytorch as pl
+    import torch.nn.functional as F
+
+    class BenchModule(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = make_net(dim, layers)
+
+        def configure_model(self) -> None:
+            # Lightning's ModelParallelStrategy requires the user to shard here, by hand.
+            if shard_in_configure_model:
+                hand_shard(self.net, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=lr)
+
+    return BenchModule()
+
+
+def step_timer():
+    """A Lightning callback recording the wall time of every optimizer step (rank-local)."""
+    from lightning.pytorch.callbacks import Callback
+
+    class StepTimer(Callback):
+        def __init__(self):
+            self.stamps: list[float] = []
+            self._step = -1
+
+        def on_train_batch_end(self, trainer, *args) -> None:
+            if trainer.global_step != self._step:  # an optimizer step happened in this batch
+                self._step = trainer.global_step
+                self.stamps.append(time.perf_counter())
+
+        def intervals(self, skip: int = 2) -> list[float]:
+            """Seconds between consecutive optimizer steps, the first `skip` dropped as warm-up."""
+            return [b - a for a, b in zip(self.stamps, self.stamps[1:])][skip:]
+
+    return StepTimer()
+
+
+def tensor_loader(n_batches: int, batch: int):
+    """A DataLoader over a fixed dataset (Lightning adds the DistributedSampler)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    gen = torch.Generator().manual_seed(BATCH_SEED)
+    w = torch.randn(32, 2, generator=gen)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    x = torch.randn(n_batches * batch * world, 32, generator=gen)
+    return DataLoader(TensorDataset(x, x @ w), batch_size=batch)
+
