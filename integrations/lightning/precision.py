@@ -1,0 +1,96 @@
+"""Lightning precision plugins for `strategy="fsdp2"`: precision strings onto FSDP2 policies.
+
+| `Trainer(precision=...)` | weights (sharded) | compute                      | gradient reduction |
+|--------------------------|-------------------|------------------------------|--------------------|
+| "32-true"                | fp32              | fp32                         | fp32               |
+| "bf16-mixed"             | fp32              | bf16 (FSDP2 policy+autocast) | fp32               |
+| "16-mixed"               | fp32              | fp16 (FSDP2 policy+autocast) | fp32, loss scaled by `ShardedGradScaler` |
+| "bf16-true" / "16-true"  | bf16 / fp16       | bf16 / fp16                  | bf16 / fp16        |
+
+Every plugin clips gradients through the core (`fsdp2_strategy.clip_grad_norm_`): one
+global norm over all shards and meshes, equal to the single-process norm.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.optim import Optimizer
+
+import fsdp2_strategy as f2
+
+__all__ = ["SUPPORTED_PRECISION", "FSDP2Precision", "FSDP2MixedPrecision", "FSDP2HalfPrecision", "to_fsdp2_precision"]
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+_POLICY = {"bf16-mixed": "bf16", "16-mixed": "fp16"}  # core `FSDP2Config.mixed_precision` names
+
+
+class _ShardedClipping:
+    """Clip with the core: Lightning's default (`torch.nn.utils.clip_grad_norm_`) fails on
+    parameters of several meshes, and Lightning's FSDP plugin refuses norm clipping outright."""
+
+    fsdp2_mixed_precision: Optional[str] = None
+    """The core mixed-precision policy the strategy applies when sharding (None: none)."""
+
+    last_grad_norm: Optional[torch.Tensor] = None
+    """Total gradient norm (before clipping) of the last `gradient_clip_algorithm="norm"` step."""
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        self.last_grad_norm = f2.clip_grad_norm_(list(self.main_params(optimizer)), clip_val)
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: float) -> None:
+        f2.clip_grad_value_(list(self.main_params(optimizer)), clip_val)
+
+
+class FSDP2Precision(_ShardedClipping, Precision):
+    """fp32 everywhere ("32-true")."""
+
+
+class FSDP2MixedPrecision(_ShardedClipping, MixedPrecision):
+    """"bf16-mixed" / "16-mixed": fp32 sharded weights, low-precision compute, fp32 reduction.
+
+    FSDP2 casts each group's gathered parameters (its mixed-precision policy) and autocast
+    keeps numerically sensitive ops (softmax, norms, losses) in fp32. "16-mixed" scales the
+    loss with `ShardedGradScaler`, which agrees on inf/NaN across ranks so that every rank
+    skips the same steps.
+    """
+
+    def __init__(self, precision: str, device: str = "cpu", scaler: Optional[Any] = None) -> None:
+        if precision not in _POLICY:
+            raise ValueError(f"FSDP2MixedPrecision(precision={precision!r}) is invalid; use 'bf16-mixed' or '16-mixed'.")
+        if precision == "16-mixed" and scaler is None:
+            scaler = ShardedGradScaler(device=device)
+        super().__init__(precision, device, scaler)
+        self.fsdp2_mixed_precision = _POLICY[precision]
+
+
+class FSDP2HalfPrecision(_ShardedClipping, HalfPrecision):
+    """"bf16-true" / "16-true": the module is cast before sharding, so shards, compute and
+    reduction are all in that dtype."""
+
+
+def to_fsdp2_precision(plugin: Optional[Precision]) -> Optional[Precision]:
+    """The FSDP2 plugin for the one Lightning chose from `Trainer(precision=...)`.
+
+    Raises ValueError for plugins FSDP2 cannot honour (64-bit, Transformer Engine,
+    bitsandbytes, custom plugins), naming the precision strings that work.
+    """
+    if plugin is None or isinstance(plugin, _ShardedClipping):
+        return plugin
+    kind = type(plugin)
+    if kind is Precision:
+        return FSDP2Precision()
+    if kind is MixedPrecision:
+        # Lightning's default scaler for "16-mixed" is `torch.amp.GradScaler`: its inf checks
+        # are per rank, so ranks could disagree on skipping a step. Use the sharded one.
+        return FSDP2MixedPrecision(plugin.precision, plugin.device)
+    if kind is HalfPrecision:
+        return FSDP2HalfPrecision(plugin.precision)
+    raise ValueError(
+        f"strategy='fsdp2' cannot honour the precision plugin {kind.__name__}"
+        f" (precision={getattr(plugin, 'precision', None)!r}). Use Trainer(precision=...) with one of: "
+        + ", ".join(SUPPORTED_PRECISION) + "."
+    )

@@ -1,0 +1,235 @@
+"""`FSDP2Strategy`: Lightning's Strategy hooks translated into fsdp2_strategy core calls.
+
+It subclasses Lightning's `ModelParallelStrategy` and keeps its device mesh (dimensions
+"data_parallel" and "tensor_parallel"), so LightningModules written for that strategy run
+unchanged. What it adds is the core's: sharding by policy after `configure_model`, precision
+strings as FSDP2 policies, gradient sync skipped while accumulating, clipping by a global
+norm, and checkpoints committed atomically with checksums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Generator, Literal, Optional, Union
+
+import torch
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, register_fsdp_forward_method
+
+import fsdp2_strategy as f2
+from fsdp2_strategy import checkpoint_dir as cdir
+
+from ._compat import META_FILE, FullStateMultiProcessingLauncher, is_sharded_checkpoint
+from .precision import FSDP2Precision, to_fsdp2_precision
+
+__all__ = ["FSDP2Strategy", "STEP_METHODS"]
+
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+"""LightningModule methods Lightning calls instead of `forward`; FSDP gathers the root around them."""
+
+_ONE_DIM_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_MODEL_KEY = "state_dict"  # Lightning's key for the model; optimizers are "optimizer_<i>"
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning strategy that shards the LightningModule with `fsdp2_strategy.shard_model`.
+
+    Args:
+        config: an `FSDP2Config`, a dict of its fields, or the path of its YAML file.
+        state_dict_type: "sharded" (default): `save_checkpoint(path)` writes a directory of
+            DCP shards plus Lightning's `meta.pt`, committed atomically; "full": the full
+            weights gathered to rank 0 into one file.
+        start_method: "popen" (Lightning re-runs the script per rank, or torchrun does),
+            or "spawn"/"fork"/"forkserver" (multiprocessing: notebooks, tests).
+        process_group_backend: torch.distributed backend; default gloo on CPU, and on an
+            accelerator "cpu:gloo,<device>:<nccl...>" so CPU collectives (async
+            checkpointing) have a backend too.
+        timeout: process-group timeout; a rank that fails then ends the others.
+        **fields: `FSDP2Config` fields (`wrap_policy`, `sharding_strategy`, ...), overriding `config`.
+    """
+
+    def __init__(
+        self,
+        config: Union[f2.FSDP2Config, dict, str, Path, None] = None,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        **fields: Any,
+    ) -> None:
+        if state_dict_type not in ("sharded", "full"):
+            raise ValueError(f"FSDP2Strategy.state_dict_type={state_dict_type!r} is invalid; use 'sharded' or 'full'.")
+        if start_method not in _START_METHODS:
+            raise ValueError(f"FSDP2Strategy.start_method={start_method!r} is invalid; use one of {_START_METHODS}.")
+        # `FSDP2Config(**fields)` spelled out (not only via `coerce`) lets LightningCLI's parser
+        # see the config fields as this class's own `init_args`.
+        self.fsdp2_config = f2.FSDP2Config(**fields) if config is None else f2.FSDP2Config.coerce(config, **fields)
+        self._start_method = start_method
+        super().__init__(
+            save_distributed_checkpoint=state_dict_type == "sharded",
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+
+    # ------------------------------------------------------------------ plugins and launch
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else FSDP2Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # Lightning picks a plugin from `Trainer(precision=...)` and hands it to us: swap in the
+        # FSDP2 equivalent (or refuse it, naming the precision strings that work).
+        self._precision_plugin = to_fsdp2_precision(plugin)
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method != "popen":
+            self._launcher = FullStateMultiProcessingLauncher(self, start_method=self._start_method)
+        elif not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _get_process_group_backend(self) -> str:
+        if self._process_group_backend:
+            return self._process_group_backend
+        device = self.root_device
+        backend = _get_default_process_group_backend_for_device(device)
+        return backend if device.type == "cpu" else f"cpu:gloo,{device.type}:{backend}"
+
+    def setup_environment(self) -> None:
+        """Set up the process group and a ("data_parallel"=world size, "tensor_parallel"=1) mesh."""
+        # ModelParallelStrategy's "auto" sizes shard nothing on one node (data_parallel = nodes).
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    # ------------------------------------------------------------------ model
+    def setup(self, trainer: Any) -> None:
+        """Shard the LightningModule (after `configure_model`), then set up optimizers."""
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
+            raise TypeError("strategy='fsdp2' found FSDP1 `FullyShardedDataParallel` modules: remove that wrapping "
+                            "(the strategy shards by its wrap_policy) or apply FSDP2 `fully_shard` instead.")
+        # "-true" precisions cast before sharding, so the shards are stored in that dtype.
+        self.model = self.precision_plugin.convert_module(self.model)
+        self._shard()  # fully_shard moves each shard to the mesh's device
+        self.model_to_device()  # buffers and anything left unsharded
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)  # after sharding: the optimizers hold the shards
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard(self) -> None:
+        """Apply the core's `shard_model` and gather the root around Lightning's step methods."""
+        module = self.lightning_module
+        if isinstance(module, FSDPModule):
+            return  # sharded already: by an earlier fit/validate, or by the user's configure_model
+        f2.shard_model(module, self._effective_config(), mesh=self._core_mesh())
+        for name in STEP_METHODS:
+            if callable(getattr(module, name, None)):
+                register_fsdp_forward_method(module, name)
+
+    def _effective_config(self) -> f2.FSDP2Config:
+        """The config, with the precision string's FSDP2 policy unless `mixed_precision` was set."""
+        policy = getattr(self.precision_plugin, "fsdp2_mixed_precision", None)
+        if policy is None or self.fsdp2_config.mixed_precision is not None:
+            return self.fsdp2_config
+        return dataclasses.replace(self.fsdp2_config, mixed_precision=policy)
+
+    def _core_mesh(self):
+        """The 1-D data-parallel sub-mesh for 1-D strategies; None lets the core build hybrid meshes."""
+        cfg = self.fsdp2_config
+        if cfg.sharding_strategy in _ONE_DIM_STRATEGIES and cfg.mesh_shape is None:
+            return self.device_mesh["data_parallel"]
+        return None
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No gradient reduction on the micro-batches `accumulate_grad_batches` accumulates."""
+        with f2.no_sync(self.model):
+            yield
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Sharded: DCP shards + `meta.pt` into `filepath/`, committed atomically (rank 0 renames a
+        finished `.tmp-<name>/`), so a crash mid-save leaves the previous checkpoint intact."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError("FSDP2Strategy.save_checkpoint(..., storage_options=...) is not supported: "
+                            "sharded checkpoints are written by torch.distributed.checkpoint, not a CheckpointIO.")
+        path = Path(self.broadcast(filepath))  # every rank writes to rank 0's path
+        state = {_MODEL_KEY: checkpoint.pop(_MODEL_KEY)}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        # Names Lightning rewrites (`last.ckpt`, `save_top_k` slots) are replaced, never mixed.
+        cdir.save_dir(path, state, files={META_FILE: checkpoint}, replace=True)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load a sharded directory (any world size: DCP reshards) or a full file; return the rest."""
+        path = Path(self.broadcast(checkpoint_path))
+        if not is_sharded_checkpoint(path):
+            if path.is_dir():
+                raise FileNotFoundError(f"{path} is not a committed sharded checkpoint (no .metadata and meta.pt): "
+                                        "a save that did not finish is never loaded. Pick another checkpoint.")
+            return super().load_checkpoint(path, weights_only)
+        cdir.verify_dir(path)
+        metadata = cdir.read_metadata(path)
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        keys = {f"optimizer_{i}": opt for i, opt in enumerate(optimizers)}
+        missing = [k for k in keys if not cdir.has_prefix(metadata, k + ".")]
+        model_state = get_model_state_dict(self.model)
+        cdir.check_compatible(metadata, model_state, _MODEL_KEY + ".", path,
+                              [f"no {k} state in checkpoint (saved without optimizers?)" for k in missing])
+        state = {_MODEL_KEY: model_state, **{k: get_optimizer_state_dict(self.model, o) for k, o in keys.items()}}
+        cdir.load_dcp(state, path)
+        strict = self.lightning_module.strict_loading
+        set_model_state_dict(self.model, state[_MODEL_KEY], options=StateDictOptions(strict=strict))
+        for key, optimizer in keys.items():
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key])
+        return torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Rank 0 removes a checkpoint file or directory (ModelCheckpoint's `save_top_k`)."""
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir() and not path.is_symlink():
+                # Un-publish with a rename first: a crash mid-delete must not leave a loadable half.
+                trash = cdir.tmp_path_for(path)
+                path.rename(trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                super().remove_checkpoint(filepath)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register "fsdp2", "fsdp2_hybrid", "fsdp2_cpu_offload" and "fsdp2_spawn"."""
+        entries = {
+            "fsdp2": ("FSDP2 (fully_shard) via fsdp2_strategy", {}),
+            "fsdp2_hybrid": ("FSDP2 hybrid sharding via fsdp2_strategy", {"sharding_strategy": "HYBRID_SHARD"}),
+            "fsdp2_cpu_offload": ("FSDP2 with CPU offload via fsdp2_strategy", {"cpu_offload": True}),
+            "fsdp2_spawn": ("FSDP2 via fsdp2_strategy, processes spawned (notebooks)", {"start_method": "spawn"}),
+        }
+        for name, (description, params) in entries.items():
+            strategy_registry.register(name, cls, description=description, override=True, **params)

@@ -1,0 +1,142 @@
+"""Shared pieces of the Lightning flow scripts: a small LightningModule, data, references."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _comm
+
+import fsdp2_strategy.integrations.lightning  # noqa: E402,F401  registers "fsdp2"
+
+LR = 0.1
+N_SAMPLES = 32
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class LitMLP(pl.LightningModule):
+    """A plain LightningModule: layers built in __init__, SGD (or Adam), records what it sees."""
+
+    def __init__(self, optimizer: str = "sgd", lr: float = LR):
+        super().__init__()
+        self.save_hyperparameters()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(Block(16) for _ in range(3))
+        self.out = nn.Linear(16, 1)
+        self.losses: list[float] = []
+        self.indices: list[list[int]] = []
+        self.seen: dict = {}
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+    def training_step(self, batch, batch_idx):
+        idx, x, y = batch
+        out = self(x)
+        if not self.seen:
+            self.seen = {
+                "out_dtype": str(out.dtype),
+                "param_dtypes": sorted({str(p.dtype) for p in self.parameters()}),
+                "block_params_dtensor": [isinstance(p, DTensor) for p in self.blocks.parameters()],
+                "optimizer_params_dtensor": [
+                    isinstance(p, DTensor) for g in self.trainer.optimizers[0].param_groups for p in g["params"]
+                ],
+                "mesh_dims": list(self.device_mesh.mesh_dim_names),
+                "mesh_shape": list(self.device_mesh.shape),
+                "strategy": type(self.trainer.strategy).__name__,
+            }
+        loss = nn.functional.mse_loss(out.float(), y)
+        self.losses.append(loss.item())
+        self.indices.append(idx.tolist())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        idx, x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y, reduction="sum")
+        self.log("val_sum", loss, reduce_fx="sum", sync_dist=True, on_epoch=True)
+
+    def test_step(self, batch, batch_idx):
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx):
+        idx, x, _ = batch
+        return idx, self(x)
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.hparams.lr * 0.1)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.arange(N_SAMPLES), torch.randn(N_SAMPLES, 8, generator=g),
+                         torch.randn(N_SAMPLES, 1, generator=g))
+
+
+def loader(batch: int, shuffle: bool = True) -> DataLoader:
+    return DataLoader(dataset(), batch_size=batch, shuffle=shuffle)
+
+
+def trainer(strategy="fsdp2", devices=2, **kwargs) -> pl.Trainer:
+    defaults = dict(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False)
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded copies of every parameter (full_tensor() is a collective: all ranks call this)."""
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
+            for n, p in model.named_parameters()}
+
+
+def gather(obj):
+    """Every rank's `obj`, in rank order (a plain list in one process)."""
+    if not torch.distributed.is_initialized():
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def reference_step(initial: nn.Module, indices: list[int], *, clip: tuple | None = None, lr: float = LR):
+    """One SGD step of one process on the samples `indices` (mean loss); returns (params, grad norm)."""
+    model = copy.deepcopy(initial)
+    _, xs, ys = dataset().tensors
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    nn.functional.mse_loss(model(xs[indices]), ys[indices]).backward()
+    norm = None
+    if clip and clip[0] == "norm":
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip[1]).item()
+    elif clip:
+        torch.nn.utils.clip_grad_value_(model.parameters(), clip[1])
+    opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norm
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
+
+
+def write_json(path: str, result: dict) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        Path(path).write_text(json.dumps(result, indent=1))

@@ -1,0 +1,265 @@
+"""Lightning flows on 2 ranks under torchrun, in one world; writes what it measured to JSON.
+
+Usage: torchrun --nproc_per_node=2 flows.py OUT.json WORKDIR [SINGLE_PROCESS_CKPT]
+
+Each flow records its numbers under its own key; an exception is recorded as "error" for
+that flow (the test fails on it) and the next flow runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from common import (
+    LitMLP,
+    dataset,
+    full_params,
+    gather,
+    loader,
+    max_rel_diff,
+    reference_step,
+    trainer,
+    write_json,
+)
+from _comm import count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+import fsdp2_strategy as f2
+from fsdp2_strategy.integrations.lightning import FSDP2MixedPrecision, FSDP2Strategy
+
+BATCH = 4  # per rank
+
+
+def _all_indices(model: LitMLP, steps: slice = slice(None)) -> list[int]:
+    return [i for rank in gather(model.indices[steps]) for batch in rank for i in batch]
+
+
+def _global_losses(model: LitMLP) -> list[float]:
+    per_rank = gather(model.losses)
+    return [sum(v) / len(v) for v in zip(*per_rank)]
+
+
+def _fresh(seed: int = 0, **kwargs) -> tuple[LitMLP, LitMLP]:
+    torch.manual_seed(seed)
+    model = LitMLP(**kwargs)
+    return model, copy.deepcopy(model)
+
+
+def _rs(counts) -> int:
+    return sum(v for k, v in counts.items() if k.startswith("reduce_scatter"))
+
+
+def one_step_parity(out: dict, work: Path) -> None:
+    model, initial = _fresh()
+    fit = trainer(max_steps=1)
+    fit.fit(model, loader(BATCH))
+    full = full_params(model)
+    ref, _ = reference_step(initial, _all_indices(model))
+    out.update(model.seen, max_rel_diff=max_rel_diff(full, ref), root_is_fsdp=isinstance(model, FSDPModule),
+               plan_groups=[g.name for g in f2.sharding_plan(model).groups],
+               disjoint=not set(gather(model.indices[0])[0]) & set(gather(model.indices[0])[1]))
+    try:
+        trainer(FSDP2Strategy(wrap_policy=["Blok"]), max_steps=1).fit(LitMLP(), loader(BATCH))
+        out["typo_error"] = None
+    except ValueError as exc:
+        out["typo_error"] = str(exc)
+
+
+def accumulation(out: dict, work: Path) -> None:
+    model, initial = _fresh()
+    with count_collectives() as counts:
+        trainer(max_steps=1, accumulate_grad_batches=2).fit(model, loader(BATCH))
+    ref, _ = reference_step(initial, _all_indices(model))
+    plain, _ = _fresh()
+    with count_collectives() as plain_counts:
+        trainer(max_steps=2).fit(plain, loader(BATCH))
+    out.update(groups=len(f2.sharding_plan(model).groups), micro_batches=len(model.losses),
+               reduce_scatters=_rs(counts), reduce_scatters_two_plain_steps=_rs(plain_counts),
+               max_rel_diff=max_rel_diff(full_params(model), ref))
+
+
+def clipping(out: dict, work: Path) -> None:
+    for algorithm, value in (("norm", 0.05), ("value", 0.002)):
+        model, initial = _fresh()
+        fit = trainer(max_steps=1, gradient_clip_val=value, gradient_clip_algorithm=algorithm)
+        fit.fit(model, loader(BATCH))
+        ref, ref_norm = reference_step(initial, _all_indices(model), clip=(algorithm, value))
+        unclipped, _ = reference_step(initial, _all_indices(model))
+        norm = fit.strategy.precision_plugin.last_grad_norm
+        out[algorithm] = dict(max_rel_diff=max_rel_diff(full_params(model), ref),
+                              unclipped_diff=max_rel_diff(full_params(model), unclipped),
+                              norm=None if norm is None else float(norm), ref_norm=ref_norm)
+
+
+def precision(out: dict, work: Path) -> None:
+    model, initial = _fresh()
+    fit = trainer(max_steps=1, precision="bf16-mixed")
+    fit.fit(model, loader(BATCH))
+    plan = f2.sharding_plan(model)
+    fp32, _ = _fresh()
+    trainer(max_steps=1).fit(fp32, loader(BATCH))
+    out["bf16_mixed"] = dict(model.seen, plugin=type(fit.precision_plugin).__name__,
+                             stored_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
+                             precision=sorted({g.precision for g in plan.groups}),
+                             loss=model.losses[0], fp32_loss=fp32.losses[0])
+
+    model, _ = _fresh()
+    fit = trainer(FSDP2Strategy(), max_steps=2, plugins=[FSDP2MixedPrecision("16-mixed", "cpu")])
+    fit.fit(model, loader(BATCH))
+    out["fp16_mixed"] = dict(model.seen, scaler=type(fit.precision_plugin.scaler).__name__,
+                             sharded_scaler=isinstance(fit.precision_plugin.scaler, ShardedGradScaler),
+                             finite=all(torch.isfinite(p).all().item() for p in full_params(model).values()),
+                             losses=model.losses)
+
+    model, _ = _fresh()
+    trainer(max_steps=1, precision="bf16-true").fit(model, loader(BATCH))
+    out["bf16_true"] = dict(model.seen)
+    try:
+        trainer(precision="64-true")
+        out["double_error"] = None
+    except ValueError as exc:
+        out["double_error"] = str(exc)
+
+
+def evaluation(out: dict, work: Path) -> None:
+    """validate/test/predict on a model that never trained, against one process."""
+    model, initial = _fresh()
+    fit = trainer()
+    val = fit.validate(model, loader(BATCH, shuffle=False), verbose=False)[0]["val_sum"]
+    test = fit.test(model, loader(BATCH, shuffle=False), verbose=False)[0]["val_sum"]
+    preds = fit.predict(model, loader(BATCH, shuffle=False))
+    _, xs, ys = dataset().tensors
+    with torch.no_grad():
+        ref_out = initial(xs)
+        ref_sum = torch.nn.functional.mse_loss(ref_out, ys, reduction="sum").item()
+        pred_diff = max((p - ref_out[i]).abs().max().item() for i, p in preds)
+    out.update(val=float(val), test=float(test), ref=ref_sum, pred_diff=pred_diff, root_is_fsdp=isinstance(model, FSDPModule),
+               predicted=sum(len(i) for i, _ in preds))
+
+
+class ManualBlocks(LitMLP):
+    """Written for ModelParallelStrategy: shards its blocks itself in configure_model."""
+
+    def configure_model(self):
+        for block in self.blocks:
+            if not isinstance(block, FSDPModule):
+                fully_shard(block, mesh=self.device_mesh["data_parallel"], reshard_after_forward=False)
+
+
+def manual_configure_model(out: dict, work: Path) -> None:
+    torch.manual_seed(0)
+    model = ManualBlocks()
+    initial = LitMLP()
+    initial.load_state_dict(model.state_dict())
+    trainer(max_steps=1).fit(model, loader(BATCH))
+    ref, _ = reference_step(initial, _all_indices(model))
+    # The user's reshard_after_forward=False survives: no post-forward mesh (a private attribute).
+    kept = [blk._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None for blk in model.blocks]
+    out.update(groups=[g.name for g in f2.sharding_plan(model).groups], user_settings_kept=kept,
+               max_rel_diff=max_rel_diff(full_params(model), ref))
+
+
+def meta_init(out: dict, work: Path) -> None:
+    fit = trainer(max_steps=2)
+    with fit.init_module(empty_init=True):
+        model = LitMLP()
+    out["meta_before"] = all(p.is_meta for p in model.parameters())
+    fit.fit(model, loader(BATCH))
+    params = full_params(model)
+    out.update(meta_after=any(p.is_meta for p in model.parameters()),
+               finite=all(torch.isfinite(p).all().item() for p in params.values()),
+               nonzero=all(p.abs().sum().item() > 0 for n, p in params.items() if n.endswith("weight")),
+               losses=model.losses)
+
+
+def _ckpt_trainer(dirpath: Path, epochs: int, **kwargs) -> pl.Trainer:
+    callback = ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=-1)
+    return trainer(max_epochs=epochs, enable_checkpointing=True, callbacks=[callback], **kwargs)
+
+
+def checkpoints(out: dict, work: Path) -> None:
+    ckpt_dir = work / "ckpts"
+    # Uninterrupted reference: two epochs.
+    ref, _ = _fresh(optimizer="adam")
+    trainer(max_epochs=2).fit(ref, loader(BATCH))
+    out["ref_losses"] = _global_losses(ref)
+    ref_params = full_params(ref)
+
+    first, _ = _fresh(optimizer="adam")
+    _ckpt_trainer(ckpt_dir, 1).fit(first, loader(BATCH))
+    out["first_losses"] = _global_losses(first)
+    out["epoch0_params"] = {k: v.tolist() for k, v in full_params(first).items()}
+    out["listing"] = sorted(p.name for p in ckpt_dir.iterdir())
+    out["step_files"] = sorted(p.name for p in (ckpt_dir / "epoch=0-step=4.ckpt").iterdir())
+
+    resumed, _ = _fresh(seed=7, optimizer="adam")  # other init: everything must come from the checkpoint
+    _ckpt_trainer(ckpt_dir, 2).fit(resumed, loader(BATCH), ckpt_path="last")
+    out["resumed_losses"] = _global_losses(resumed)
+    out["resumed_diff"] = max_rel_diff(full_params(resumed), ref_params)
+
+    explicit = work / "explicit.ckpt"
+    fit = trainer(max_epochs=1)
+    model, _ = _fresh(optimizer="adam")
+    fit.fit(model, loader(BATCH))
+    fit.save_checkpoint(explicit)
+    out["explicit_is_dir"] = explicit.is_dir() and (explicit / ".metadata").is_file()
+
+    full_file = work / "full.ckpt"
+    fit = trainer(FSDP2Strategy(state_dict_type="full"), max_epochs=1)
+    model, _ = _fresh(optimizer="adam")
+    fit.fit(model, loader(BATCH))
+    fit.save_checkpoint(full_file)
+    out["full_is_file"] = full_file.is_file()
+    resumed, _ = _fresh(seed=7, optimizer="adam")
+    trainer(FSDP2Strategy(state_dict_type="full"), max_epochs=2).fit(resumed, loader(BATCH), ckpt_path=full_file)
+    out["full_resumed_losses"] = _global_losses(resumed)
+
+    if len(sys.argv) > 3:  # 1 -> 2 ranks: a checkpoint one process wrote
+        resumed, _ = _fresh(seed=7, optimizer="adam")
+        trainer(max_epochs=2).fit(resumed, loader(BATCH), ckpt_path=sys.argv[3])
+        out["from_single_losses"] = _global_losses(resumed)
+        out["from_single_diff"] = max_rel_diff(full_params(resumed), ref_params)
+
+    damaged = work / "damaged.ckpt"
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(ckpt_dir / "last.ckpt", damaged)
+        shard = damaged / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    torch.distributed.barrier()
+    try:
+        model, _ = _fresh(seed=7, optimizer="adam")
+        trainer(max_epochs=2).fit(model, loader(BATCH), ckpt_path=damaged)
+        out["damaged_error"] = None
+    except ValueError as exc:
+        out["damaged_error"] = str(exc)
+    out["damaged_errors_all_ranks"] = gather(out["damaged_error"] is not None)
+
+
+FLOWS = [one_step_parity, accumulation, clipping, precision, evaluation, manual_configure_model, meta_init, checkpoints]
+
+
+def main(out_path: str, work: str) -> None:
+    result: dict = {}
+    work_dir = Path(work)
+    for flow in FLOWS:
+        result[flow.__name__] = entry = {}
+        try:
+            flow(entry, work_dir)
+        except Exception:
+            entry["error"] = traceback.format_exc()
+    write_json(out_path, result)
+    f2.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
