@@ -75,6 +75,20 @@ def test_unknown_wrap_class_fails_with_close_match(flows):
     assert message is not None and "'Blok'" in message and "Did you mean 'Block'" in message
 
 
+def test_hybrid_registry_name(flows):
+    r = flows["hybrid"]
+    assert r["mesh_shapes"] == ["(1, 2)"] and r["strategies"] == ["HYBRID_SHARD"]  # (nodes, devices per node)
+    assert r["max_rel_diff"] < TOL
+
+
+def test_hybrid_mesh_follows_lightning_node_count():
+    strategy = FSDP2Strategy(sharding_strategy="HYBRID_SHARD")
+    strategy.num_nodes = 2
+    strategy.parallel_devices = [None] * 4
+    assert strategy._effective_config().mesh_shape == (2, 4)
+    assert FSDP2Strategy(sharding_strategy="HYBRID_SHARD", mesh_shape=(1, 8))._effective_config().mesh_shape == (1, 8)
+
+
 def test_accumulation_reduces_once_per_optimizer_step(flows):
     r = flows["accumulation"]
     assert r["micro_batches"] == 2
@@ -151,6 +165,7 @@ def test_resume_across_world_sizes(runs):
 
 def test_load_from_checkpoint_reads_sharded_dir_in_one_process(runs):
     assert runs["resume"]["loaded_diff"] == 0.0
+    assert runs["resume"]["lightning_reader_diff"] == 0.0  # Lightning's own reader agrees
     assert runs["resume"]["loaded_hparams"] == {"optimizer": "adam", "lr": 0.1}
 
 

@@ -46,6 +46,7 @@ STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 """LightningModule methods Lightning calls instead of `forward`; FSDP gathers the root around them."""
 
 _ONE_DIM_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
+_HYBRID_STRATEGIES = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _MODEL_KEY = "state_dict"  # Lightning's key for the model; optimizers are "optimizer_<i>"
 
@@ -152,11 +153,17 @@ class FSDP2Strategy(ModelParallelStrategy):
                 register_fsdp_forward_method(module, name)
 
     def _effective_config(self) -> f2.FSDP2Config:
-        """The config, with the precision string's FSDP2 policy unless `mixed_precision` was set."""
+        """The config plus what Lightning knows: the precision string's FSDP2 policy (unless
+        `mixed_precision` is set) and, for hybrid sharding, the (nodes, devices per node) mesh."""
+        changes: dict[str, Any] = {}
         policy = getattr(self.precision_plugin, "fsdp2_mixed_precision", None)
-        if policy is None or self.fsdp2_config.mixed_precision is not None:
-            return self.fsdp2_config
-        return dataclasses.replace(self.fsdp2_config, mixed_precision=policy)
+        if policy is not None and self.fsdp2_config.mixed_precision is None:
+            changes["mixed_precision"] = policy
+        if self.fsdp2_config.sharding_strategy in _HYBRID_STRATEGIES and self.fsdp2_config.mesh_shape is None:
+            # Replicate across nodes, shard within one: Lightning's launcher may not set the
+            # LOCAL_WORLD_SIZE the core would otherwise read.
+            changes["mesh_shape"] = (self.num_nodes, self.num_processes)
+        return dataclasses.replace(self.fsdp2_config, **changes) if changes else self.fsdp2_config
 
     def _core_mesh(self):
         """The 1-D data-parallel sub-mesh for 1-D strategies; None lets the core build hybrid meshes."""

@@ -73,6 +73,15 @@ def one_step_parity(out: dict, work: Path) -> None:
         out["typo_error"] = str(exc)
 
 
+def hybrid(out: dict, work: Path) -> None:
+    model, initial = _fresh()
+    trainer("fsdp2_hybrid", max_steps=1).fit(model, loader(BATCH))
+    ref, _ = reference_step(initial, _all_indices(model))
+    plan = f2.sharding_plan(model)
+    out.update(mesh_shapes=sorted({str(g.mesh_shape) for g in plan.groups}), strategies=sorted({g.strategy for g in plan.groups}),
+               max_rel_diff=max_rel_diff(full_params(model), ref))
+
+
 def accumulation(out: dict, work: Path) -> None:
     model, initial = _fresh()
     with count_collectives() as counts:
@@ -245,7 +254,7 @@ def checkpoints(out: dict, work: Path) -> None:
     out["damaged_errors_all_ranks"] = gather(out["damaged_error"] is not None)
 
 
-FLOWS = [one_step_parity, accumulation, clipping, precision, evaluation, manual_configure_model, meta_init, checkpoints]
+FLOWS = [one_step_parity, hybrid, accumulation, clipping, precision, evaluation, manual_configure_model, meta_init, checkpoints]
 
 
 def main(out_path: str, work: str) -> None:

@@ -37,10 +37,15 @@ def resume(out_path: str, ckpt: str, flows_json: str) -> None:
     saved = json.loads(Path(flows_json).read_text())["checkpoints"]["epoch0_params"]
     loaded_diff = max_rel_diff({k: v.detach() for k, v in loaded.named_parameters()},
                                {k: torch.tensor(v) for k, v in saved.items()})
+    # Lightning's own reader of sharded checkpoints (behind its consolidation CLI) reads ours.
+    from lightning.fabric.utilities.load import _load_distributed_checkpoint
+
+    lightning_view = _load_distributed_checkpoint(Path(ckpt))["state_dict"]
+    lightning_diff = max_rel_diff({k: lightning_view[k] for k in saved}, {k: torch.tensor(v) for k, v in saved.items()})
     torch.manual_seed(7)
     model = LitMLP(optimizer="adam")
     trainer(devices=1, max_epochs=2).fit(model, loader(BATCH), ckpt_path=ckpt)
-    write_json(out_path, {"loaded_diff": loaded_diff, "loaded_hparams": dict(loaded.hparams), "losses": model.losses,
+    write_json(out_path, {"loaded_diff": loaded_diff, "lightning_reader_diff": lightning_diff, "loaded_hparams": dict(loaded.hparams), "losses": model.losses,
                           "params": {k: v.tolist() for k, v in full_params(model).items()}})
 
 

@@ -1,0 +1,78 @@
+"""The atomic DCP directory primitives (checkpoint_dir) in one process: what the trainer adapters
+rely on when they rewrite a name such as Lightning's `last.ckpt`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+
+from fsdp2_strategy import checkpoint_dir as cdir
+
+
+class _DieMidWrite(FileSystemWriter):
+    """Writes the shard files, then dies before DCP can write `.metadata`."""
+
+    def finish(self, metadata, results):
+        raise OSError("disk gone mid-save")
+
+
+def _state(value: float) -> dict:
+    return {"state_dict": {"w": torch.full((4, 3), value)}}
+
+
+def _load(path) -> torch.Tensor:
+    state = {"state_dict": {"w": torch.zeros(4, 3)}}
+    cdir.verify_dir(path)
+    cdir.load_dcp(state, path)
+    return state["state_dict"]["w"]
+
+
+def test_replace_swaps_whole_directory(tmp_path):
+    final = tmp_path / "last.ckpt"
+    cdir.save_dir(final, _state(1.0), files={"meta.pt": {"step": 1}})
+    cdir.save_dir(final, _state(2.0), files={"meta.pt": {"step": 2}}, replace=True)
+    assert torch.equal(_load(final), torch.full((4, 3), 2.0))
+    assert torch.load(final / "meta.pt")["step"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no .tmp-* or old copy left
+
+
+def test_committed_directory_never_rewritten_without_replace(tmp_path):
+    final = tmp_path / "step.ckpt"
+    cdir.save_dir(final, _state(1.0))
+    with pytest.raises(RuntimeError, match="never rewritten"):
+        cdir.save_dir(final, _state(2.0))
+    assert torch.equal(_load(final), torch.full((4, 3), 1.0))
+
+
+def test_save_killed_mid_write_leaves_previous_checkpoint(tmp_path):
+    final = tmp_path / "last.ckpt"
+    cdir.save_dir(final, _state(1.0), files={"meta.pt": {"step": 1}})
+    tmp = cdir.prepare_tmp(final, {"meta.pt": {"step": 2}})
+    with pytest.raises(RuntimeError, match="DCP save into"):
+        cdir.write_dcp(_state(2.0), tmp, _DieMidWrite(str(tmp)))
+    assert any(tmp.glob("*.distcp")) and not cdir.is_committed(tmp)  # shards written, never committed
+    assert torch.equal(_load(final), torch.full((4, 3), 1.0))
+    assert torch.load(final / "meta.pt")["step"] == 1
+    # The next save clears the debris and commits.
+    cdir.save_dir(final, _state(3.0), replace=True)
+    assert torch.equal(_load(final), torch.full((4, 3), 3.0)) and not tmp.exists()
+
+
+def test_checksums_cover_trainer_files(tmp_path):
+    final = tmp_path / "c.ckpt"
+    cdir.save_dir(final, _state(1.0), files={"meta.pt": {"step": 1}})
+    (final / "meta.pt").write_bytes(b"tampered")
+    with pytest.raises(ValueError, match="meta.pt"):
+        cdir.verify_dir(final)
+
+
+def test_mismatch_lists_keys_and_shapes(tmp_path):
+    final = tmp_path / "c.ckpt"
+    cdir.save_dir(final, {"state_dict": {"w": torch.zeros(4, 3), "old": torch.zeros(1)}})
+    current = {"w": torch.zeros(5, 3), "new": torch.zeros(2)}
+    with pytest.raises(ValueError) as info:
+        cdir.check_compatible(cdir.read_metadata(final), current, "state_dict.", final)
+    message = str(info.value)
+    assert "missing in checkpoint (1): new" in message and "unexpected in checkpoint (1): old" in message
+    assert "w: checkpoint (4, 3) vs model (5, 3)" in message
