@@ -75,10 +75,11 @@ def test_unknown_wrap_class_fails_with_close_match(flows):
     assert message is not None and "'Blok'" in message and "Did you mean 'Block'" in message
 
 
-def test_hybrid_registry_name(flows):
-    r = flows["hybrid"]
-    assert r["mesh_shapes"] == ["(1, 2)"] and r["strategies"] == ["HYBRID_SHARD"]  # (nodes, devices per node)
-    assert r["max_rel_diff"] < TOL
+def test_registry_variants_train_like_one_process(flows):
+    hybrid, offload = flows["registry_variants"]["fsdp2_hybrid"], flows["registry_variants"]["fsdp2_cpu_offload"]
+    assert hybrid["mesh_shapes"] == ["(1, 2)"] and hybrid["strategies"] == ["HYBRID_SHARD"]  # (nodes, devices per node)
+    assert offload["offload"] == [True] and offload["mesh_shapes"] == ["(2,)"]
+    assert hybrid["max_rel_diff"] < TOL and offload["max_rel_diff"] < TOL
 
 
 def test_hybrid_mesh_follows_lightning_node_count():

@@ -73,13 +73,17 @@ def one_step_parity(out: dict, work: Path) -> None:
         out["typo_error"] = str(exc)
 
 
-def hybrid(out: dict, work: Path) -> None:
-    model, initial = _fresh()
-    trainer("fsdp2_hybrid", max_steps=1).fit(model, loader(BATCH))
-    ref, _ = reference_step(initial, _all_indices(model))
-    plan = f2.sharding_plan(model)
-    out.update(mesh_shapes=sorted({str(g.mesh_shape) for g in plan.groups}), strategies=sorted({g.strategy for g in plan.groups}),
-               max_rel_diff=max_rel_diff(full_params(model), ref))
+def registry_variants(out: dict, work: Path) -> None:
+    """"fsdp2_hybrid" and "fsdp2_cpu_offload": one step each, against one process."""
+    for name in ("fsdp2_hybrid", "fsdp2_cpu_offload"):
+        model, initial = _fresh()
+        trainer(name, max_steps=1).fit(model, loader(BATCH))
+        ref, _ = reference_step(initial, _all_indices(model))
+        plan = f2.sharding_plan(model)
+        out[name] = dict(mesh_shapes=sorted({str(g.mesh_shape) for g in plan.groups}),
+                         strategies=sorted({g.strategy for g in plan.groups}),
+                         offload=sorted({g.cpu_offload for g in plan.groups}),
+                         max_rel_diff=max_rel_diff(full_params(model), ref))
 
 
 def accumulation(out: dict, work: Path) -> None:
@@ -254,7 +258,7 @@ def checkpoints(out: dict, work: Path) -> None:
     out["damaged_errors_all_ranks"] = gather(out["damaged_error"] is not None)
 
 
-FLOWS = [one_step_parity, hybrid, accumulation, clipping, precision, evaluation, manual_configure_model, meta_init, checkpoints]
+FLOWS = [one_step_parity, registry_variants, accumulation, clipping, precision, evaluation, manual_configure_model, meta_init, checkpoints]
 
 
 def main(out_path: str, work: str) -> None:
