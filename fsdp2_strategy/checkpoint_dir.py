@@ -151,14 +151,15 @@ def load_dcp(state: dict, path: Path) -> None:
 
 
 def check_compatible(metadata: Metadata, current: Mapping[str, Any], prefix: str, path: Path,
-                     extra_problems: list[str] | None = None) -> None:
+                     extra_problems: list[str] | None = None, *, strict: bool = True) -> None:
     """Raise ValueError listing keys and shapes that differ between the checkpoint and `current`.
 
     `current` is the model's (sharded) state dict; its keys sit under `prefix` in the checkpoint.
+    `strict=False` tolerates missing and unexpected keys (shape mismatches still raise).
     """
-    saved = {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
-    missing = sorted(set(current) - set(saved))
-    unexpected = sorted(set(saved) - set(current))
+    saved = saved_keys(metadata, prefix)
+    missing = sorted(set(current) - set(saved)) if strict else []
+    unexpected = sorted(set(saved) - set(current)) if strict else []
     shapes = sorted(
         f"{k}: checkpoint {tuple(saved[k].size)} vs model {tuple(current[k].shape)}"
         for k in set(saved) & set(current)
@@ -173,6 +174,11 @@ def check_compatible(metadata: Metadata, current: Mapping[str, Any], prefix: str
     ] + list(extra_problems or [])
     if problems:
         raise ValueError(f"Checkpoint {path} does not match the model:\n  " + "\n  ".join(problems))
+
+
+def saved_keys(metadata: Metadata, prefix: str) -> dict[str, Any]:
+    """The checkpoint's entries under `prefix`, keyed without it."""
+    return {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
 
 
 def has_prefix(metadata: Metadata, prefix: str) -> bool:

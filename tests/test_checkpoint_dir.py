@@ -76,3 +76,9 @@ def test_mismatch_lists_keys_and_shapes(tmp_path):
     message = str(info.value)
     assert "missing in checkpoint (1): new" in message and "unexpected in checkpoint (1): old" in message
     assert "w: checkpoint (4, 3) vs model (5, 3)" in message
+    # Non-strict (Lightning's `strict_loading = False`): only the shape mismatch remains.
+    with pytest.raises(ValueError) as info:
+        cdir.check_compatible(cdir.read_metadata(final), current, "state_dict.", final, strict=False)
+    assert "missing" not in str(info.value) and "w: checkpoint (4, 3) vs model (5, 3)" in str(info.value)
+    cdir.check_compatible(cdir.read_metadata(final), {"w": torch.zeros(4, 3), "new": torch.zeros(2)}, "state_dict.",
+                          final, strict=False)

@@ -206,12 +206,15 @@ class FSDP2Strategy(ModelParallelStrategy):
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         keys = {f"optimizer_{i}": opt for i, opt in enumerate(optimizers)}
         missing = [k for k in keys if not cdir.has_prefix(metadata, k + ".")]
+        strict = self.lightning_module.strict_loading
         model_state = get_model_state_dict(self.model)
         cdir.check_compatible(metadata, model_state, _MODEL_KEY + ".", path,
-                              [f"no {k} state in checkpoint (saved without optimizers?)" for k in missing])
+                              [f"no {k} state in checkpoint (saved without optimizers?)" for k in missing], strict=strict)
+        if not strict:  # `strict_loading = False`: load the keys both sides have
+            saved = cdir.saved_keys(metadata, _MODEL_KEY + ".")
+            model_state = {k: v for k, v in model_state.items() if k in saved}
         state = {_MODEL_KEY: model_state, **{k: get_optimizer_state_dict(self.model, o) for k, o in keys.items()}}
         cdir.load_dcp(state, path)
-        strict = self.lightning_module.strict_loading
         set_model_state_dict(self.model, state[_MODEL_KEY], options=StateDictOptions(strict=strict))
         for key, optimizer in keys.items():
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key])
