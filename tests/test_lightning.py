@@ -146,6 +146,7 @@ def test_checkpoint_layout_is_lightnings(flows):
     assert c["listing"] == ["epoch=0-step=4.ckpt", "last.ckpt"]  # no .tmp-* left behind
     assert c["step_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", "meta.pt"]
     assert c["explicit_is_dir"] and c["full_is_file"]
+    assert c["top1_listing"] == ["epoch=1-step=8.ckpt"]  # save_top_k removed the older directory whole
 
 
 def test_resume_from_last_continues_exactly(flows):

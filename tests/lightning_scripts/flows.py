@@ -218,6 +218,12 @@ def checkpoints(out: dict, work: Path) -> None:
     out["resumed_losses"] = _global_losses(resumed)
     out["resumed_diff"] = max_rel_diff(full_params(resumed), ref_params)
 
+    top1 = work / "top1"  # save_top_k=1: the strategy removes the older sharded directory
+    model, _ = _fresh(optimizer="adam")
+    trainer(max_epochs=2, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=top1, save_top_k=1)]).fit(
+        model, loader(BATCH))
+    out["top1_listing"] = sorted(p.name for p in top1.iterdir())
+
     explicit = work / "explicit.ckpt"
     fit = trainer(max_epochs=1)
     model, _ = _fresh(optimizer="adam")
