@@ -18,11 +18,19 @@ def _torchrun(script: str, *args: str, timeout: int = 300) -> str:
     return proc.stdout + proc.stderr
 
 
-def test_plain_example_trains():
-    out = _torchrun("examples/train_plain.py")
-    losses = [float(line.split("loss ")[1].split()[0]) for line in out.splitlines() if " loss " in line]
-    assert len(losses) >= 2 and losses[-1] < losses[0] / 5, losses  # it learns
+def _losses(out: str) -> list[tuple[int, float]]:
+    return [(int(line.split("step ")[1].split()[0]), float(line.split("loss ")[1].split()[0]))
+            for line in out.splitlines() if " loss " in line]
+
+
+def test_plain_example_trains_and_resumes(tmp_path):
+    out = _torchrun("examples/train_plain.py", "--ckpt-dir", str(tmp_path))
+    losses = _losses(out)
+    assert len(losses) >= 2 and losses[-1][1] < losses[0][1] / 5, losses  # it learns
     assert "FSDP2 sharding plan" in out and "last block" in out
+    resumed = _losses(_torchrun("examples/train_plain.py", "--ckpt-dir", str(tmp_path), "--steps", "5"))
+    assert resumed[0][0] == 20, resumed  # continues after the step-19 checkpoint
+    assert resumed[0][1] < losses[0][1] / 5, (losses, resumed)  # with the trained weights
 
 
 def test_checkpoint_benchmark_runs():
