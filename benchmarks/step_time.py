@@ -10,8 +10,9 @@
   Same initial weights and data; the loss of both is printed as a correctness check.
 `lightning`: `Trainer(strategy="fsdp2")` (sharding by policy, no user code) vs Lightning's
   `ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)` with the same
-  `fully_shard` calls written in `configure_model`, `accumulate_grad_batches=1` so that both
-  do the same communication (see collectives.py for accumulation).
+  `fully_shard` calls written in `configure_model`, `accumulate_grad_batches=1` by default so
+  that both do the same communication; `--lightning-accumulate 4` shows what skipping the
+  reduce-scatter on 3 of 4 micro-batches is worth (collectives.py counts it).
 Variants alternate (A, B, A, B, ...; the first round is warm-up); reported: median seconds
 per optimizer step and the ratio to the hand-written baseline.
 """
@@ -111,10 +112,11 @@ def fit_once(args: argparse.Namespace, strategy_name: str) -> list[float]:
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
         module = _bench.lightning_module(args.dim, args.layers, shard_in_configure_model=True)
     timer = _bench.step_timer()
+    k = args.lightning_accumulate
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps + 3,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         accumulate_grad_batches=k, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[timer])
-    trainer.fit(module, _bench.tensor_loader(args.steps + 3, args.batch))
+    trainer.fit(module, _bench.tensor_loader((args.steps + 3) * k, args.batch))
     return timer.intervals(skip=2)
 
 
@@ -124,7 +126,8 @@ MPS, OURS = "ModelParallelStrategy + fully_shard", 'Trainer(strategy="fsdp2")'
 def run_lightning(args: argparse.Namespace) -> None:
     results = _bench.interleave({MPS: lambda: fit_once(args, "model_parallel"), OURS: lambda: fit_once(args, "fsdp2")},
                                 args.rounds)
-    _bench.print_ratio_table(results, MPS, "Lightning: strategy='fsdp2' vs ModelParallelStrategy, accumulate 1")
+    _bench.print_ratio_table(results, MPS, "Lightning: strategy='fsdp2' vs ModelParallelStrategy, "
+                                           f"accumulate_grad_batches={args.lightning_accumulate}")
     if dist.get_rank() == 0:
         print(f"fsdp2/ModelParallel step-time ratio: {_ratio(results, OURS, MPS):.3f}")
 
@@ -142,6 +145,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--accumulate", type=int, default=4)
+    parser.add_argument("--lightning-accumulate", type=int, default=1, help="accumulate_grad_batches (lightning part)")
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per variant per round")
     parser.add_argument("--rounds", type=int, default=4, help="measured rounds (plus one warm-up round)")
     args = parser.parse_args()

@@ -101,3 +101,14 @@ def test_lightning_finetune_example_end_to_end(tmp_path):
     # bf16-mixed sharded evaluation vs fp32 transformers inference: at most one of 8 sentences differs.
     assert abs(after - reloaded) <= 1 / 8 + 1e-9, (after, reloaded)
     assert (tmp_path / "hf_model" / "model.safetensors").is_file()
+
+
+def test_readme_documents_every_config_field():
+    import dataclasses
+
+    import fsdp2_strategy as f2
+
+    readme = (ROOT / "README.md").read_text()
+    reference = readme.split("## `FSDP2Config` reference")[1].split("\n## ")[0]
+    missing = [f.name for f in dataclasses.fields(f2.FSDP2Config) if f"`{f.name}`" not in reference]
+    assert not missing, f"README's FSDP2Config reference lacks {missing}"
