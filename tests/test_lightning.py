@@ -185,6 +185,36 @@ def test_spawn_start_method_returns_full_weights(tmp_path):
     assert r["ranks_vs_single_process"] < TOL and r["parent_vs_ranks"] == 0.0
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_hybrid_replicates_across_nodes(tmp_path):
+    """Trainer(num_nodes=2, devices=1) with two torchrun agents, one per "node", on this machine."""
+    out, port = tmp_path / "nodes.json", _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={r}",
+                          "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "nodes.py", str(out)],
+                         cwd=SCRIPTS, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in (0, 1)
+    ]
+    try:
+        logs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    r = json.loads(out.read_text())
+    assert r["node_ranks"] == [0, 1] and r["world_size"] == 2
+    assert r["mesh_shapes"] == ["(2, 1)"]  # replicate across the nodes, shard within each
+    assert r["max_rel_diff"] < TOL
+
+
 _CLI_YAML = """
 trainer:
   accelerator: cpu
