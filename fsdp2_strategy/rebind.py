@@ -1,0 +1,55 @@
+"""Point an optimizer built before `shard_model` at the sharded parameters.
+
+`shard_model` replaces every parameter with a new DTensor parameter, so an optimizer created
+earlier holds objects that no longer receive gradients (`check_optimizer` refuses it at its
+first step). Trainers whose users build the optimizer first (Accelerate's
+`prepare(model, optimizer)`) rebind it instead: parameters are matched by their qualified
+name before and after sharding, which also holds for tied weights (one name, one parameter).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+
+def parameters_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The model's parameters by qualified name (tied parameters once): take it before sharding."""
+    return dict(model.named_parameters())
+
+
+def rebind_optimizer(optimizer: torch.optim.Optimizer, before: Mapping[str, nn.Parameter], model: nn.Module) -> int:
+    """Replace, in `optimizer`, each parameter of `before` by the parameter of the same name in
+    `model` now; returns how many were replaced (0 for an optimizer of another model).
+
+    Raises ValueError if the optimizer already holds state for a replaced parameter (that
+    state has the unsharded shape: step the optimizer only after sharding), or if a name
+    it uses disappeared from the model.
+    """
+    after = dict(model.named_parameters())
+    names = {id(p): n for n, p in before.items()}
+    replaced = 0
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, old in enumerate(params):
+            name = names.get(id(old))
+            if name is None:
+                continue  # not a parameter of this model
+            new = after.get(name)
+            if new is None:
+                raise ValueError(
+                    f"{type(optimizer).__name__} holds parameter {name!r}, which sharding removed from "
+                    f"{type(model).__name__}; build the optimizer after sharding from model.parameters()."
+                )
+            if new is old:
+                continue
+            if optimizer.state.get(old):
+                raise ValueError(
+                    f"{type(optimizer).__name__} already has state for {name!r} (it stepped, or loaded a state dict, "
+                    "before sharding); that state is unsharded. Shard first, then step or load optimizer state."
+                )
+            params[i] = new
+            replaced += 1
+    return replaced
