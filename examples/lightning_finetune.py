@@ -173,7 +173,12 @@ def export_and_reload(last_ckpt: Path, out: Path, model_dir: Path, test_rows: li
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(model_dir / name, out / name)
 
-    model = BertForSequenceClassification.from_pretrained(out).eval()
+    model, info = BertForSequenceClassification.from_pretrained(out, output_loading_info=True)
+    problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
+    if problems:  # a silent random init here would make the accuracy below meaningless
+        raise RuntimeError(f"exported weights do not match BertForSequenceClassification: {problems}")
+    model.eval()
+    print(f"reloaded {out} with transformers: every weight matched (no missing/unexpected keys)")
     tokenizer = AutoTokenizer.from_pretrained(out)
     enc = tokenizer([t for t, _ in test_rows], padding=True, truncation=True, max_length=max_length,
                     return_tensors="pt")

@@ -101,6 +101,7 @@ def test_lightning_finetune_example_end_to_end(tmp_path):
     # bf16-mixed sharded evaluation vs fp32 transformers inference: at most one of 8 sentences differs.
     assert abs(after - reloaded) <= 1 / 8 + 1e-9, (after, reloaded)
     assert (tmp_path / "hf_model" / "model.safetensors").is_file()
+    assert "every weight matched (no missing/unexpected keys)" in out
 
 
 def test_readme_documents_every_config_field():
