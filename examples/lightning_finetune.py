@@ -26,6 +26,7 @@ import argparse
 import csv
 import json
 import logging
+import os
 import random
 import shutil
 import warnings
@@ -258,8 +259,6 @@ def main() -> None:
 
 def _is_lightning_child() -> bool:
     """True in the processes Lightning's launcher starts for ranks > 0 (they must not clear the folder)."""
-    import os
-
     return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) != 0
 
 
