@@ -43,11 +43,13 @@ class _SafetensorsFile:
 
     def read_rows(self, name: str, start: int, out: torch.Tensor) -> None:
         """Read rows [start, start + len(out)) of tensor `name` into `out` (same dtype)."""
-        dtype, shape, offset = self.entries[name]
+        if out.numel() == 0:  # this rank owns no rows (a tensor with fewer rows than ranks)
+            return
+        _, shape, offset = self.entries[name]
         row_bytes = torch.Size(shape[1:]).numel() * out.element_size()
         with open(self.path, "rb", buffering=0) as f:
             f.seek(offset + start * row_bytes)
-            view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B") if out.numel() else memoryview(b"")
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
             if f.readinto(view) != len(view):
                 raise ValueError(f"{self.path}: tensor {name!r} is truncated; the file is incomplete or corrupt.")
 

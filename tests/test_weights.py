@@ -55,6 +55,15 @@ def _load_world(tmp: str):
     model = f2.shard_model(TinyGPT(temperature=True, tied=False), log_plan=False)
     f2.load_full_weights(model, f"{tmp}/bf16.safetensors")
     out["bf16"] = all(torch.equal(full(v), expected[k].to(torch.bfloat16).float()) for k, v in model.state_dict().items())
+    # A 1-row head on 2 ranks: rank 1's shard of the weight is empty.
+    head = torch.nn.Linear(8, 1)
+    if torch.distributed.get_rank() == 0:
+        from safetensors.torch import save_file
+
+        save_file({"weight": torch.full((1, 8), 3.0), "bias": torch.full((1,), 2.0)}, f"{tmp}/head.safetensors")
+    torch.distributed.barrier()
+    f2.load_full_weights(f2.shard_model(head, log_plan=False), f"{tmp}/head.safetensors")
+    out["empty_shard"] = torch.equal(full(head.weight), torch.full((1, 8), 3.0)) and full(head.bias).item() == 2.0
     wrong = f2.shard_model(TinyGPT(temperature=False, tied=False, dim=48), log_plan=False)
     try:
         f2.load_full_weights(wrong, f"{tmp}/model.safetensors", strict=False)
@@ -70,7 +79,9 @@ def _load_world(tmp: str):
 
 def test_load_full_weights_every_format(tmp_path):
     _write_sources(str(tmp_path))
-    res = run_distributed(_load_world, 2, str(tmp_path))[0]
+    results = run_distributed(_load_world, 2, str(tmp_path))
+    assert all(r["empty_shard"] for r in results)  # including rank 1, which owns no row of the head
+    res = results[0]
     for key in [("model.safetensors", False), ("model.safetensors", True), ("folder", False), ("folder", True),
                 ("model.pt", False), ("model.pt", True), "bf16"]:
         assert res[key], key
