@@ -19,6 +19,30 @@ def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters()) or any(b.is_meta for b in model.buffers())
 
 
+def move_to_meta(model: nn.Module) -> None:
+    """Replace every parameter and buffer by a meta tensor of the same shape, keeping ties.
+
+    `model.to("meta")` makes one new Parameter per module attribute, so a weight shared by
+    two modules (an embedding tied to the head) would come back as two parameters.
+    """
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table, make in ((module._parameters, _meta_param), (module._buffers, _meta_buffer)):
+            for name, tensor in list(table.items()):
+                if tensor is not None:
+                    if id(tensor) not in memo:
+                        memo[id(tensor)] = make(tensor)
+                    table[name] = memo[id(tensor)]
+
+
+def _meta_param(p: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+
+
+def _meta_buffer(b: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(b, device="meta")
+
+
 def _has_init_weights(model: nn.Module) -> bool:
     return callable(getattr(model, "init_weights", None))
 

@@ -40,6 +40,14 @@ def mesh_device_type() -> str:
     return "cpu"
 
 
+def collective_device() -> torch.device:
+    """Where a small tensor for a default-group collective must live (nccl cannot send CPU tensors)."""
+    device_type = mesh_device_type()
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.accelerator.current_device_index())
+
+
 def detect_num_nodes(world_size: int) -> int:
     """Number of nodes, from torchrun's LOCAL_WORLD_SIZE (1 when unknown)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)

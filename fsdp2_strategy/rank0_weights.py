@@ -16,7 +16,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from .distributed import is_distributed, log_rank_zero, rank
-from .materialize import has_meta_tensors
+from .materialize import has_meta_tensors, move_to_meta
+from .mesh import collective_device
 from .sharding import shard_model
 
 
@@ -30,13 +31,20 @@ def shard_with_rank0_weights(model: nn.Module, config: Any = None, **overrides: 
     if not is_distributed():
         return shard_model(model, config, **overrides)
     is_zero = rank() == 0
+    meta = has_meta_tensors(model)
+    # [ranks with a meta model, whether rank 0 is one of them]: every rank decides alike.
+    flags = torch.tensor([int(meta), int(meta and is_zero)], device=collective_device())
+    dist.all_reduce(flags)
+    if flags[1].item():
+        raise ValueError(
+            "Rank 0 holds the model on the meta device, but its real weights are what gets broadcast: load the "
+            "pretrained weights on rank 0 (other ranks may use the meta device), or shard it with shard_model (each rank then initialises its own weights)."
+        )
     # Rank 0's values, kept aside before sharding replaces its parameters.
     params = {n: t.detach().cpu() for n, t in model.state_dict().items()} if is_zero else {}
     buffers = {n: b.detach().cpu() for n, b in model.named_buffers()} if is_zero else {}
-    flag = torch.tensor([1 if has_meta_tensors(model) else 0])
-    dist.all_reduce(flag)
-    if flag.item() and not has_meta_tensors(model):
-        model.to(device="meta")
+    if flags[0].item() and not meta:
+        move_to_meta(model)
     shard_model(model, config, **overrides)
     set_model_state_dict(model, params, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     # Buffers are not sharded, and non-persistent ones are not in the state dict: sent as they are.

@@ -132,3 +132,49 @@ def test_no_sync_accumulation_and_global_norm_clipping():
     # bf16 compute vs. an fp32 reference: ~3e-3 measured; torch 2.13 alone raises AttributeError
     # ('_unsharded_param') for the block first used on the last micro-batch.
     assert all(err < 1e-2 for err in res["conditional"].values()), res["conditional"]
+
+
+def _rebind_world():
+    import torch.distributed as dist
+
+    import fsdp2_strategy as f2
+    from fsdp2_strategy.rebind import parameters_by_name, rebind_optimizer
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # built before sharding
+    before = parameters_by_name(model)
+    f2.shard_model(model, log_plan=False)
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    replaced = (rebind_optimizer(opt, before, model), rebind_optimizer(other, before, model))
+    idx, tgt = make_batch(8)
+    rank = dist.get_rank()
+    loss_fn(model, idx[rank * 4 : rank * 4 + 4], tgt[rank * 4 : rank * 4 + 4]).backward()
+    opt.step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    loss_fn(ref, idx, tgt).backward()
+    ref_opt.step()
+    ref_p = dict(ref.named_parameters())
+    err = max(rel_diff(_full(p), ref_p[n]) for n, p in model.named_parameters())
+    # An optimizer that already stepped holds unsharded state: refused, naming the parameter.
+    stepped_model = TinyGPT()
+    stepped = torch.optim.Adam(stepped_model.parameters())
+    loss_fn(stepped_model, idx, tgt).backward()
+    stepped.step()
+    before = parameters_by_name(stepped_model)
+    f2.shard_model(stepped_model, log_plan=False)
+    try:
+        rebind_optimizer(stepped, before, stepped_model)
+        message = None
+    except ValueError as exc:
+        message = str(exc)
+    return replaced, len(list(model.parameters())), err, message
+
+
+def test_optimizer_built_before_sharding_is_rebound():
+    for replaced, n_params, err, message in run_distributed(_rebind_world, 2):
+        assert replaced == (n_params, 0)  # every parameter of the model; none of another model's optimizer
+        assert err < 1e-5
+        assert message is not None and "already has state for 'pos'" in message
+

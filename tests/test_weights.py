@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import torch
@@ -134,3 +135,60 @@ def test_peak_memory_stays_near_the_shard(tmp_path):
         # half (96 MiB) plus allocator/init temporaries; holding the full state once would exceed
         # 192 MiB + the shard, so the bound sits between the two.
         assert growth < 0.75 * full_bytes, f"peak RSS grew by {growth / 2**20:.0f} MiB"
+
+
+class WithRope(TinyGPT):
+    """TinyGPT plus a non-persistent buffer (not in the state dict, so broadcast separately)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.zeros(4), persistent=False)
+
+
+def _rank0_world():
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from fsdp2_strategy.rank0_weights import shard_with_rank0_weights
+
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    is_zero = dist.get_rank() == 0
+    out = {}
+    for others in ("meta", "random"):
+        torch.manual_seed(5 if is_zero else 6)  # rank 1's own values differ from rank 0's
+        if is_zero or others == "random":
+            model = WithRope()
+            model.table.fill_(float(dist.get_rank() + 1))
+        else:
+            with torch.device("meta"):
+                model = WithRope()
+        expected = {k: v.clone() for k, v in model.state_dict().items()} if is_zero else None
+        shard_with_rank0_weights(model, log_plan=False, wrap_policy=["Block"])
+        state = {k: full(v) for k, v in model.state_dict().items()}
+        out[others] = {
+            "tied": model.head.weight is model.tok.weight,
+            "params": len(list(model.parameters())),
+            "table": model.table.tolist(),
+            "sharded": isinstance(model.pos, DTensor),
+            "equal": all(torch.equal(state[k], expected[k]) for k in expected) if is_zero else None,
+        }
+    with torch.device("meta") if is_zero else contextlib.nullcontext():
+        model = TinyGPT()
+    try:
+        shard_with_rank0_weights(model, log_plan=False)
+    except ValueError as exc:
+        out["rank0_meta_error"] = str(exc)
+    return out
+
+
+def test_rank0_weights_reach_every_shard_with_ties_kept():
+    results = run_distributed(_rank0_world, 2)
+    for others in ("meta", "random"):
+        for res in results:
+            r = res[others]
+            # Tied weights stay one parameter on every rank (a plain `.to("meta")` would untie rank 0's).
+            assert r["tied"] and r["params"] == results[0][others]["params"] and r["sharded"], (others, r)
+            assert r["table"] == [1.0] * 4  # rank 0's non-persistent buffer, also on rank 1
+        assert results[0][others]["equal"], others
+    for res in results:  # refused on every rank alike, naming the fix
+        assert "Rank 0 holds the model on the meta device" in res["rank0_meta_error"]
