@@ -1,0 +1,184 @@
+"""`save_state` / `load_state` for `FSDP2Accelerator`: the core's atomic DCP directory.
+
+One checkpoint is one directory, written the way every checkpoint of this project is
+(`fsdp2_strategy.checkpoint_dir`): into `.tmp-<name>/` beside it, then renamed into place
+by rank 0 once every rank's shards, DCP's `.metadata` and `checksums.json` exist. Inside:
+
+- DCP shards of each prepared model (`model`, `model_1`, ...) and optimizer (`optimizer`,
+  `optimizer_1`, ...): each rank writes only its shards; loading reshards to any world size;
+- Accelerate's own files for the state it owns, written by Accelerate's
+  `save_accelerator_state` (schedulers, data-loader samplers, `random_states_<rank>.pkl`,
+  step, grad scaler) and `save_custom_state` (`register_for_checkpointing` objects);
+- with `state_dict_type="full"`, the consolidated weights `model.safetensors` too.
+
+Every function here is collective: all ranks call it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+import fsdp2_strategy as f2
+from fsdp2_strategy import checkpoint_dir as cdir
+from fsdp2_strategy.distributed import log_rank_zero, rank
+
+from . import _accelerate_compat as compat
+
+if TYPE_CHECKING:
+    from .accelerate import FSDP2Accelerator
+
+_AUTO_NAME = re.compile(r"^checkpoint_(\d+)$")
+
+
+def _key(kind: str, index: int) -> str:
+    return kind if index == 0 else f"{kind}_{index}"
+
+
+def _raw(optimizer: Any) -> torch.optim.Optimizer:
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def _owner(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Module:
+    """The prepared model whose parameters the optimizer updates (DCP keys its state by their names)."""
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    owners = [m for m in models if params & {id(p) for p in m.parameters()}]
+    if len(owners) != 1:
+        what = "no prepared model" if not owners else f"{len(owners)} prepared models"
+        raise ValueError(
+            f"save_state/load_state: {type(optimizer).__name__} updates parameters of {what}; each optimizer must "
+            "belong to exactly one model passed to FSDP2Accelerator.prepare (use one optimizer per model)."
+        )
+    return owners[0]
+
+
+def _sharded_state(acc: "FSDP2Accelerator") -> tuple[dict, list[tuple[str, torch.optim.Optimizer, nn.Module]]]:
+    """The DCP state dict (each rank's shards, nothing gathered) and the optimizers with their models."""
+    models = list(acc._models)
+    state: dict[str, Any] = {_key("model", i): get_model_state_dict(m) for i, m in enumerate(models)}
+    optimizers = []
+    for i, wrapped in enumerate(acc._optimizers):
+        opt = _raw(wrapped)
+        model = _owner(opt, models)
+        state[_key("optimizer", i)] = get_optimizer_state_dict(model, opt)
+        optimizers.append((_key("optimizer", i), opt, model))
+    return state, optimizers
+
+
+def _auto_root(acc: "FSDP2Accelerator") -> Path:
+    return Path(acc.project_dir) / "checkpoints"
+
+
+def _committed_auto(root: Path) -> dict[int, Path]:
+    found = {}
+    for child in root.iterdir() if root.is_dir() else []:
+        match = _AUTO_NAME.match(child.name)
+        if match and cdir.is_committed(child):
+            found[int(match.group(1))] = child
+    return dict(sorted(found.items()))
+
+
+def _prune(acc: "FSDP2Accelerator", root: Path) -> None:
+    """Rank 0: keep the newest `keep_last` (or `total_limit`) automatically named checkpoints."""
+    limit = acc.fsdp_plugin.keep_last or acc.project_configuration.total_limit
+    if not limit or rank() != 0:
+        return
+    for path in list(_committed_auto(root).values())[:-limit]:
+        # Un-publish with a rename first: a crash mid-delete never leaves a loadable half.
+        trash = cdir.tmp_path_for(path)
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def save_state(acc: "FSDP2Accelerator", output_dir: Optional[str | os.PathLike], safe_serialization: bool) -> str:
+    """Write the full training state atomically to `output_dir` (or the next automatic name)."""
+    automatic = acc.project_configuration.automatic_checkpoint_naming
+    if automatic:
+        path = _auto_root(acc) / f"checkpoint_{acc.save_iteration}"
+        if cdir.is_committed(path):
+            raise ValueError(f"Checkpoint directory {path} ({acc.save_iteration}) already exists; committed checkpoints "
+                             "are never rewritten. Set `accelerator.project_configuration.iteration` to a new number.")
+    elif output_dir is None:
+        raise ValueError("save_state() needs output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True).")
+    else:
+        path = Path(output_dir)
+    path = Path(cdir.from_rank_zero(str(path.resolve())))  # one directory, rank 0's spelling
+    state, _ = _sharded_state(acc)
+    tmp = cdir.prepare_tmp(path)
+    compat.save_accelerator_state(str(tmp), [], [], acc._schedulers, acc._dataloaders, acc.process_index, acc.step,
+                                  acc.scaler, save_on_each_node=False, safe_serialization=safe_serialization)
+    for i, obj in enumerate(acc._custom_objects):
+        compat.save_custom_state(obj, str(tmp), i)
+    for hook in acc._save_model_state_pre_hook.values():
+        hook(acc._models, [], str(tmp))  # before the commit, so hook files are covered by it
+    cdir.write_dcp(state, tmp)
+    if acc.fsdp_plugin.full_state_dict and rank() == 0:
+        # Read back from the shards just written, one file at a time: no rank gathers the model.
+        f2.export_full(tmp, tmp)
+    cdir.commit(path, replace=not automatic)  # an explicit directory is replaced whole, never mixed
+    if automatic:
+        _prune(acc, path.parent)
+        cdir.barrier()
+    acc.project_configuration.iteration += 1
+    log_rank_zero("Saved accelerator state to %s", path)
+    return str(path)
+
+
+def resolve_load_dir(acc: "FSDP2Accelerator", input_dir: Optional[str | os.PathLike]) -> Path:
+    """The directory `load_state` reads: `input_dir`, or the newest committed automatic checkpoint."""
+    if input_dir is not None:
+        path = Path(os.path.expanduser(str(input_dir)))
+    elif acc.project_configuration.automatic_checkpoint_naming:
+        found = _committed_auto(_auto_root(acc))
+        if not found:
+            raise FileNotFoundError(f"No committed checkpoint_N under {_auto_root(acc)}; partial saves are never loaded.")
+        path = found[max(found)]
+    else:
+        raise ValueError("load_state() needs input_dir unless ProjectConfiguration(automatic_checkpoint_naming=True).")
+    if not cdir.is_committed(path):
+        raise FileNotFoundError(
+            f"{path} is not a committed FSDP2Accelerator checkpoint (no DCP .metadata): it is missing, or a save "
+            "that did not finish. Load another checkpoint."
+        )
+    return Path(cdir.from_rank_zero(str(path.resolve())))
+
+
+def load_state(acc: "FSDP2Accelerator", input_dir: Optional[str | os.PathLike], load_kwargs: Optional[dict]) -> None:
+    """Restore everything `save_state` wrote; DCP reshards when the world size changed."""
+    path = resolve_load_dir(acc, input_dir)
+    cdir.verify_dir(path)
+    metadata = cdir.read_metadata(path)
+    state, optimizers = _sharded_state(acc)
+    for i, model in enumerate(acc._models):
+        extra = [f"no {key} state in checkpoint" for key, _, m in optimizers
+                 if m is model and not cdir.has_prefix(metadata, key + ".")]
+        cdir.check_compatible(metadata, state[_key("model", i)], _key("model", i) + ".", path, extra)
+    cdir.load_dcp(state, path)
+    for i, model in enumerate(acc._models):
+        set_model_state_dict(model, state[_key("model", i)])
+    for key, opt, model in optimizers:
+        set_optimizer_state_dict(model, opt, optim_state_dict=state[key])
+    for hook in acc._load_model_state_pre_hook.values():
+        hook(acc._models, str(path))
+    # RNG states are per rank: after a world-size change a rank without its file keeps its own
+    # (Accelerate logs "Could not load random states").
+    override = compat.load_accelerator_state(str(path), [], [], acc._schedulers, acc._dataloaders, acc.process_index,
+                                             acc.scaler, map_location="cpu", load_kwargs=load_kwargs)
+    if "step" in override:
+        acc.step = override["step"]
+    for i, obj in enumerate(acc._custom_objects):
+        compat.load_custom_state(obj, str(path), i)
+    log_rank_zero("Loaded accelerator state from %s", path)

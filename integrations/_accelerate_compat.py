@@ -1,0 +1,127 @@
+"""Every private Accelerate symbol the adapter touches, in one place, checked at import.
+
+Accelerate 1.15 has no plugin interface for a sharding engine, so the adapter relies on:
+
+- `AcceleratorState` attributes `distributed_type`, `fsdp_plugin` and the private
+  `_mixed_precision`: set after `Accelerator.__init__` so that `distributed_type` reports
+  FSDP (on CPU Accelerate would say MULTI_CPU or NO and wrap the model in DDP, or not
+  synchronise it at all) and `mixed_precision` reports the FSDP2 policy in use.
+- `Accelerator` private attributes `_models`, `_optimizers`, `_schedulers`,
+  `_dataloaders`, `_custom_objects`, `_save_model_state_pre_hook`,
+  `_load_model_state_pre_hook`: the registries `save_state`/`load_state` walk.
+- `accelerate.checkpointing.save_accelerator_state` / `load_accelerator_state`: reused for
+  the state Accelerate owns (schedulers, samplers, RNG, step, scaler), with empty model and
+  optimizer lists: the core writes those.
+- `accelerate.checkpointing.save_custom_state` / `load_custom_state`: objects registered
+  with `register_for_checkpointing`.
+- Stock `Accelerator.__init__` reads `fsdp_plugin.fsdp_version` of the plugin it is given:
+  that read is where `FSDP2Plugin` refuses to be used without `FSDP2Accelerator`.
+
+`check_private_api()` runs at import and raises ImportError naming what moved;
+`check_accelerator(acc)` checks the instance attributes once an Accelerator exists.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any
+
+import accelerate
+from accelerate import Accelerator
+from accelerate import checkpointing as _checkpointing
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+TESTED_ACCELERATE = ("1.15", "1.15")  # oldest and newest minor versions this was checked against
+PRIVATE_ATTRIBUTES = (
+    "_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects",
+    "_save_model_state_pre_hook", "_load_model_state_pre_hook",
+)
+_SAVE_PARAMS = ("output_dir", "model_states", "optimizers", "schedulers", "dataloaders", "process_index", "step",
+                "scaler", "save_on_each_node", "safe_serialization")
+_LOAD_PARAMS = ("input_dir", "models", "optimizers", "schedulers", "dataloaders", "process_index", "scaler",
+                "map_location", "load_kwargs")
+_STOCK_READS_FSDP_VERSION = "fsdp_plugin.fsdp_version"
+
+save_accelerator_state = _checkpointing.save_accelerator_state
+load_accelerator_state = _checkpointing.load_accelerator_state
+save_custom_state = _checkpointing.save_custom_state
+load_custom_state = _checkpointing.load_custom_state
+
+
+def _minor(version: str) -> tuple[int, int]:
+    parts = version.split(".")
+    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+
+
+def _problems() -> list[str]:
+    problems = []
+    if not hasattr(DistributedType, "FSDP"):
+        problems.append("accelerate.utils.DistributedType.FSDP")
+    for name, func, params in (("save_accelerator_state", save_accelerator_state, _SAVE_PARAMS),
+                               ("load_accelerator_state", load_accelerator_state, _LOAD_PARAMS)):
+        have = list(inspect.signature(func).parameters)
+        if have[: len(params)] != list(params):
+            problems.append(f"accelerate.checkpointing.{name}{tuple(params)} (found {tuple(have)})")
+    for method in ("prepare_data_loader", "prepare_optimizer", "prepare_scheduler", "no_sync", "unscale_gradients"):
+        if not callable(getattr(Accelerator, method, None)):
+            problems.append(f"Accelerator.{method}")
+    fields = getattr(FullyShardedDataParallelPlugin, "__dataclass_fields__", {})
+    if "fsdp_version" not in fields:
+        problems.append("FullyShardedDataParallelPlugin.fsdp_version")
+    if _STOCK_READS_FSDP_VERSION not in inspect.getsource(Accelerator.__init__):
+        problems.append(f"Accelerator.__init__ reading {_STOCK_READS_FSDP_VERSION} (the stock-Accelerator guard)")
+    if "_mixed_precision" not in inspect.getsource(AcceleratorState.__init__):
+        problems.append("AcceleratorState._mixed_precision")
+    return problems
+
+
+def check_private_api() -> None:
+    """Raise ImportError if an Accelerate symbol we rely on is gone or changed shape."""
+    problems = _problems()
+    if problems:
+        raise ImportError(
+            f"fsdp2_strategy's Accelerate adapter (tested with Accelerate {' to '.join(TESTED_ACCELERATE)}) cannot find "
+            f"{'; '.join(problems)} in Accelerate {accelerate.__version__}. "
+            f"Pin accelerate=={TESTED_ACCELERATE[-1]}.* or upgrade fsdp2-strategy."
+        )
+    low, high = (_minor(v) for v in TESTED_ACCELERATE)
+    if not low <= _minor(accelerate.__version__) <= high:
+        warnings.warn(
+            f"fsdp2_strategy's Accelerate adapter was tested with Accelerate {' to '.join(TESTED_ACCELERATE)}, "
+            f"this is {accelerate.__version__}: its private API checks passed, but run your tests.",
+            stacklevel=2,
+        )
+
+
+def check_accelerator(accelerator: Accelerator) -> None:
+    """Raise if a constructed Accelerator lacks a private attribute `save_state`/`load_state` use."""
+    missing = [name for name in PRIVATE_ATTRIBUTES if not hasattr(accelerator, name)]
+    if missing:
+        raise ImportError(
+            f"Accelerate {accelerate.__version__} no longer sets Accelerator.{', '.join(missing)}; "
+            f"fsdp2_strategy's adapter was tested with {' to '.join(TESTED_ACCELERATE)}. Pin accelerate=={TESTED_ACCELERATE[-1]}.*."
+        )
+
+
+def claim_fsdp_state(state: AcceleratorState, plugin: Any, mixed_precision: str) -> None:
+    """Make the shared Accelerate state describe what really runs: FSDP with `plugin`.
+
+    `distributed_type` lives in the state shared with `PartialState`, so `gather`,
+    `wait_for_everyone` and data-loader RNG sync keep treating the run as distributed.
+    """
+    state.distributed_type = DistributedType.FSDP
+    PartialState().distributed_type = DistributedType.FSDP  # a second shared dict, read by utils.operations
+    state.fsdp_plugin = plugin
+    state._mixed_precision = mixed_precision
+
+
+def release_reported_precision() -> None:
+    """Before a second Accelerator in one process: Accelerate refuses a precision that differs
+    from the state's, and the state reports our policy while Accelerate itself runs with "no"."""
+    if AcceleratorState._shared_state:
+        AcceleratorState._shared_state["_mixed_precision"] = "no"
+
+
+check_private_api()

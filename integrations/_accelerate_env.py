@@ -1,0 +1,175 @@
+"""Accelerate's FSDP config, as `accelerate launch --config_file` hands it to each process.
+
+`accelerate launch` turns the `fsdp_config:` block of an accelerate YAML into `FSDP_*`
+environment variables (and `mixed_precision:` into `ACCELERATE_MIXED_PRECISION`). This module
+is the one place that reads them: `read_accelerate_env()` validates every value and returns
+`FSDP2Config` fields plus the adapter's own options. Every error names the variable, the
+YAML key it comes from, and the values it accepts.
+
+| YAML key (`fsdp_config:`)            | variable                         | becomes                                        |
+|--------------------------------------|----------------------------------|------------------------------------------------|
+| `fsdp_version`                       | `FSDP_VERSION`                   | must be 2                                      |
+| `fsdp_auto_wrap_policy`              | `FSDP_AUTO_WRAP_POLICY`          | `wrap_policy` (classes / int / None)           |
+| `fsdp_transformer_layer_cls_to_wrap` | `FSDP_TRANSFORMER_CLS_TO_WRAP`   | class names for TRANSFORMER_BASED_WRAP         |
+| `fsdp_min_num_params`                | `FSDP_MIN_NUM_PARAMS`            | threshold for SIZE_BASED_WRAP                  |
+| `fsdp_sharding_strategy`             | `FSDP_SHARDING_STRATEGY`         | `sharding_strategy`                            |
+| `fsdp_reshard_after_forward`         | `FSDP_RESHARD_AFTER_FORWARD`     | `reshard_after_forward` (or a strategy name)   |
+| `fsdp_offload_params`                | `FSDP_OFFLOAD_PARAMS`            | `cpu_offload`                                  |
+| `fsdp_activation_checkpointing`      | `FSDP_ACTIVATION_CHECKPOINTING`  | `activation_checkpointing="auto"`              |
+| `fsdp_forward_prefetch`              | `FSDP_FORWARD_PREFETCH`          | `forward_prefetch=1`                           |
+| `fsdp_state_dict_type`               | `FSDP_STATE_DICT_TYPE`           | adapter: "sharded" or "full"                   |
+| `fsdp_cpu_ram_efficient_loading`     | `FSDP_CPU_RAM_EFFICIENT_LOADING` | adapter: weights broadcast from rank 0         |
+| `mixed_precision` (top level)        | `ACCELERATE_MIXED_PRECISION`     | `mixed_precision` ("bf16", "fp16" or None)     |
+
+Variables FSDP2 has no use for (`FSDP_USE_ORIG_PARAMS`, `FSDP_SYNC_MODULE_STATES`,
+`FSDP_BACKWARD_PREFETCH`: FSDP2 always prefetches one block in backward) are ignored, as
+Accelerate's own FSDP2 path ignores them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+TRUE = ("true", "1", "yes", "y", "on")
+FALSE = ("false", "0", "no", "n", "off")
+WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+# torch's FSDP1 StateDictType values, which accelerate also accepts as digits.
+STATE_DICT_TYPES = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded", "1": "full", "3": "sharded"}
+PRECISIONS = {"no": None, "bf16": "bf16", "fp16": "fp16"}
+
+ADAPTER_KEYS = ("state_dict_type", "cpu_ram_efficient_loading")
+"""Keys of `read_accelerate_env()`'s result that are not `FSDP2Config` fields."""
+
+
+def _where(var: str) -> str:
+    yaml_key = "mixed_precision" if var == "ACCELERATE_MIXED_PRECISION" else var.lower()
+    yaml_key = yaml_key.replace("fsdp_transformer_cls_to_wrap", "fsdp_transformer_layer_cls_to_wrap")
+    return f"{var} (accelerate config key `{yaml_key}`)"
+
+
+def _bool(env: Mapping[str, str], var: str) -> bool | None:
+    raw = env.get(var)
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    raise ValueError(f"{_where(var)}={raw!r} is invalid; use true or false.")
+
+
+def _choice(env: Mapping[str, str], var: str, choices: tuple[str, ...]) -> str | None:
+    raw = env.get(var)
+    if raw is None or raw.strip() == "":
+        return None
+    value = raw.strip().upper()
+    if value not in choices:
+        raise ValueError(f"{_where(var)}={raw!r} is invalid; use one of {', '.join(choices)}.")
+    return value
+
+
+def _positive_int(env: Mapping[str, str], var: str) -> int:
+    raw = env.get(var, "")
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{_where(var)}={raw!r} is invalid; SIZE_BASED_WRAP needs a positive int (parameters per group).")
+    return value
+
+
+def _wrap_policy(env: Mapping[str, str]) -> dict[str, Any]:
+    policy = _choice(env, "FSDP_AUTO_WRAP_POLICY", WRAP_POLICIES)
+    if policy is None:
+        return {}  # not in the YAML: the core's "auto" (Hugging Face `_no_split_modules`, else repeated blocks)
+    if policy == "NO_WRAP":
+        return {"wrap_policy": None}
+    if policy == "SIZE_BASED_WRAP":
+        return {"wrap_policy": _positive_int(env, "FSDP_MIN_NUM_PARAMS")}
+    names = [n.strip() for n in env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if n.strip()]
+    # Without class names Accelerate falls back to the model's `_no_split_modules`: so does "auto".
+    return {"wrap_policy": names or "auto"}
+
+
+def _sharding(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    strategy = _choice(env, "FSDP_SHARDING_STRATEGY", STRATEGIES)
+    if strategy is not None:
+        out["sharding_strategy"] = strategy
+    raw = env.get("FSDP_RESHARD_AFTER_FORWARD")
+    if raw is None or raw.strip() == "":
+        return out
+    value = raw.strip()
+    if value.lower() in TRUE + FALSE:
+        out["reshard_after_forward"] = value.lower() in TRUE
+    elif value.isdigit() and int(value) >= 1:
+        out["reshard_after_forward"] = int(value)  # reshard to groups of that many ranks
+    elif value.upper() in STRATEGIES + ("NO_RESHARD",):
+        # FSDP1 spelling of the same choice: a sharding strategy name.
+        out["sharding_strategy"] = "SHARD_GRAD_OP" if value.upper() == "NO_RESHARD" else value.upper()
+    else:
+        raise ValueError(
+            f"{_where('FSDP_RESHARD_AFTER_FORWARD')}={raw!r} is invalid; use true, false, a positive int, "
+            f"or a strategy name ({', '.join(STRATEGIES)})."
+        )
+    return out
+
+
+def read_accelerate_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`FSDP2Config` fields and adapter options from Accelerate's launch environment.
+
+    Only variables that are set contribute; the result is empty outside `accelerate launch`.
+    Adapter options (`ADAPTER_KEYS`) are included when set. Raises ValueError naming the
+    variable and its accelerate config key for any value it cannot honour.
+    """
+    env = os.environ if environ is None else environ
+    version = env.get("FSDP_VERSION")
+    if version is not None and version.strip() not in ("", "2"):
+        raise ValueError(
+            f"{_where('FSDP_VERSION')}={version!r}: FSDP2Plugin runs FSDP2 only; set `fsdp_version: 2` in the "
+            "fsdp_config of your accelerate config file (or drop the plugin to use Accelerate's FSDP1)."
+        )
+    if _bool(env, "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"):
+        raise ValueError(
+            f"{_where('FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD')}=true is not supported by FSDP2Plugin; set it to "
+            "false (use fsdp_activation_checkpointing: true and fsdp_offload_params for memory savings)."
+        )
+    out: dict[str, Any] = {**_wrap_policy(env), **_sharding(env)}
+    offload = _bool(env, "FSDP_OFFLOAD_PARAMS")
+    if offload is not None:
+        out["cpu_offload"] = offload
+    checkpointing = _bool(env, "FSDP_ACTIVATION_CHECKPOINTING")
+    if checkpointing is not None:
+        out["activation_checkpointing"] = "auto" if checkpointing else None
+    if _bool(env, "FSDP_FORWARD_PREFETCH"):
+        out["forward_prefetch"] = 1
+    precision = env.get("ACCELERATE_MIXED_PRECISION")
+    if precision is not None and precision.strip():
+        key = precision.strip().lower()
+        if key not in PRECISIONS:
+            raise ValueError(f"{_where('ACCELERATE_MIXED_PRECISION')}={precision!r} is not supported with FSDP2Plugin; "
+                             f"use one of {', '.join(PRECISIONS)} (fp8 is not available through this plugin).")
+        out["mixed_precision"] = PRECISIONS[key]
+    sd_type = env.get("FSDP_STATE_DICT_TYPE")
+    if sd_type is not None and sd_type.strip():
+        key = sd_type.strip().upper()
+        if key not in STATE_DICT_TYPES:
+            raise ValueError(
+                f"{_where('FSDP_STATE_DICT_TYPE')}={sd_type!r} is invalid; use SHARDED_STATE_DICT (DCP shards, resumable "
+                "on any world size) or FULL_STATE_DICT (also consolidated weights); LOCAL_STATE_DICT is FSDP1-only."
+            )
+        out["state_dict_type"] = STATE_DICT_TYPES[key]
+    ram = _bool(env, "FSDP_CPU_RAM_EFFICIENT_LOADING")
+    if ram is not None:
+        out["cpu_ram_efficient_loading"] = ram
+    return out
+
+
+def accelerate_fsdp_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether `accelerate launch` was given an FSDP config (`distributed_type: FSDP`)."""
+    env = os.environ if environ is None else environ
+    return env.get("ACCELERATE_USE_FSDP", "false").strip().lower() in TRUE

@@ -1,0 +1,282 @@
+"""Hugging Face Accelerate adapter: `FSDP2Accelerator` + `FSDP2Plugin`, backed by the core.
+
+    from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin
+
+    accelerator = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin())   # reads `accelerate launch`'s FSDP config
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+Run it with `accelerate launch --config_file fsdp2.yaml train.py`, where `fsdp2.yaml` is an
+ordinary accelerate FSDP config with `fsdp_version: 2` (see examples/accelerate/).
+
+What changes against the stock `Accelerator` (same arguments, same methods):
+- `prepare` shards every model with `fsdp2_strategy.shard_model` (several models per call,
+  a model alone for evaluation) and points optimizers built before it at the shards;
+  on CPU it runs real FSDP2 over gloo, where Accelerate 1.15 falls back to DDP or to
+  unsynchronised processes;
+- `accumulate`/`no_sync` skip the reduce-scatter on non-final micro-batches (core `no_sync`);
+  `clip_grad_norm_` is the core's global norm; mixed precision is an FSDP2 policy
+  ("bf16": bf16 compute, fp32 master weights and gradient reduction), not autocast;
+- `save_state`/`load_state` write and read atomic, checksummed DCP directories (any world
+  size on load); `get_state_dict` gathers full weights to rank 0 one tensor at a time and
+  `save_model` writes them as Hugging Face safetensors (plus `config.json` for HF models).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Iterable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DynamoBackend, FullyShardedDataParallelPlugin, GradScalerKwargs, InitProcessGroupKwargs
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+
+import fsdp2_strategy as f2
+from fsdp2_strategy.distributed import log_rank_zero
+from fsdp2_strategy.rebind import parameters_by_name, rebind_optimizer
+
+from . import _accelerate_checkpoint as checkpoint
+from . import _accelerate_compat as compat
+from ._accelerate_env import read_accelerate_env
+from ._accelerate_plugin import STOCK_ACCELERATOR_ERROR, FSDP2Plugin
+
+__all__ = ["FSDP2Accelerator", "FSDP2Plugin", "STOCK_ACCELERATOR_ERROR", "read_accelerate_env"]
+
+_REFUSED_KWARGS = ("deepspeed_plugin", "deepspeed_plugins", "megatron_lm_plugin", "torch_tp_plugin", "parallelism_config")
+
+
+@contextlib.contextmanager
+def _env_without(*names: str) -> Iterator[None]:
+    saved = {n: os.environ.pop(n) for n in names if n in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_process_group(timeout: Optional[timedelta]) -> None:
+    """Start the process group ourselves (before Accelerate's state does), so that:
+    - on an accelerator, CPU tensors get a backend too ("cpu:gloo,cuda:nccl"): DCP and
+      offloaded state use it;
+    - one process without a launcher still gets a 1-rank group, which `fully_shard` needs.
+    On CPU with a launcher Accelerate would start the same gloo group."""
+    if dist.is_initialized():
+        return
+    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accel is not None:
+        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = f"cpu:gloo,{accel.type}:{dist.Backend.default_device_backend_map.get(accel.type, 'nccl')}"
+    else:
+        backend = "gloo"
+    kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group(backend, **kwargs)  # env:// from the launcher
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **kwargs)
+
+
+class FSDP2Accelerator(Accelerator):
+    """`accelerate.Accelerator` whose FSDP is the fsdp2_strategy core, on CPU (gloo) as on GPU.
+
+    Args:
+        fsdp_plugin: an `FSDP2Plugin`; default `FSDP2Plugin()`, which reads the FSDP config
+            `accelerate launch --config_file` passes in the environment.
+        mixed_precision: "no", "bf16" or "fp16" (default: the accelerate config's value),
+            applied as an FSDP2 mixed-precision policy; must agree with the plugin's own
+            `mixed_precision` if it was given one.
+        cpu: run on CPU even where an accelerator exists (also chosen when none exists).
+        timeout: process-group timeout when this class starts the group (default: the
+            `InitProcessGroupKwargs` handler's, else torch's).
+        **kwargs: every other `Accelerator` argument (`gradient_accumulation_steps`,
+            `project_config`, `log_with`, `kwargs_handlers`: `GradScalerKwargs` for fp16,
+            `InitProcessGroupKwargs` for the timeout, ...). DeepSpeed, Megatron-LM and tensor/context
+            parallel options are refused: they are other engines.
+    """
+
+    def __init__(
+        self,
+        *,
+        fsdp_plugin: Optional[FSDP2Plugin] = None,
+        mixed_precision: Optional[str] = None,
+        cpu: bool = False,
+        timeout: Optional[timedelta] = None,
+        **kwargs: Any,
+    ) -> None:
+        if fsdp_plugin is None:
+            fsdp_plugin = FSDP2Plugin()
+        elif not isinstance(fsdp_plugin, FSDP2Plugin):
+            hint = " It reads the same accelerate config file." if isinstance(fsdp_plugin, FullyShardedDataParallelPlugin) else ""
+            raise TypeError(f"FSDP2Accelerator(fsdp_plugin=...) needs an FSDP2Plugin, got {type(fsdp_plugin).__name__}.{hint}")
+        refused = [k for k in _REFUSED_KWARGS if kwargs.get(k) is not None]
+        if refused:
+            raise ValueError(f"FSDP2Accelerator does not combine with {', '.join(refused)}; FSDP2 is the engine here.")
+        if mixed_precision is not None:
+            fsdp_plugin.with_precision(str(mixed_precision))
+        # No accelerator: tell Accelerate so, or on CPU it would decide "not distributed" and
+        # train every rank alone (LOCAL_RANK set but no GPU) or wrap the model in DDP.
+        cpu = cpu or not torch.accelerator.is_available()
+        handlers = {type(h): h for h in kwargs.get("kwargs_handlers") or []}
+        init_handler = handlers.get(InitProcessGroupKwargs)
+        _init_process_group(timeout if timeout is not None or init_handler is None else init_handler.timeout)
+        compat.release_reported_precision()
+        # Accelerate must not build its own FSDP plugin from the environment (it parses the
+        # same variables with FSDP1 defaults) nor autocast: FSDP2 policies do the casting.
+        with _env_without("ACCELERATE_USE_FSDP"):
+            super().__init__(mixed_precision="no", cpu=cpu, fsdp_plugin=None, **kwargs)
+        compat.check_accelerator(self)
+        fsdp_plugin.claim()
+        compat.claim_fsdp_state(self.state, fsdp_plugin, fsdp_plugin.accelerate_precision)
+        if fsdp_plugin.accelerate_precision == "fp16":
+            # fp16 gradients overflow: a scaler that agrees on inf/NaN across ranks (the sharded
+            # one), and `native_amp` so Accelerate unscales before clipping.
+            scaler_handler = handlers.get(GradScalerKwargs)
+            self.scaler = ShardedGradScaler(device=self.device.type,
+                                            **(scaler_handler.to_kwargs() if scaler_handler else {}))
+            self.native_amp = True
+        if self.state.dynamo_plugin.backend != DynamoBackend.NO:
+            log_rank_zero("dynamo_backend is not applied by FSDP2Accelerator; use FSDP2Plugin(compile=True) to compile "
+                          "each wrapped block.", level=30)
+        log_rank_zero("FSDP2Accelerator: %d process(es), device %s, precision %s, %s",
+                      self.num_processes, self.device, self.mixed_precision, fsdp_plugin)
+
+    # ------------------------------------------------------------------ configuration
+    @property
+    def fsdp_plugin(self) -> FSDP2Plugin:
+        """The `FSDP2Plugin` in use (also `accelerator.state.fsdp_plugin`)."""
+        return self.state.fsdp_plugin
+
+    @property
+    def fsdp2_config(self) -> f2.FSDP2Config:
+        """The core config every prepared model is sharded with."""
+        return self.fsdp_plugin.fsdp2_config
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
+        """Prepare models, optimizers, data loaders and schedulers, in any number and order.
+
+        Each model is sharded by the core; each optimizer given here or prepared earlier that
+        holds a model's pre-sharding parameters is pointed at the shards (an optimizer built
+        after `prepare(model)` needs nothing). Returns the objects in the same order.
+        """
+        if device_placement is not None and len(device_placement) != len(args):
+            raise ValueError(f"`device_placement` should be a list with {len(args)} elements (the number of objects passed).")
+        placements = device_placement or [None] * len(args)
+        result = list(args)
+        snapshots = []
+        for i, obj in enumerate(args):
+            if isinstance(obj, nn.Module) and not getattr(obj, "_is_accelerate_prepared", False):
+                before = parameters_by_name(obj)
+                result[i] = self.prepare_model(obj, device_placement=placements[i])
+                snapshots.append((before, result[i]))
+        optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer) and not isinstance(o, AcceleratedOptimizer)]
+        optimizers += [o.optimizer for o in self._optimizers]
+        for optimizer in optimizers:
+            for before, model in snapshots:
+                rebind_optimizer(optimizer, before, model)
+        for i, obj in enumerate(result):  # optimizers before schedulers: a scheduler finds its wrapped optimizer
+            if isinstance(obj, DataLoader):
+                result[i] = self.prepare_data_loader(obj, device_placement=placements[i])
+            elif isinstance(obj, torch.optim.Optimizer):
+                # No device placement: FSDP owns where parameters and their state live.
+                result[i] = self.prepare_optimizer(obj, device_placement=False)
+        for i, obj in enumerate(result):
+            if isinstance(obj, LRScheduler):
+                result[i] = self.prepare_scheduler(obj)
+        for obj in result:
+            if any(obj is o for o in (*self._dataloaders, *self._models, *self._optimizers, *self._schedulers)):
+                obj._is_accelerate_prepared = True
+        return tuple(result) if len(result) > 1 else result[0]
+
+    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """Shard `model` in place with the core (also for evaluation: it is what fits in memory)."""
+        if getattr(model, "_is_accelerate_prepared", False):
+            if not any(model is m for m in self._models):
+                self._models.append(model)
+            return model
+        if self.verify_device_map(model):
+            raise ValueError("A model loaded with `device_map=...` cannot be sharded; load it without a device map.")
+        if self.fsdp_plugin.cpu_ram_efficient_loading:
+            from fsdp2_strategy.rank0_weights import shard_with_rank0_weights
+
+            shard_with_rank0_weights(model, self.fsdp2_config)
+        else:
+            f2.shard_model(model, self.fsdp2_config)
+        self._models.append(model)
+        model._is_accelerate_prepared = True
+        return model
+
+    # ------------------------------------------------------------------ training step
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Skip gradient reduction for `model` inside the block (`accumulate` uses it on
+        non-final micro-batches): the first backward outside reduces the accumulated sum."""
+        with f2.no_sync(model):
+            yield
+
+    def clip_grad_norm_(self, parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
+                        norm_type: float = 2) -> torch.Tensor:
+        """Clip by the global norm over all shards (core `clip_grad_norm_`); returns the total norm."""
+        self.unscale_gradients()
+        return f2.clip_grad_norm_(list(parameters) if not isinstance(parameters, torch.Tensor) else parameters,
+                                  max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Union[torch.Tensor, Iterable[torch.Tensor]], clip_value: float) -> None:
+        """Clamp every gradient element (on each rank's shards; no communication needed)."""
+        self.unscale_gradients()
+        f2.clip_grad_value_(parameters, clip_value)
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: Any = None) -> Iterator[None]:
+        """No autocast: the FSDP2 mixed-precision policy already computes in low precision."""
+        yield
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """Full (unsharded) weights on CPU on rank 0, `{}` elsewhere. Collective: call on every rank.
+
+        torch gathers one tensor at a time and only rank 0 keeps each copy, so no rank ever
+        holds more than one full tensor beyond rank 0's CPU copy of the result."""
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_model(self, model: nn.Module, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "10GB",
+                   safe_serialization: bool = True) -> None:
+        """Accelerate's `save_model` (safetensors, sharded with an index past `max_shard_size`) on the
+        gathered weights; for a Hugging Face model also its `config.json`, so that
+        `from_pretrained(save_directory)` loads it. Collective."""
+        super().save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+        config = getattr(model, "config", None)
+        if self.is_main_process and callable(getattr(config, "save_pretrained", None)):
+            config.save_pretrained(save_directory)
+        self.wait_for_everyone()
+
+    def save_state(self, output_dir: Optional[Union[str, os.PathLike]] = None, safe_serialization: bool = True,
+                   **save_model_func_kwargs: Any) -> str:
+        """Save models, optimizers, schedulers, samplers, RNG, step and registered objects as one
+        atomic, checksummed DCP directory (see `_accelerate_checkpoint`). Returns its path."""
+        if save_model_func_kwargs:
+            raise TypeError(f"FSDP2Accelerator.save_state does not take {sorted(save_model_func_kwargs)} (DeepSpeed options).")
+        return checkpoint.save_state(self, output_dir, safe_serialization)
+
+    def load_state(self, input_dir: Optional[Union[str, os.PathLike]] = None, load_kwargs: Optional[dict] = None,
+                   **load_model_func_kwargs: Any) -> None:
+        """Load what `save_state` wrote (any world size: DCP reshards). Prepare the same models and
+        optimizers first. A missing, partial or damaged directory raises before anything changes."""
+        if load_model_func_kwargs:
+            raise TypeError(f"FSDP2Accelerator.load_state does not take {sorted(load_model_func_kwargs)}.")
+        checkpoint.load_state(self, input_dir, load_kwargs)

@@ -1,0 +1,398 @@
+"""FSDP2Accelerator flows on 2 ranks in one world; writes what it measured to JSON.
+
+Usage: accelerate launch --config_file fsdp2.yaml flows.py OUT.json WORKDIR [FLOW,FLOW...]
+
+Launched by `accelerate launch` with an ordinary accelerate FSDP config, so the plugin's
+defaults come from the `FSDP_*` variables that config produces. Each flow records its numbers
+under its own key; an exception is recorded as "error" for that flow (the test fails on it)
+and the next flow runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from common import (
+    PER_RANK,
+    VOCAB,
+    all_indices,
+    dataset,
+    fresh,
+    full_grads,
+    full_params,
+    gather,
+    lm_loss,
+    loader,
+    max_rel_diff,
+    update_rel_diff,
+    rank_batch,
+    setup_resumable,
+    train,
+    reduce_scatters,
+    reference,
+    write_json,
+)
+from _comm import count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
+from accelerate import Accelerator
+from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Subset
+
+import fsdp2_strategy as f2
+from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin
+
+
+
+
+def _plan(model) -> dict:
+    plan = f2.sharding_plan(model)
+    return {"groups": [g.name for g in plan.groups], "precision": sorted({g.precision for g in plan.groups}),
+            "offload": sorted({g.cpu_offload for g in plan.groups})}
+
+
+def config_from_launch(out: dict, work: Path) -> None:
+    """What `accelerate launch --config_file` handed to FSDP2Plugin() and FSDP2Accelerator()."""
+    cfg = FSDP2Plugin().fsdp2_config
+    out.update(wrap_policy=cfg.wrap_policy, reshard_after_forward=cfg.reshard_after_forward,
+               cpu_offload=cfg.cpu_offload, activation_checkpointing=cfg.activation_checkpointing,
+               mixed_precision=cfg.mixed_precision, sharding_strategy=cfg.sharding_strategy,
+               env={k: v for k, v in os.environ.items() if k.startswith("FSDP_") or k == "ACCELERATE_MIXED_PRECISION"})
+    acc = FSDP2Accelerator()
+    out.update(distributed_type=str(acc.distributed_type), num_processes=acc.num_processes,
+               accelerator_precision=acc.mixed_precision, is_fsdp2=acc.is_fsdp2, backend=dist.get_backend())
+    try:
+        Accelerator(fsdp_plugin=FSDP2Plugin())
+        out["stock_error"] = None
+    except TypeError as exc:
+        out["stock_error"] = str(exc)
+
+
+def parity(out: dict, work: Path) -> None:
+    """One SGD step, optimizer built before prepare (rebound), batches from a prepared DataLoader."""
+    model, initial = fresh(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = FSDP2Accelerator(mixed_precision="no")
+    model, opt, dl = acc.prepare(model, opt, loader(PER_RANK))
+    idx, x, y = next(iter(dl))
+    acc.backward(lm_loss(model, x, y))
+    grads = full_grads(model)
+    opt.step()
+    params = full_params(model)
+    ref_params, ref_grads, _ = reference(initial, [all_indices(idx.tolist())])
+    out.update(_plan(model), grad_rel=max_rel_diff(grads, ref_grads), param_rel=max_rel_diff(params, ref_params),
+               root_is_fsdp=isinstance(model, FSDPModule), indices=gather(idx.tolist()),
+               optimizer_params_dtensor=all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]))
+    # The other order: optimizer built after prepare(model), prepared on its own.
+    model2, initial2 = fresh(1)
+    model2 = acc.prepare(model2)
+    opt2 = acc.prepare(torch.optim.SGD(model2.parameters(), lr=0.1))
+    idx, x, y = rank_batch()
+    acc.backward(lm_loss(model2, x, y))
+    opt2.step()
+    ref2, _, _ = reference(initial2, [all_indices(idx)])
+    out["after_prepare_param_rel"] = max_rel_diff(full_params(model2), ref2)
+
+
+def variants(out: dict, work: Path) -> None:
+    """Plugin keyword arguments over the config file: CPU offload + activation checkpointing."""
+    model, initial = fresh(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(cpu_offload=True, activation_checkpointing="auto"),
+                           mixed_precision="no")
+    model, opt = acc.prepare(model, opt)
+    idx, x, y = rank_batch()
+    acc.backward(lm_loss(model, x, y))
+    opt.step()
+    ref, _, _ = reference(initial, [all_indices(idx)])
+    out.update(_plan(model), param_rel=max_rel_diff(full_params(model), ref))
+
+
+def accumulation(out: dict, work: Path) -> None:
+    """gradient_accumulation_steps=2: no reduce-scatter on the first micro-batch."""
+    model, initial = fresh(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = FSDP2Accelerator(mixed_precision="no", gradient_accumulation_steps=2)
+    dl = DataLoader(Subset(dataset(), range(16)), batch_size=PER_RANK)  # 2 micro-batches per rank
+    model, opt, dl = acc.prepare(model, opt, dl)
+    after_backward, sync_flags, micro = [], [], []
+    with count_collectives() as counts:
+        for idx, x, y in dl:
+            with acc.accumulate(model):
+                acc.backward(lm_loss(model, x, y))
+                after_backward.append(reduce_scatters(counts))
+                sync_flags.append(acc.sync_gradients)
+                opt.step()
+                opt.zero_grad()
+            micro.append(idx.tolist())
+    groups = len(f2.sharding_plan(model).groups)
+    params = full_params(model)
+    per_rank = gather(micro)
+    micro_batches = [[i for rank in per_rank for i in rank[m]] for m in range(len(micro))]
+    ref, _, _ = reference(initial, micro_batches)
+    with count_collectives() as plain:  # the same two backward passes without accumulate()
+        for _ in range(2):
+            _, x, y = rank_batch()
+            acc.backward(lm_loss(model, x, y))
+    opt.zero_grad()
+    out.update(reduce_scatters_after_each_backward=after_backward, sync_gradients=sync_flags, groups=groups,
+               reduce_scatters_two_plain_backwards=reduce_scatters(plain), param_rel=max_rel_diff(params, ref),
+               micro_batches=len(micro))
+
+
+def clipping(out: dict, work: Path) -> None:
+    model, initial = fresh(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = FSDP2Accelerator(mixed_precision="no")
+    model, opt = acc.prepare(model, opt)
+    idx, x, y = rank_batch()
+    acc.backward(lm_loss(model, x, y))
+    norm = acc.clip_grad_norm_(model.parameters(), 0.05)
+    opt.step()
+    ref, _, ref_norm = reference(initial, [all_indices(idx)], clip=0.05)
+    unclipped, _, _ = reference(initial, [all_indices(idx)])
+    out.update(norm=norm.item(), ref_norm=ref_norm, norm_is_plain=not isinstance(norm, DTensor),
+               param_rel=max_rel_diff(full_params(model), ref), unclipped_rel=max_rel_diff(unclipped, ref))
+
+
+def bf16(out: dict, work: Path) -> None:
+    model, initial = fresh(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = FSDP2Accelerator(mixed_precision="bf16")
+    model, opt = acc.prepare(model, opt)
+    idx, x, y = rank_batch()
+    logits = model(x)
+    loss = lm_loss(model, x, y)
+    acc.backward(loss)
+    grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters()})
+    opt.step()
+    fp32_loss = lm_loss(initial, x, y).item()
+    out.update(_plan(model), accelerator_precision=acc.mixed_precision, out_dtype=str(logits.dtype),
+               stored_dtypes=sorted({str(p.dtype) for p in model.parameters()}), grad_dtypes=grad_dtypes,
+               loss=loss.item(), fp32_loss=fp32_loss, finite=all(torch.isfinite(p).all().item() for p in full_params(model).values()))
+
+
+def fp16(out: dict, work: Path) -> None:
+    """fp16 compute with the sharded grad scaler, on CPU too (stock Accelerate refuses fp16 there).
+
+    Default scale (65536): the scaled gradients overflow fp16, every rank skips the step and the
+    scale halves. GradScalerKwargs(init_scale=1024): unscaled before clipping, the step matches fp32."""
+    for name, handlers in (("default", []), ("init_1024", [GradScalerKwargs(init_scale=1024)])):
+        model, initial = fresh(13)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        acc = FSDP2Accelerator(mixed_precision="fp16", kwargs_handlers=handlers)
+        model, opt = acc.prepare(model, opt)
+        idx, x, y = rank_batch()
+        logits = model(x)
+        acc.backward(lm_loss(model, x, y))
+        norm = acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        ref, _, ref_norm = reference(initial, [all_indices(idx)], clip=1.0)
+        start, got = full_params(initial), full_params(model)
+        out[name] = dict(_plan(model), out_dtype=str(logits.dtype), scaler=type(acc.scaler).__name__,
+                         scale=acc.scaler.get_scale(), norm=norm.item(), ref_norm=ref_norm,
+                         unchanged=all(torch.equal(got[k], start[k]) for k in start),
+                         update_rel=update_rel_diff(start, got, ref), skipped=gather(opt.step_was_skipped))
+
+
+def multi_model(out: dict, work: Path) -> None:
+    a, a0 = fresh(6)
+    b, b0 = fresh(7, layers=2, tied=False)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    acc = FSDP2Accelerator(mixed_precision="no")
+    a, b, oa, ob = acc.prepare(a, b, oa, ob)
+    idx, x, y = rank_batch()
+    for model, opt in ((a, oa), (b, ob)):
+        acc.backward(lm_loss(model, x, y))
+        opt.step()
+    ref_a, _, _ = reference(a0, [all_indices(idx)])
+    ref_b, _, _ = reference(b0, [all_indices(idx)])
+    out.update(models=len(acc._models), both_fsdp=isinstance(a, FSDPModule) and isinstance(b, FSDPModule),
+               a_rel=max_rel_diff(full_params(a), ref_a), b_rel=max_rel_diff(full_params(b), ref_b))
+
+
+def evaluation(out: dict, work: Path) -> None:
+    model, initial = fresh(8)
+    acc = FSDP2Accelerator(mixed_precision="no")
+    model = acc.prepare(model)
+    model.eval()
+    _, x, _ = rank_batch()
+    with torch.no_grad():
+        got, want = model(x), initial.eval()(x)
+    out.update(root_is_fsdp=isinstance(model, FSDPModule), rel=((got - want).norm() / want.norm()).item())
+
+
+def checkpoints(out: dict, work: Path) -> None:
+    acc, model, opt, sched = setup_resumable(9, state_dict_type="full")
+    first = train(acc, model, opt, sched, range(0, 2))
+    path = Path(acc.save_state(work / "state"))
+    lr_saved = sched.get_last_lr()
+    if dist.get_rank() == 0:  # kept for resume.py (one process); `state` itself is saved over below
+        shutil.copytree(path, work / "state_step2")
+    saved_params = full_params(model)
+    cont = train(acc, model, opt, sched, range(2, 4))
+    out.update(first=first, continued=cont, lr_saved=lr_saved, lr_continued=sched.get_last_lr(),
+               listing=sorted(p.name for p in path.iterdir()), parent=sorted(p.name for p in path.parent.iterdir()))
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file
+
+        exported = load_file(str(path / "model.safetensors"))
+        out["export_diff"] = max((exported[k].float() - v).abs().max().item() for k, v in saved_params.items())
+    # A fresh model, optimizer and scheduler (different init) resumed from the directory.
+    acc2, model2, opt2, sched2 = setup_resumable(99)
+    acc2.load_state(path)
+    out.update(resumed=train(acc2, model2, opt2, sched2, range(2, 4)), lr_resumed=sched2.get_last_lr())
+    # Saving again into the same directory replaces it whole (no .tmp-* left behind).
+    acc2.save_state(path)
+    out["parent_after_resave"] = sorted(p.name for p in path.parent.iterdir())
+    # A directory that never committed, and a damaged one, are refused before anything loads.
+    partial = work / "partial"
+    if dist.get_rank() == 0:
+        shutil.copytree(path, partial)
+        (partial / ".metadata").unlink()
+        damaged = work / "damaged"
+        shutil.copytree(path, damaged)
+        with open(damaged / "__1_0.distcp", "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+    for name in ("partial", "damaged"):
+        try:
+            acc2.load_state(work / name)
+            out[f"{name}_error"] = None
+        except (FileNotFoundError, ValueError) as exc:
+            out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+    # Automatic naming with keep_last: only the newest committed checkpoints stay.
+    from accelerate.utils import ProjectConfiguration
+
+    acc3, model3, opt3, sched3 = setup_resumable(9, keep_last=2)
+    acc3.project_configuration = ProjectConfiguration(project_dir=str(work / "auto"), automatic_checkpoint_naming=True)
+    for _ in range(3):
+        acc3.save_state()
+    acc3.load_state()  # the newest
+    out["auto_listing"] = sorted(p.name for p in (work / "auto" / "checkpoints").iterdir())
+
+
+def hf_export(out: dict, work: Path) -> None:
+    """A transformers GPT-2: save_model -> from_pretrained; get_state_dict full on rank 0 only."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(10)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # The launch config wraps "Block" (TinyGPT); a keyword overrides it: "auto" finds GPT2Block.
+    acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(wrap_policy="auto"), mixed_precision="no")
+    model, opt = acc.prepare(model, opt)
+    _, x, _ = rank_batch()
+    acc.backward(model(input_ids=x, labels=x).loss)
+    opt.step()
+    state = acc.get_state_dict(model)
+    acc.save_model(model, work / "hf")
+    params = full_params(model)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=x).logits
+    out.update(_plan(model), state_sizes=gather(len(state)), state_keys=len(model.state_dict()),
+               files=sorted(p.name for p in (work / "hf").iterdir()))
+    if dist.get_rank() == 0:
+        loaded = GPT2LMHeadModel.from_pretrained(work / "hf").eval()
+        got = dict(loaded.named_parameters())
+        out["weight_diff"] = max((got[k] - v).abs().max().item() for k, v in params.items())
+        with torch.no_grad():
+            ref = loaded(input_ids=x).logits
+        out["logits_rel"] = ((ref - logits).norm() / ref.norm()).item()
+        out["state_diff"] = max((state[k] - got[k]).abs().max().item() for k in got)
+
+
+def rank0_loading(out: dict, work: Path) -> None:
+    """cpu_ram_efficient_loading: real weights on rank 0, the meta device elsewhere (runs last: the
+    plugin exports FSDP_CPU_RAM_EFFICIENT_LOADING=true for transformers, as Accelerate's does)."""
+    from _models import TinyGPT
+
+    acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(cpu_ram_efficient_loading=True), mixed_precision="no")
+    if dist.get_rank() == 0:
+        model, initial = fresh(11)
+    else:
+        with torch.device("meta"):
+            model, initial = TinyGPT(vocab=VOCAB, seq=16), None
+    model = acc.prepare(model)
+    params = full_params(model)
+    if dist.get_rank() == 0:
+        ref = dict(initial.named_parameters())
+        out["diff"] = max((params[k] - ref[k]).abs().max().item() for k in ref)
+    out["meta_after"] = gather(any(p.is_meta for p in model.parameters()))
+
+
+def launch_variant(out: dict, work: Path) -> None:
+    """Under fsdp2_variant.yaml: size-based wrap, no reshard, offload, activation checkpointing,
+    full state dict, rank-0 loading and bf16, all from the config file alone."""
+    acc = FSDP2Accelerator()
+    if dist.get_rank() == 0:
+        model, initial = fresh(12)
+    else:
+        with torch.device("meta"):  # as transformers loads it on ranks > 0 with rank-0 loading
+            model, initial = fresh(12)
+    model = acc.prepare(model)
+    opt = acc.prepare(torch.optim.SGD(model.parameters(), lr=0.1))
+    calls = []
+    # A pre-hook: checkpoint's recomputation may stop inside mlp once it has what backward needs.
+    model.blocks[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    idx, x, y = rank_batch()
+    loss = lm_loss(model, x, y)
+    acc.backward(loss)
+    opt.step()
+    plan = f2.sharding_plan(model)
+    params = full_params(model)
+    path = Path(acc.save_state(work / "variant_state"))
+    out.update(_plan(model), reshard=sorted({str(g.reshard_after_forward) for g in plan.groups}),
+               mlp_forward_calls=len(calls), accelerator_precision=acc.mixed_precision,
+               listing=sorted(p.name for p in path.iterdir()), loss=sum(gather(loss.item())) / dist.get_world_size())
+    global_idx = all_indices(idx)
+    if dist.get_rank() == 0:  # only rank 0 has the real initial weights
+        ref, _, _ = reference(initial, [global_idx])
+        out["update_rel"] = update_rel_diff(dict(initial.named_parameters()), params, ref)
+        _, xs, ys = dataset().tensors
+        out["fp32_loss"] = lm_loss(initial, xs[global_idx], ys[global_idx]).item()
+
+
+FLOWS = [config_from_launch, parity, variants, accumulation, clipping, bf16, fp16, multi_model, evaluation, checkpoints,
+         hf_export, rank0_loading]
+"""Run under fsdp2.yaml (the default when no flow names are given)."""
+VARIANT_FLOWS = [config_from_launch, launch_variant]
+"""Run under fsdp2_variant.yaml."""
+
+
+def main() -> None:
+    out_path, work = sys.argv[1], Path(sys.argv[2])
+    by_name = {f.__name__: f for f in FLOWS + VARIANT_FLOWS}
+    flows = [by_name[n] for n in sys.argv[3].split(",")] if len(sys.argv) > 3 else FLOWS
+    # The first accelerator starts the process group: a timeout, so a stuck rank fails the run.
+    FSDP2Accelerator(mixed_precision="no", kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=90))])
+    result: dict = {}
+    for flow in flows:
+        entry: dict = {}
+        try:
+            flow(entry, work)
+        except BaseException:  # DCP's CheckpointException is a BaseException
+            entry["error"] = traceback.format_exc()
+            print(f"[flow {flow.__name__} rank {dist.get_rank() if dist.is_initialized() else -1}]", entry["error"], file=sys.stderr, flush=True)
+        errors = gather(entry.get("error"))
+        if any(errors):
+            entry["error"] = "\n".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+        result[flow.__name__] = entry
+        dist.barrier()
+    write_json(out_path, result)
+    f2.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""Accelerate adapter: `accelerate launch --config_file` runs on 2 CPU processes, a 1-process resume,
+and unit tests of the config mapping and of the private-API guard.
+
+The scripts in tests/accelerate_scripts/ measure and write JSON; the assertions live here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+from fsdp2_strategy.integrations import _accelerate_compat as compat  # noqa: E402
+from fsdp2_strategy.integrations.accelerate import STOCK_ACCELERATOR_ERROR, FSDP2Accelerator, FSDP2Plugin  # noqa: E402
+from fsdp2_strategy.integrations.accelerate import read_accelerate_env  # noqa: E402
+
+SCRIPTS = Path(__file__).parent / "accelerate_scripts"
+TOL = 1e-5  # fp32 parity, relative
+
+
+def _run(args: list[str], timeout: int) -> None:
+    # No FSDP_* / ACCELERATE_* from the outer environment: the config file alone decides.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    proc = subprocess.run([sys.executable, *args], env=dict(env, OMP_NUM_THREADS="1"), cwd=SCRIPTS,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
+def accelerate_launch(config: Path, script: str, *args: str, timeout: int = 300) -> None:
+    """`accelerate launch --config_file CONFIG SCRIPT ARGS...`, as a user runs it."""
+    _run(["-m", "accelerate.commands.launch", "--config_file", str(config), script, *args], timeout)
+
+
+def _load(path: Path) -> dict:
+    out = json.loads(path.read_text())
+    errors = {flow: entry["error"] for flow, entry in out.items() if isinstance(entry, dict) and "error" in entry}
+    assert not errors, "\n".join(f"{flow}:\n{tb}" for flow, tb in errors.items())
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """fsdp2.yaml (every flow) -> one process resuming its checkpoint -> fsdp2_variant.yaml."""
+    work = tmp_path_factory.mktemp("accelerate")
+    accelerate_launch(SCRIPTS / "fsdp2.yaml", "flows.py", str(work / "flows.json"), str(work))
+    _run(["resume.py", str(work / "resume.json"), str(work / "state_step2")], timeout=120)
+    accelerate_launch(SCRIPTS / "fsdp2_variant.yaml", "flows.py", str(work / "variant.json"), str(work / "variant"),
+                      "config_from_launch,launch_variant")
+    return {"flows": _load(work / "flows.json"), "resume": _load(work / "resume.json"),
+            "variant": _load(work / "variant.json")}
+
+
+@pytest.fixture
+def flows(runs) -> dict:
+    return runs["flows"]
+
+
+def _close(a: list[float], b: list[float], tol: float = TOL) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= tol * max(abs(y), 1e-8) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------------------------------- launch runs
+def test_config_file_keys_reach_the_core(runs):
+    std, var = runs["flows"]["config_from_launch"], runs["variant"]["config_from_launch"]
+    assert std["wrap_policy"] == ["Block"] and std["reshard_after_forward"] is True
+    assert std["cpu_offload"] is False and std["activation_checkpointing"] is None and std["mixed_precision"] is None
+    assert var["wrap_policy"] == 10000 and var["reshard_after_forward"] is False and var["cpu_offload"] is True
+    assert var["activation_checkpointing"] == "auto" and var["mixed_precision"] == "bf16"
+    for r in (std, var):  # real FSDP on gloo, where stock Accelerate would run DDP
+        assert r["distributed_type"] == "DistributedType.FSDP" and r["is_fsdp2"] and r["num_processes"] == 2
+        assert r["backend"] == "gloo"
+    assert var["accelerator_precision"] == "bf16" and std["accelerator_precision"] == "no"
+
+
+def test_stock_accelerator_refuses_the_plugin_by_name(flows):
+    assert flows["config_from_launch"]["stock_error"] == STOCK_ACCELERATOR_ERROR
+
+
+def test_variant_config_file_trains_with_every_value(runs):
+    r = runs["variant"]["launch_variant"]
+    assert r["groups"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]  # SIZE_BASED_WRAP 10000: each block
+    assert r["offload"] == [True] and r["reshard"] == ["False"] and r["precision"] == ["bf16/fp32"]
+    assert r["mlp_forward_calls"] == 2  # activation checkpointing recomputes the block in backward
+    assert "model.safetensors" in r["listing"]  # FULL_STATE_DICT
+    # Rank 0's real weights reached every shard (rank 1 built on meta): bf16 step close to fp32.
+    assert abs(r["loss"] - r["fp32_loss"]) / r["fp32_loss"] < 1e-2 and r["update_rel"] < 2e-2
+
+
+def test_prepare_shards_and_matches_one_process(flows):
+    r = flows["parity"]
+    assert r["root_is_fsdp"] and r["groups"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+    assert r["optimizer_params_dtensor"]  # built before prepare, rebound to the shards
+    assert r["indices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the prepared DataLoader splits the batch
+    assert r["grad_rel"] < TOL and r["param_rel"] < TOL
+    assert r["after_prepare_param_rel"] < TOL  # the other order: optimizer built after prepare(model)
+
+
+def test_plugin_keywords_offload_and_checkpointing(flows):
+    r = flows["variants"]
+    assert r["offload"] == [True] and r["param_rel"] < TOL
+
+
+def test_accumulate_skips_reduce_scatter_until_the_last_micro_batch(flows):
+    r = flows["accumulation"]
+    assert r["micro_batches"] == 2 and r["sync_gradients"] == [False, True]
+    assert r["reduce_scatters_after_each_backward"] == [0, r["groups"]]  # one per group, on the last only
+    assert r["reduce_scatters_two_plain_backwards"] == 2 * r["groups"]
+    assert r["param_rel"] < TOL
+
+
+def test_clip_grad_norm_is_the_global_norm(flows):
+    r = flows["clipping"]
+    assert r["norm_is_plain"] and abs(r["norm"] - r["ref_norm"]) <= TOL * r["ref_norm"]
+    assert r["param_rel"] < TOL and r["unclipped_rel"] > 1  # clipping changed the step, like one process's
+
+
+def test_bf16_is_an_fsdp2_policy(flows):
+    r = flows["bf16"]
+    assert r["precision"] == ["bf16/fp32"] and r["accelerator_precision"] == "bf16"
+    assert r["out_dtype"] == "torch.bfloat16" and r["stored_dtypes"] == r["grad_dtypes"] == ["torch.float32"]
+    assert abs(r["loss"] - r["fp32_loss"]) / r["fp32_loss"] < 1e-2 and r["finite"]
+
+
+def test_fp16_uses_the_sharded_scaler(flows):
+    default, small = flows["fp16"]["default"], flows["fp16"]["init_1024"]
+    for r in (default, small):
+        assert r["scaler"] == "ShardedGradScaler" and r["out_dtype"] == "torch.float16"
+    # 65536 x a loss of ~26 overflows fp16: every rank skips the step, the scale halves.
+    assert default["skipped"] == [True, True] and default["unchanged"] and default["scale"] == 32768.0
+    assert math.isinf(default["norm"])
+    # GradScalerKwargs(init_scale=1024) is honoured: unscaled before clipping, the step matches fp32.
+    assert small["skipped"] == [False, False] and small["scale"] == 1024.0
+    assert abs(small["norm"] - small["ref_norm"]) / small["ref_norm"] < 1e-3 and small["update_rel"] < 5e-3
+
+
+def test_several_models_in_one_prepare(flows):
+    r = flows["multi_model"]
+    assert r["models"] == 2 and r["both_fsdp"] and r["a_rel"] < TOL and r["b_rel"] < TOL
+
+
+def test_prepare_model_alone_for_evaluation(flows):
+    r = flows["evaluation"]
+    assert r["root_is_fsdp"] and r["rel"] < 1e-6
+
+
+def test_save_state_load_state_resume_exactly(flows):
+    r = flows["checkpoints"]
+    assert _close(r["resumed"], r["continued"]) and r["lr_resumed"] == r["lr_continued"]
+    for name in (".metadata", "checksums.json", "__0_0.distcp", "__1_0.distcp", "scheduler.bin",
+                 "random_states_0.pkl", "random_states_1.pkl", "model.safetensors"):
+        assert name in r["listing"], name
+    assert r["export_diff"] == 0.0  # state_dict_type="full": consolidated weights beside the shards
+    assert not [p for p in r["parent"] + r["parent_after_resave"] if p.startswith(".tmp")]
+
+
+def test_load_state_refuses_partial_and_damaged_directories(flows):
+    r = flows["checkpoints"]
+    assert r["partial_error"].startswith("FileNotFoundError") and "not a committed" in r["partial_error"]
+    assert r["damaged_error"].startswith("ValueError") and "__1_0.distcp" in r["damaged_error"]
+    assert "checksum" in r["damaged_error"]
+
+
+def test_automatic_naming_keeps_the_newest(flows):
+    assert flows["checkpoints"]["auto_listing"] == ["checkpoint_1", "checkpoint_2"]
+
+
+def test_two_rank_state_resumes_in_one_process(runs):
+    """DCP reshards the 2-rank shards onto 1 process; the losses continue as the 2-rank run did."""
+    r = runs["resume"]
+    assert r["num_processes"] == 1
+    assert _close(r["resumed"], runs["flows"]["checkpoints"]["continued"])
+    assert r["lr_loaded"] == runs["flows"]["checkpoints"]["lr_saved"]
+    # Accelerate steps a prepared scheduler once per process (StepLR gamma 0.7): twice per step on
+    # 2 ranks, once here.
+    assert r["lr"][0] == pytest.approx(r["lr_loaded"][0] * 0.7**2)
+    assert runs["flows"]["checkpoints"]["lr_continued"][0] == pytest.approx(r["lr_loaded"][0] * 0.7**4)
+
+
+def test_save_model_loads_with_from_pretrained(flows):
+    r = flows["hf_export"]
+    assert r["groups"] == ["<root>", "transformer.h.0", "transformer.h.1"]  # "auto" found GPT2Block
+    assert {"config.json", "model.safetensors"} <= set(r["files"])
+    assert r["weight_diff"] == 0.0 and r["logits_rel"] < 1e-6
+    assert r["state_sizes"] == [r["state_keys"], 0] and r["state_diff"] == 0.0  # full on rank 0 only
+
+
+def test_cpu_ram_efficient_loading_broadcasts_rank0_weights(flows):
+    r = flows["rank0_loading"]
+    assert r["diff"] == 0.0 and r["meta_after"] == [False, False]
+
+
+# ---------------------------------------------------------------------------------------- config mapping
+ENV = {"FSDP_VERSION": "2", "ACCELERATE_MIXED_PRECISION": "no"}
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block, Block"},
+         {"wrap_policy": ["GPT2Block", "Block"]}),
+        ({"FSDP_AUTO_WRAP_POLICY": "transformer_based_wrap"}, {"wrap_policy": "auto"}),  # _no_split_modules
+        ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "5000"}, {"wrap_policy": 5000}),
+        ({"FSDP_AUTO_WRAP_POLICY": "NO_WRAP"}, {"wrap_policy": None}),
+        ({"FSDP_RESHARD_AFTER_FORWARD": "false"}, {"reshard_after_forward": False}),
+        ({"FSDP_RESHARD_AFTER_FORWARD": "2"}, {"reshard_after_forward": 2}),
+        ({"FSDP_RESHARD_AFTER_FORWARD": "NO_RESHARD"}, {"sharding_strategy": "SHARD_GRAD_OP"}),
+        ({"FSDP_SHARDING_STRATEGY": "HYBRID_SHARD"}, {"sharding_strategy": "HYBRID_SHARD"}),
+        ({"FSDP_OFFLOAD_PARAMS": "true"}, {"cpu_offload": True}),
+        ({"FSDP_ACTIVATION_CHECKPOINTING": "true"}, {"activation_checkpointing": "auto"}),
+        ({"FSDP_FORWARD_PREFETCH": "true"}, {"forward_prefetch": 1}),
+        ({"ACCELERATE_MIXED_PRECISION": "bf16"}, {"mixed_precision": "bf16"}),
+        ({"FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}, {"state_dict_type": "full"}),
+        ({"FSDP_CPU_RAM_EFFICIENT_LOADING": "True"}, {"cpu_ram_efficient_loading": True}),
+    ],
+)
+def test_each_accelerate_key_maps_to_a_field(env, expected):
+    got = read_accelerate_env({**ENV, **env})
+    assert {k: got[k] for k in expected} == expected
+    assert read_accelerate_env({}) == {}  # outside `accelerate launch`: nothing
+
+
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        ({"FSDP_VERSION": "1"}, ["FSDP_VERSION", "fsdp_version: 2"]),
+        ({"FSDP_OFFLOAD_PARAMS": "maybe"}, ["FSDP_OFFLOAD_PARAMS", "`fsdp_offload_params`", "true or false"]),
+        ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, ["FSDP_MIN_NUM_PARAMS", "`fsdp_min_num_params`"]),
+        ({"FSDP_AUTO_WRAP_POLICY": "LAMBDA"}, ["FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP"]),
+        ({"FSDP_RESHARD_AFTER_FORWARD": "sometimes"}, ["`fsdp_reshard_after_forward`", "a positive int"]),
+        ({"FSDP_STATE_DICT_TYPE": "LOCAL_STATE_DICT"}, ["`fsdp_state_dict_type`", "FSDP1-only"]),
+        ({"ACCELERATE_MIXED_PRECISION": "fp8"}, ["`mixed_precision`", "no, bf16, fp16"]),
+        ({"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true"}, ["FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "false"]),
+    ],
+)
+def test_bad_accelerate_values_name_the_key(env, words):
+    with pytest.raises(ValueError) as info:
+        read_accelerate_env({**ENV, **env})
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_plugin_sources_in_order_env_then_config_file_then_keywords(monkeypatch, tmp_path):
+    for key, value in {"FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "5000",
+                       "FSDP_OFFLOAD_PARAMS": "true", "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}.items():
+        monkeypatch.setenv(key, value)
+    yaml_file = tmp_path / "fsdp2.yaml"
+    yaml_file.write_text("wrap_policy: [Block]\nforward_prefetch: 2\nmodule_overrides:\n  head: {mixed_precision: fp32}\n")
+    plugin = FSDP2Plugin(config=str(yaml_file), forward_prefetch=3, keep_last=2)
+    cfg = plugin.fsdp2_config
+    assert cfg.wrap_policy == ["Block"]  # the FSDP2Config file beats the accelerate config
+    assert cfg.forward_prefetch == 3  # a keyword beats both
+    assert cfg.cpu_offload is True and plugin.full_state_dict  # the accelerate config where nobody else spoke
+    assert "head" in cfg.module_overrides and plugin.keep_last == 2
+    # Accelerate code that reads the plugin's own fields sees the same choices.
+    assert plugin.transformer_cls_names_to_wrap == ["Block"] and plugin.cpu_offload is not None
+    assert FSDP2Plugin(read_env=False).fsdp2_config.cpu_offload is False
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"keep_last": 0}, ["keep_last", "int >= 1"]),
+        ({"state_dict_type": "local"}, ["state_dict_type", "'sharded'", "'full'"]),
+        ({"cpu_ram_efficient_loading": "yes"}, ["cpu_ram_efficient_loading", "True or False"]),
+        ({"wrap_policy": 3.5}, ["wrap_policy"]),
+        ({"config": 42}, ["FSDP2Config, a dict or a YAML path"]),
+    ],
+)
+def test_bad_plugin_arguments_name_the_field(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        FSDP2Plugin(read_env=False, **kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_precision_given_twice_must_agree():
+    plugin = FSDP2Plugin(read_env=False, mixed_precision="bf16")
+    plugin.with_precision("bf16")
+    with pytest.raises(ValueError, match="conflicts with FSDP2Plugin"):
+        plugin.with_precision("fp16")
+    with pytest.raises(ValueError, match="no, bf16, fp16"):
+        FSDP2Plugin(read_env=False).with_precision("fp8")
+    unset = FSDP2Plugin(read_env=False)
+    unset.with_precision("fp16")
+    assert unset.accelerate_precision == "fp16"
+
+
+def test_plugin_refuses_stock_accelerator_until_claimed():
+    plugin = FSDP2Plugin(read_env=False)
+    with pytest.raises(TypeError, match="FSDP2Accelerator"):
+        plugin.fsdp_version  # the first thing stock Accelerator.__init__ reads
+    plugin.claim()
+    assert plugin.fsdp_version == 2
+
+
+def test_accelerator_refuses_other_engines_and_plugins():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    with pytest.raises(ValueError, match="deepspeed_plugin"):
+        FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(read_env=False), deepspeed_plugin=object())
+    with pytest.raises(TypeError, match="needs an FSDP2Plugin"):
+        FSDP2Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+
+
+# ---------------------------------------------------------------------------------------- private API guard
+def test_private_api_matches_installed_accelerate():
+    assert compat._problems() == []
+    compat.check_private_api()
+
+
+def test_private_api_change_fails_loudly(monkeypatch):
+    def save_accelerator_state(output_dir, models):  # a changed signature
+        return None
+
+    monkeypatch.setattr(compat, "save_accelerator_state", save_accelerator_state)
+    with pytest.raises(ImportError) as info:
+        compat.check_private_api()
+    assert "accelerate.checkpointing.save_accelerator_state" in str(info.value)
+    assert "Pin accelerate==" in str(info.value)
+    with pytest.raises(ImportError, match="_models"):
+        compat.check_accelerator(object())
+
+
+def test_untested_accelerate_version_warns(monkeypatch):
+    monkeypatch.setattr(compat.accelerate, "__version__", "9.0.0")
+    with pytest.warns(UserWarning, match="tested with Accelerate"):
+        compat.check_private_api()
