@@ -169,7 +169,7 @@ def read_accelerate_env(environ: Mapping[str, str] | None = None) -> dict[str, A
     return out
 
 
-def accelerate_fsdp_requested(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether `accelerate launch` was given an FSDP config (`distributed_type: FSDP`)."""
+def accelerate_cpu_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the accelerate config says `use_cpu: true` (or `accelerate launch --cpu`)."""
     env = os.environ if environ is None else environ
-    return env.get("ACCELERATE_USE_FSDP", "false").strip().lower() in TRUE
+    return env.get("ACCELERATE_USE_CPU", "false").strip().lower() in TRUE

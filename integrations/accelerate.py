@@ -46,7 +46,7 @@ from fsdp2_strategy.rebind import parameters_by_name, rebind_optimizer
 
 from . import _accelerate_checkpoint as checkpoint
 from . import _accelerate_compat as compat
-from ._accelerate_env import read_accelerate_env
+from ._accelerate_env import accelerate_cpu_requested, read_accelerate_env
 from ._accelerate_plugin import STOCK_ACCELERATOR_ERROR, FSDP2Plugin
 
 __all__ = ["FSDP2Accelerator", "FSDP2Plugin", "STOCK_ACCELERATOR_ERROR", "read_accelerate_env"]
@@ -69,7 +69,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_process_group(timeout: Optional[timedelta]) -> None:
+def _init_process_group(timeout: Optional[timedelta], cpu: bool) -> None:
     """Start the process group ourselves (before Accelerate's state does), so that:
     - on an accelerator, CPU tensors get a backend too ("cpu:gloo,cuda:nccl"): DCP and
       offloaded state use it;
@@ -77,9 +77,16 @@ def _init_process_group(timeout: Optional[timedelta]) -> None:
     On CPU with a launcher Accelerate would start the same gloo group."""
     if dist.is_initialized():
         return
-    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    accel = None if cpu else torch.accelerator.current_accelerator()
     if accel is not None:
-        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", 0)))
+        local_rank, count = int(os.environ.get("LOCAL_RANK", 0)), torch.accelerator.device_count()
+        if local_rank >= count:
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but this machine has {count} {accel.type} device(s): launch at most {count} "
+                "process(es) per node (`num_processes` in the accelerate config), or run on CPU with "
+                "FSDP2Accelerator(cpu=True)."
+            )
+        torch.accelerator.set_device_index(local_rank)
         backend = f"cpu:gloo,{accel.type}:{dist.Backend.default_device_backend_map.get(accel.type, 'nccl')}"
     else:
         backend = "gloo"
@@ -99,7 +106,8 @@ class FSDP2Accelerator(Accelerator):
         mixed_precision: "no", "bf16" or "fp16" (default: the accelerate config's value),
             applied as an FSDP2 mixed-precision policy; must agree with the plugin's own
             `mixed_precision` if it was given one.
-        cpu: run on CPU even where an accelerator exists (also chosen when none exists).
+        cpu: run on CPU even where an accelerator exists (also chosen when none exists, or
+            when the accelerate config says `use_cpu: true`).
         timeout: process-group timeout when this class starts the group (default: the
             `InitProcessGroupKwargs` handler's, else torch's).
         **kwargs: every other `Accelerator` argument (`gradient_accumulation_steps`,
@@ -129,10 +137,10 @@ class FSDP2Accelerator(Accelerator):
             fsdp_plugin.with_precision(str(mixed_precision))
         # No accelerator: tell Accelerate so, or on CPU it would decide "not distributed" and
         # train every rank alone (LOCAL_RANK set but no GPU) or wrap the model in DDP.
-        cpu = cpu or not torch.accelerator.is_available()
+        cpu = cpu or accelerate_cpu_requested() or not torch.accelerator.is_available()
         handlers = {type(h): h for h in kwargs.get("kwargs_handlers") or []}
         init_handler = handlers.get(InitProcessGroupKwargs)
-        _init_process_group(timeout if timeout is not None or init_handler is None else init_handler.timeout)
+        _init_process_group(timeout if timeout is not None or init_handler is None else init_handler.timeout, cpu)
         compat.release_reported_precision()
         # Accelerate must not build its own FSDP plugin from the environment (it parses the
         # same variables with FSDP1 defaults) nor autocast: FSDP2 policies do the casting.

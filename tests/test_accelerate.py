@@ -19,6 +19,7 @@ pytest.importorskip("accelerate")
 
 from fsdp2_strategy.integrations import _accelerate_compat as compat  # noqa: E402
 from fsdp2_strategy.integrations.accelerate import STOCK_ACCELERATOR_ERROR, FSDP2Accelerator, FSDP2Plugin  # noqa: E402
+from fsdp2_strategy.integrations._accelerate_env import accelerate_cpu_requested  # noqa: E402
 from fsdp2_strategy.integrations.accelerate import read_accelerate_env  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "accelerate_scripts"
@@ -224,6 +225,11 @@ def test_each_accelerate_key_maps_to_a_field(env, expected):
     got = read_accelerate_env({**ENV, **env})
     assert {k: got[k] for k in expected} == expected
     assert read_accelerate_env({}) == {}  # outside `accelerate launch`: nothing
+
+
+def test_use_cpu_from_the_launcher():
+    assert accelerate_cpu_requested({"ACCELERATE_USE_CPU": "True"})
+    assert not accelerate_cpu_requested({"ACCELERATE_USE_CPU": "False"}) and not accelerate_cpu_requested({})
 
 
 @pytest.mark.parametrize(

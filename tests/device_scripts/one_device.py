@@ -1,0 +1,242 @@
+"""One process on one accelerator (nccl and gloo side by side): the paths a CPU run never takes.
+
+Usage: python one_device.py {core,lightning,accelerate} OUT.json WORKDIR
+
+Each mode runs in its own process (each framework starts its own process group) and records
+numbers in JSON; tests/test_device.py asserts them. CPU-only machines skip it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _models
+
+from _models import TinyGPT, loss_fn, make_batch, rel_diff  # noqa: E402
+
+import fsdp2_strategy as f2  # noqa: E402
+
+# Exact fp32 on the accelerator, so one process and the sharded model compute the same thing.
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+
+def _device() -> torch.device:
+    return torch.device(torch.accelerator.current_accelerator().type, 0)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float()
+
+
+def _max_rel(model, ref, attr: str | None = None) -> float:
+    ref_p = dict(ref.named_parameters())
+    get = (lambda p: getattr(p, attr)) if attr else (lambda p: p)
+    return max(rel_diff(_full(get(p)).to(get(ref_p[n]).device), get(ref_p[n])) for n, p in model.named_parameters())
+
+
+def _init_world1() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    accel = _device()
+    torch.accelerator.set_device_index(0)
+    dist.init_process_group(f"cpu:gloo,{accel.type}:nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1, timeout=timedelta(seconds=120), device_id=accel)
+
+
+def _step(model, ref, batch, **plan) -> dict:
+    """One SGD step of the sharded model and of the plain reference on the same batch."""
+    idx, tgt = (t.to(_device()) for t in batch)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    loss_fn(model, idx, tgt).backward()
+    loss_fn(ref, idx, tgt).backward()
+    grads = _max_rel(model, ref, "grad")
+    opt.step()
+    ref_opt.step()
+    return {"grad_rel": grads, "param_rel": _max_rel(model, ref), "update_rel": _update_rel(model, ref, start)}
+
+
+def _update_rel(model, ref, start: dict) -> float:
+    """Relative difference of the whole update (all parameters as one vector)."""
+    got = {n: _full(p).to(start[n].device) - start[n] for n, p in model.named_parameters()}
+    want = {n: p.detach() - start[n] for n, p in ref.named_parameters()}
+    diff = torch.cat([(got[n] - want[n]).flatten() for n in want])
+    return (diff.norm() / torch.cat([w.flatten() for w in want.values()]).norm()).item()
+
+
+def core(out: dict, work: Path) -> None:
+    _init_world1()
+    dev, batch = _device(), make_batch(8)
+    torch.manual_seed(0)
+    ref = TinyGPT().to(dev)
+    model = f2.shard_model(copy.deepcopy(ref), log_plan=False)
+    out["fp32"] = _step(model, ref, batch)
+    out["mesh_device"] = str(model.pos.device_mesh.device_type)
+    out["param_device"] = str(model.pos.device.type)
+
+    torch.manual_seed(0)
+    ref = TinyGPT().to(dev)
+    offloaded = f2.shard_model(copy.deepcopy(ref).cpu(), cpu_offload=True, log_plan=False)
+    local = offloaded.pos.to_local()
+    out["offload"] = {"device": str(local.device), "pinned": local.is_pinned(), **_step(offloaded, ref, batch)}
+
+    torch.manual_seed(0)
+    ref = TinyGPT().to(dev)
+    bf16 = f2.shard_model(copy.deepcopy(ref), mixed_precision="bf16", log_plan=False)
+    r = _step(bf16, ref, batch)
+    out["bf16"] = {"update_rel": r["update_rel"], "grad_dtype": str(bf16.pos.grad.dtype) if bf16.pos.grad is not None else None,
+                   "logits_dtype": str(bf16(batch[0].to(dev)).dtype)}
+
+    # Accumulation without sync + global-norm clipping, against one plain step on the whole batch.
+    torch.manual_seed(0)
+    ref = TinyGPT().to(dev)
+    model = f2.shard_model(copy.deepcopy(ref), log_plan=False)
+    idx, tgt = (t.to(dev) for t in batch)
+    with f2.no_sync(model):
+        (loss_fn(model, idx[:4], tgt[:4]) / 2).backward()
+    (loss_fn(model, idx[4:], tgt[4:]) / 2).backward()
+    norm = f2.clip_grad_norm_(model.parameters(), 0.5)
+    loss_fn(ref, idx, tgt).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    out["accumulate_clip"] = {"grad_rel": _max_rel(model, ref, "grad"), "norm": norm.item(), "ref_norm": ref_norm.item(),
+                              "norm_device": str(norm.device.type)}
+
+    # Checkpoints: sync and async (pinned staging on an accelerator), resumed into a fresh model.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()
+    saved = {n: _full(p).clone() for n, p in model.named_parameters()}
+    results = {}
+    for name, async_save in (("sync", False), ("async", True)):
+        ckpt = f2.Checkpointer(work / f"ckpt_{name}", async_save=async_save)
+        ckpt.save(1, model=model, optimizer=opt, extra={"step": 1})
+        ckpt.wait()
+        torch.manual_seed(9)
+        fresh = f2.shard_model(TinyGPT().to(dev), log_plan=False)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+        extra = ckpt.load(model=fresh, optimizer=fresh_opt)
+        results[name] = {"extra": extra, "latest": ckpt.latest_step(),
+                         "equal": all(torch.equal(_full(p), saved[n]) for n, p in fresh.named_parameters()),
+                         "opt_state_device": str(next(iter(fresh_opt.state.values()))["exp_avg"].device.type)}
+    out["checkpoint"] = results
+    f2.export_full(work / "ckpt_sync", work / "export")
+
+    # Meta-device build + full weights from the exported safetensors, straight onto the accelerator.
+    with torch.device("meta"):
+        meta = TinyGPT()
+    f2.shard_model(meta, log_plan=False)
+    f2.load_full_weights(meta, work / "export")
+    out["load_full_weights_equal"] = all(torch.equal(_full(p), saved[n]) for n, p in meta.named_parameters())
+
+
+def lightning(out: dict, work: Path) -> None:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import fsdp2_strategy.integrations.lightning  # noqa: F401  registers "fsdp2"
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyGPT()
+            self.losses, self.seen = [], {}
+
+        def training_step(self, batch, _):
+            idx, tgt = batch
+            loss = loss_fn(self.net, idx, tgt)
+            self.losses.append(loss.item())
+            self.seen = {"device": str(idx.device.type),
+                         "backend": str(dist.get_backend()), "scaler": type(getattr(self.trainer.precision_plugin, "scaler", None)).__name__}
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    idx, tgt = make_batch(32)
+    data = DataLoader(TensorDataset(idx, tgt), batch_size=8)
+    results = {}
+    for precision in ("bf16-mixed", "16-mixed"):
+        torch.manual_seed(0)
+        model = Lit()
+        trainer = pl.Trainer(accelerator="gpu", devices=1, strategy="fsdp2", precision=precision, max_steps=4,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             gradient_clip_val=1.0, accumulate_grad_batches=2)
+        trainer.fit(model, data)
+        path = work / f"lit_{precision}.ckpt"
+        trainer.save_checkpoint(path)
+        # Looked at after fit: inside a step FSDP2 swaps in the gathered (plain) parameters.
+        results[precision] = {"losses": model.losses, "seen": model.seen, "saved_dir": path.is_dir(),
+                              "param": type(model.net.pos).__name__,
+                              "finite": all(torch.isfinite(torch.tensor(model.losses)).tolist())}
+    out.update(results)
+
+
+def accelerate(out: dict, work: Path) -> None:
+    from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin
+
+    dev = _device()
+    torch.manual_seed(0)
+    ref = TinyGPT().to(dev)
+    model = copy.deepcopy(ref).cpu()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(read_env=False), mixed_precision="no")
+    model, opt = acc.prepare(model, opt)
+    r = _step_prepared(acc, model, opt, ref)
+    out["fp32"] = {**r, "device": str(acc.device), "backend": str(dist.get_backend())}
+    path = acc.save_state(work / "acc_state")
+    acc.load_state(path)
+    out["state_listing"] = sorted(p.name for p in Path(path).iterdir())
+    acc.save_model(model, work / "acc_model")
+    out["model_files"] = sorted(p.name for p in (work / "acc_model").iterdir())
+    # fp16 on the accelerator: the sharded grad scaler, with a start scale that does not overflow.
+    from accelerate.utils import GradScalerKwargs
+
+    torch.manual_seed(0)
+    ref = TinyGPT().to(dev)
+    model = copy.deepcopy(ref).cpu()
+    acc16 = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(read_env=False), mixed_precision="fp16",
+                             kwargs_handlers=[GradScalerKwargs(init_scale=1024)])
+    model, opt = acc16.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    r = _step_prepared(acc16, model, opt, ref)
+    out["fp16"] = {**r, "scaler": type(acc16.scaler).__name__, "skipped": opt.step_was_skipped}
+
+
+def _step_prepared(acc, model, opt, ref) -> dict:
+    idx, tgt = (t.to(acc.device) for t in make_batch(8))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    acc.backward(loss_fn(model, idx, tgt))
+    loss_fn(ref, idx, tgt).backward()
+    opt.step()
+    ref_opt.step()
+    return {"param_rel": _max_rel(model, ref), "update_rel": _update_rel(model, ref, start)}
+
+
+def main() -> None:
+    mode, out_path, work = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    work.mkdir(parents=True, exist_ok=True)
+    out: dict = {}
+    try:
+        {"core": core, "lightning": lightning, "accelerate": accelerate}[mode](out, work)
+    except BaseException:  # DCP's CheckpointException is a BaseException
+        out["error"] = traceback.format_exc()
+    out_path.write_text(json.dumps(out, indent=1, default=str))
+    if dist.is_initialized():
+        f2.shutdown(1 if "error" in out else 0)
+    os._exit(1 if "error" in out else 0)
+
+
+if __name__ == "__main__":
+    main()

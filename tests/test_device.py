@@ -1,0 +1,69 @@
+"""One accelerator (nccl + gloo): core, Lightning and Accelerate paths a CPU run never takes.
+
+Pinned CPU offload, pinned asynchronous checkpoint staging, `device_id` process groups, fp16
+with the sharded scaler on the device. Skipped where no accelerator exists (CI); run on a GPU
+machine with `pytest tests/test_device.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+
+SCRIPT = Path(__file__).parent / "device_scripts" / "one_device.py"
+TOL = 1e-5
+
+
+def _run(mode: str, work: Path) -> dict:
+    out = work / f"{mode}.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), mode, str(out), str(work / mode)], capture_output=True, text=True,
+                          timeout=300)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    assert proc.returncode == 0 and "error" not in result, (
+        f"{mode} failed ({proc.returncode}):\n{result.get('error', '')}\n{proc.stderr[-4000:]}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("device")
+
+
+def test_core_on_the_accelerator(work):
+    r = _run("core", work)
+    assert r["mesh_device"] != "cpu" and r["param_device"] != "cpu"
+    assert r["fp32"]["grad_rel"] < TOL and r["fp32"]["param_rel"] < TOL
+    # CPU offload on an accelerator machine: pinned CPU shards, same step as without.
+    assert r["offload"]["device"] == "cpu" and r["offload"]["pinned"] and r["offload"]["param_rel"] < TOL
+    assert r["bf16"]["grad_dtype"] == "torch.float32" and r["bf16"]["logits_dtype"] == "torch.bfloat16"
+    assert r["bf16"]["update_rel"] < 2e-2
+    acc = r["accumulate_clip"]
+    assert acc["grad_rel"] < TOL and abs(acc["norm"] - acc["ref_norm"]) <= TOL * acc["ref_norm"]
+    for name in ("sync", "async"):
+        c = r["checkpoint"][name]
+        assert c["equal"] and c["latest"] == 1 and c["extra"] == {"step": 1} and c["opt_state_device"] != "cpu"
+    assert r["load_full_weights_equal"]
+
+
+def test_lightning_on_the_accelerator(work):
+    r = _run("lightning", work)
+    for precision in ("bf16-mixed", "16-mixed"):
+        seen = r[precision]["seen"]
+        assert seen["device"] != "cpu" and r[precision]["param"] == "DTensor" and "nccl" in seen["backend"]
+        assert r[precision]["finite"] and r[precision]["saved_dir"]
+    assert r["16-mixed"]["seen"]["scaler"] == "ShardedGradScaler"
+
+
+def test_accelerate_on_the_accelerator(work):
+    r = _run("accelerate", work)
+    assert r["fp32"]["device"] != "cpu"
+    assert "nccl" in r["fp32"]["backend"] and r["fp32"]["param_rel"] < TOL
+    assert ".metadata" in r["state_listing"] and "model.safetensors" in r["model_files"]
+    assert r["fp16"]["scaler"] == "ShardedGradScaler" and not r["fp16"]["skipped"] and r["fp16"]["update_rel"] < 1e-2
