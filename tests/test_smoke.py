@@ -104,6 +104,24 @@ def test_lightning_finetune_example_end_to_end(tmp_path):
     assert "every weight matched (no missing/unexpected keys)" in out
 
 
+def test_accelerate_finetune_example_with_its_config_file(tmp_path):
+    """`accelerate launch --config_file examples/accelerate_fsdp2.yaml examples/accelerate_finetune.py`, as documented."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate_fsdp2.yaml",
+           "examples/accelerate_finetune.py", "--max-steps", "4", "--ckpt-every", "2", "--sentences", "64",
+           "--max-length", "16", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=dict(env, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    assert "DistributedType.FSDP, precision bf16" in out and "BertLayer" in out  # the config file's keys
+    assert "resumed at step 2" in out and "saved checkpoint_1 at step 4" in out  # numbering continues after resume
+    after = _value(out, "accuracy after fine-tuning (sharded model):")
+    reloaded = _value(out, "accuracy of the saved model reloaded with transformers:")
+    assert abs(after - reloaded) <= 1 / 8 + 1e-9, (after, reloaded)  # bf16 sharded vs fp32 transformers
+    assert "every weight matched (no missing/unexpected keys)" in out
+    assert (tmp_path / "hf_model" / "model.safetensors").is_file() and (tmp_path / "hf_model" / "config.json").is_file()
+
+
 def test_readme_documents_every_config_field():
     import dataclasses
 

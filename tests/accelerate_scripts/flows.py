@@ -278,8 +278,12 @@ def checkpoints(out: dict, work: Path) -> None:
     acc3.project_configuration = ProjectConfiguration(project_dir=str(work / "auto"), automatic_checkpoint_naming=True)
     for _ in range(3):
         acc3.save_state()
-    acc3.load_state()  # the newest
     out["auto_listing"] = sorted(p.name for p in (work / "auto" / "checkpoints").iterdir())
+    # A new run resumes from the newest and numbers its next save after it (no clash with checkpoint_0).
+    acc4, *_ = setup_resumable(9, keep_last=2)
+    acc4.project_configuration = ProjectConfiguration(project_dir=str(work / "auto"), automatic_checkpoint_naming=True)
+    acc4.load_state()
+    out["auto_after_resume"] = Path(acc4.save_state()).name
 
 
 def hf_export(out: dict, work: Path) -> None:
