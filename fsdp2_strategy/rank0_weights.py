@@ -38,7 +38,8 @@ def shard_with_rank0_weights(model: nn.Module, config: Any = None, **overrides: 
     if flags[1].item():
         raise ValueError(
             "Rank 0 holds the model on the meta device, but its real weights are what gets broadcast: load the "
-            "pretrained weights on rank 0 (other ranks may use the meta device), or shard it with shard_model (each rank then initialises its own weights)."
+            "pretrained weights on rank 0 (other ranks may use the meta device), or shard it with shard_model "
+            "(each rank then initialises its own weights)."
         )
     # Rank 0's values, kept aside before sharding replaces its parameters.
     params = {n: t.detach().cpu() for n, t in model.state_dict().items()} if is_zero else {}
