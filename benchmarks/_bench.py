@@ -60,9 +60,12 @@ def hand_shard(net: Net, mesh=None) -> Net:
     return net
 
 
-def batches(n: int, batch: int, inputs: int = 32, seed: int = BATCH_SEED) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`n` (x, y) micro-batches of a fixed random regression task; different on each rank."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+def batches(n: int, batch: int, inputs: int = 32, seed: int = BATCH_SEED,
+            rank: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`n` (x, y) micro-batches of a fixed random regression task; different on each rank
+    (this process's rank, or `rank` to make another rank's batches in one process)."""
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
     gen = torch.Generator().manual_seed(seed + rank)
     w = torch.randn(inputs, 2, generator=torch.Generator().manual_seed(seed))
     out = []

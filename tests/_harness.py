@@ -29,7 +29,8 @@ class DistributedTestError(AssertionError):
     """A rank failed or the world timed out."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nobody listens on now (for a world's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -83,7 +84,7 @@ def run_distributed(
     """Run `fn(*args)` on `world_size` gloo ranks; return each rank's result (rank order)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="f2dist-") as outdir:
-        port = _free_port()
+        port = free_port()
         procs = []
         for rank in range(world_size):
             p = ctx.Process(target=_worker, args=(rank, world_size, port, outdir, fn, args, dict(env or {}), timeout))

@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("accelerate")
 
+from _harness import free_port  # noqa: E402
 from fsdp2_strategy.integrations import _accelerate_compat as compat  # noqa: E402
 from fsdp2_strategy.integrations.accelerate import STOCK_ACCELERATOR_ERROR, FSDP2Accelerator, FSDP2Plugin  # noqa: E402
 from fsdp2_strategy.integrations._accelerate_env import accelerate_cpu_requested  # noqa: E402
@@ -35,8 +36,10 @@ def _run(args: list[str], timeout: int) -> None:
 
 
 def accelerate_launch(config: Path, script: str, *args: str, timeout: int = 300) -> None:
-    """`accelerate launch --config_file CONFIG SCRIPT ARGS...`, as a user runs it."""
-    _run(["-m", "accelerate.commands.launch", "--config_file", str(config), script, *args], timeout)
+    """`accelerate launch --config_file CONFIG SCRIPT ARGS...`, as a user runs it (on a free port:
+    the default 29500 may still be held by the previous world's exiting processes)."""
+    _run(["-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", str(free_port()),
+          script, *args], timeout)
 
 
 def _load(path: Path) -> dict:

@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
+from _harness import free_port  # noqa: E402
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "lightning_scripts"
@@ -185,17 +186,9 @@ def test_spawn_start_method_returns_full_weights(tmp_path):
     assert r["ranks_vs_single_process"] < TOL and r["parent_vs_ranks"] == 0.0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_nodes_hybrid_replicates_across_nodes(tmp_path):
     """Trainer(num_nodes=2, devices=1) with two torchrun agents, one per "node", on this machine."""
-    out, port = tmp_path / "nodes.json", _free_port()
+    out, port = tmp_path / "nodes.json", free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={r}",

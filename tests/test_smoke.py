@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _harness import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -108,8 +110,8 @@ def test_accelerate_finetune_example_with_its_config_file(tmp_path):
     """`accelerate launch --config_file examples/accelerate_fsdp2.yaml examples/accelerate_finetune.py`, as documented."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate_fsdp2.yaml",
-           "examples/accelerate_finetune.py", "--max-steps", "4", "--ckpt-every", "2", "--sentences", "64",
-           "--max-length", "16", "--out-dir", str(tmp_path)]
+           "--main_process_port", str(free_port()), "examples/accelerate_finetune.py", "--max-steps", "4",
+           "--ckpt-every", "2", "--sentences", "64", "--max-length", "16", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=dict(env, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
@@ -120,6 +122,13 @@ def test_accelerate_finetune_example_with_its_config_file(tmp_path):
     assert abs(after - reloaded) <= 1 / 8 + 1e-9, (after, reloaded)  # bf16 sharded vs fp32 transformers
     assert "every weight matched (no missing/unexpected keys)" in out
     assert (tmp_path / "hf_model" / "model.safetensors").is_file() and (tmp_path / "hf_model" / "config.json").is_file()
+
+
+def test_accelerate_step_time_benchmark_matches_one_process():
+    out = _python("benchmarks/accelerate_step_time.py", "--dim", "32", "--layers", "2", "--steps", "2", "--rounds", "1")
+    assert "ours/stock step-time ratio" in out
+    ours = next(line for line in out.splitlines() if line.startswith("FSDP2Accelerator "))
+    assert "DistributedType.FSDP" in ours and float(ours.split()[-1]) < 1e-5  # same losses as one process
 
 
 def test_readme_documents_every_config_field():
