@@ -114,6 +114,8 @@ def test_precision_strings_map_to_fsdp2_policies(flows):
     bf16 = p["bf16_mixed"]
     assert bf16["plugin"] == "FSDP2MixedPrecision" and bf16["precision"] == ["bf16/fp32"]
     assert bf16["out_dtype"] == "torch.bfloat16" and bf16["stored_dtypes"] == ["torch.float32"]
+    # The root is gathered around training_step without casting the batch: float targets stay fp32.
+    assert bf16["input_dtype"] == bf16["target_dtype"] == "torch.float32"
     assert abs(bf16["loss"] - bf16["fp32_loss"]) < 0.02 * bf16["fp32_loss"]
     fp16 = p["fp16_mixed"]
     assert fp16["sharded_scaler"] and fp16["out_dtype"] == "torch.float16" and fp16["finite"]

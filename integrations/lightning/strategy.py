@@ -32,10 +32,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.constants import default_pg_timeout
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 import fsdp2_strategy as f2
 from fsdp2_strategy import checkpoint_dir as cdir
+from fsdp2_strategy.entry_points import register_step_method
 
 from ._compat import META_FILE, FullStateMultiProcessingLauncher, is_sharded_checkpoint
 from .precision import FSDP2Precision, to_fsdp2_precision
@@ -150,7 +151,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         f2.shard_model(module, self._effective_config(), mesh=self._core_mesh())
         for name in STEP_METHODS:
             if callable(getattr(module, name, None)):
-                register_fsdp_forward_method(module, name)
+                # Gathers the root around the step without casting the batch (targets keep their dtype).
+                register_step_method(module, name)
 
     def _effective_config(self) -> f2.FSDP2Config:
         """The config plus what Lightning knows: the precision string's FSDP2 policy (unless

@@ -40,3 +40,4 @@ class Report(pl.Callback):
 
 if __name__ == "__main__":
     LightningCLI(LitMLP, Data, trainer_defaults={"callbacks": [Report()]}, save_config_callback=None)
+    f2.shutdown()  # every rank (Lightning's launcher runs this line in each): no gloo exit-time abort

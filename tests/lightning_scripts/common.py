@@ -55,6 +55,7 @@ class LitMLP(pl.LightningModule):
         if not self.seen:
             self.seen = {
                 "out_dtype": str(out.dtype),
+                "input_dtype": str(x.dtype), "target_dtype": str(y.dtype),  # the batch as the step received it
                 "param_dtypes": sorted({str(p.dtype) for p in self.parameters()}),
                 "block_params_dtensor": [isinstance(p, DTensor) for p in self.blocks.parameters()],
                 "optimizer_params_dtensor": [
