@@ -67,10 +67,11 @@ def _owner(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Modu
 
 def _sharded_state(acc: "FSDP2Accelerator") -> tuple[dict, list[tuple[str, torch.optim.Optimizer, nn.Module]]]:
     """The DCP state dict (each rank's shards, nothing gathered) and the optimizers with their models."""
-    models = list(acc._models)
+    prepared = compat.registries(acc)
+    models = list(prepared.models)
     state: dict[str, Any] = {_key("model", i): get_model_state_dict(m) for i, m in enumerate(models)}
     optimizers = []
-    for i, wrapped in enumerate(acc._optimizers):
+    for i, wrapped in enumerate(prepared.optimizers):
         opt = _raw(wrapped)
         model = _owner(opt, models)
         state[_key("optimizer", i)] = get_optimizer_state_dict(model, opt)
@@ -118,12 +119,13 @@ def save_state(acc: "FSDP2Accelerator", output_dir: Optional[str | os.PathLike],
     path = Path(cdir.from_rank_zero(str(path.resolve())))  # one directory, rank 0's spelling
     state, _ = _sharded_state(acc)
     tmp = cdir.prepare_tmp(path)
-    compat.save_accelerator_state(str(tmp), [], [], acc._schedulers, acc._dataloaders, acc.process_index, acc.step,
+    prepared = compat.registries(acc)
+    compat.save_accelerator_state(str(tmp), [], [], prepared.schedulers, prepared.dataloaders, acc.process_index, acc.step,
                                   acc.scaler, save_on_each_node=False, safe_serialization=safe_serialization)
-    for i, obj in enumerate(acc._custom_objects):
+    for i, obj in enumerate(prepared.custom_objects):
         compat.save_custom_state(obj, str(tmp), i)
-    for hook in acc._save_model_state_pre_hook.values():
-        hook(acc._models, [], str(tmp))  # before the commit, so hook files are covered by it
+    for hook in prepared.save_hooks.values():
+        hook(prepared.models, [], str(tmp))  # before the commit, so hook files are covered by it
     cdir.write_dcp(state, tmp)
     if acc.fsdp_plugin.full_state_dict and rank() == 0:
         # Read back from the shards just written, one file at a time: no rank gathers the model.
@@ -162,24 +164,25 @@ def load_state(acc: "FSDP2Accelerator", input_dir: Optional[str | os.PathLike], 
     cdir.verify_dir(path)
     metadata = cdir.read_metadata(path)
     state, optimizers = _sharded_state(acc)
-    for i, model in enumerate(acc._models):
+    prepared = compat.registries(acc)
+    for i, model in enumerate(prepared.models):
         extra = [f"no {key} state in checkpoint" for key, _, m in optimizers
                  if m is model and not cdir.has_prefix(metadata, key + ".")]
         cdir.check_compatible(metadata, state[_key("model", i)], _key("model", i) + ".", path, extra)
     cdir.load_dcp(state, path)
-    for i, model in enumerate(acc._models):
+    for i, model in enumerate(prepared.models):
         set_model_state_dict(model, state[_key("model", i)])
     for key, opt, model in optimizers:
         set_optimizer_state_dict(model, opt, optim_state_dict=state[key])
-    for hook in acc._load_model_state_pre_hook.values():
-        hook(acc._models, str(path))
+    for hook in prepared.load_hooks.values():
+        hook(prepared.models, str(path))
     # RNG states are per rank: after a world-size change a rank without its file keeps its own
     # (Accelerate logs "Could not load random states").
-    override = compat.load_accelerator_state(str(path), [], [], acc._schedulers, acc._dataloaders, acc.process_index,
+    override = compat.load_accelerator_state(str(path), [], [], prepared.schedulers, prepared.dataloaders, acc.process_index,
                                              acc.scaler, map_location="cpu", load_kwargs=load_kwargs)
     if "step" in override:
         acc.step = override["step"]
-    for i, obj in enumerate(acc._custom_objects):
+    for i, obj in enumerate(prepared.custom_objects):
         compat.load_custom_state(obj, str(path), i)
     if acc.project_configuration.automatic_checkpoint_naming:
         # Number the next save after the newest checkpoint (stock Accelerate restarts at 0 and

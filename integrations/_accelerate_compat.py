@@ -8,7 +8,8 @@ Accelerate 1.15 has no plugin interface for a sharding engine, so the adapter re
   synchronise it at all) and `mixed_precision` reports the FSDP2 policy in use.
 - `Accelerator` private attributes `_models`, `_optimizers`, `_schedulers`,
   `_dataloaders`, `_custom_objects`, `_save_model_state_pre_hook`,
-  `_load_model_state_pre_hook`: the registries `save_state`/`load_state` walk.
+  `_load_model_state_pre_hook`: the registries `prepare`, `save_state` and `load_state` walk,
+  reached only through `registries()`.
 - `accelerate.checkpointing.save_accelerator_state` / `load_accelerator_state`: reused for
   the state Accelerate owns (schedulers, samplers, RNG, step, scaler), with empty model and
   optimizer lists: the core writes those.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import accelerate
@@ -95,8 +97,32 @@ def check_private_api() -> None:
         )
 
 
+@dataclass(frozen=True)
+class Registries:
+    """What an Accelerator has prepared: its private lists, shared (appending here registers)."""
+
+    models: list
+    optimizers: list
+    """`AcceleratedOptimizer`s."""
+    schedulers: list
+    dataloaders: list
+    custom_objects: list
+    """Objects given to `register_for_checkpointing`."""
+    save_hooks: dict
+    """`register_save_state_pre_hook` hooks."""
+    load_hooks: dict
+    """`register_load_state_pre_hook` hooks."""
+
+
+def registries(accelerator: Accelerator) -> Registries:
+    """The adapter's only way to the Accelerator's private registries (checked by `check_accelerator`)."""
+    return Registries(accelerator._models, accelerator._optimizers, accelerator._schedulers, accelerator._dataloaders,
+                      accelerator._custom_objects, accelerator._save_model_state_pre_hook,
+                      accelerator._load_model_state_pre_hook)
+
+
 def check_accelerator(accelerator: Accelerator) -> None:
-    """Raise if a constructed Accelerator lacks a private attribute `save_state`/`load_state` use."""
+    """Raise if a constructed Accelerator lacks a private attribute `registries` reads."""
     missing = [name for name in PRIVATE_ATTRIBUTES if not hasattr(accelerator, name)]
     if missing:
         raise ImportError(

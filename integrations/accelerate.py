@@ -192,7 +192,8 @@ class FSDP2Accelerator(Accelerator):
                 result[i] = self.prepare_model(obj, device_placement=placements[i])
                 snapshots.append((before, result[i]))
         optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer) and not isinstance(o, AcceleratedOptimizer)]
-        optimizers += [o.optimizer for o in self._optimizers]
+        prepared = compat.registries(self)
+        optimizers += [o.optimizer for o in prepared.optimizers]
         for optimizer in optimizers:
             for before, model in snapshots:
                 rebind_optimizer(optimizer, before, model)
@@ -206,7 +207,7 @@ class FSDP2Accelerator(Accelerator):
             if isinstance(obj, LRScheduler):
                 result[i] = self.prepare_scheduler(obj)
         for obj in result:
-            if any(obj is o for o in (*self._dataloaders, *self._models, *self._optimizers, *self._schedulers)):
+            if any(obj is o for o in (*prepared.dataloaders, *prepared.models, *prepared.optimizers, *prepared.schedulers)):
                 obj._is_accelerate_prepared = True
         return tuple(result) if len(result) > 1 else result[0]
 
@@ -214,8 +215,9 @@ class FSDP2Accelerator(Accelerator):
                       evaluation_mode: bool = False) -> nn.Module:
         """Shard `model` in place with the core (also for evaluation: it is what fits in memory)."""
         if getattr(model, "_is_accelerate_prepared", False):
-            if not any(model is m for m in self._models):
-                self._models.append(model)
+            models = compat.registries(self).models
+            if not any(model is m for m in models):
+                models.append(model)
             return model
         if self.verify_device_map(model):
             raise ValueError("A model loaded with `device_map=...` cannot be sharded; load it without a device map.")
@@ -225,7 +227,7 @@ class FSDP2Accelerator(Accelerator):
             shard_with_rank0_weights(model, self.fsdp2_config)
         else:
             f2.shard_model(model, self.fsdp2_config)
-        self._models.append(model)
+        compat.registries(self).models.append(model)
         model._is_accelerate_prepared = True
         return model
 
