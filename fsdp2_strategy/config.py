@@ -271,6 +271,11 @@ class FSDP2Config:
     @classmethod
     def from_yaml(cls, path: str | Path) -> "FSDP2Config":
         """Read a YAML file holding a mapping of field names (optionally under a `fsdp2:` key)."""
+        return cls.from_dict(cls.yaml_fields(path))
+
+    @staticmethod
+    def yaml_fields(path: str | Path) -> dict[str, Any]:
+        """The fields a YAML file sets, as `from_yaml` reads them (not yet validated)."""
         import yaml
 
         with open(path) as f:
@@ -281,7 +286,7 @@ class FSDP2Config:
             raise ValueError(f"{path}: expected a mapping of FSDP2Config fields, got {type(data).__name__}.")
         if isinstance(data.get("mesh_shape"), list):
             data = {**data, "mesh_shape": tuple(data["mesh_shape"])}
-        return cls.from_dict(data)
+        return dict(data)
 
     @classmethod
     def coerce(cls, config: "FSDP2Config | Mapping[str, Any] | str | Path | None", **overrides: Any) -> "FSDP2Config":

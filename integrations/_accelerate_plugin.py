@@ -8,7 +8,7 @@ module overrides), and keyword arguments.
 It subclasses Accelerate's `FullyShardedDataParallelPlugin` so that Accelerate code that
 inspects `accelerator.state.fsdp_plugin` finds the fields it expects (mirrored from the
 config), and so that the stock `Accelerator` accepts it far enough to be told, by name, to
-use `FSDP2Accelerator` instead of silently running DDP (see `fsdp_version`).
+use `FSDP2Accelerator` instead of silently running without FSDP (see `fsdp_version`).
 """
 
 from __future__ import annotations
@@ -18,18 +18,17 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-import yaml
 from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import StateDictType
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.precision import resolve_mixed_precision, resolve_offload
 
-from ._accelerate_env import ADAPTER_KEYS, read_accelerate_env
+from ._accelerate_env import ADAPTER_KEYS, PRECISIONS, read_accelerate_env
 
 STOCK_ACCELERATOR_ERROR = (
-    "FSDP2Plugin was handed to accelerate.Accelerator, which cannot run it: on CPU Accelerate 1.15 turns an "
-    "FSDP config into DDP (or into unsynchronised single processes), and it has no hook for another sharding "
+    "FSDP2Plugin was handed to accelerate.Accelerator, which cannot run it: on CPU Accelerate 1.15 runs an "
+    "FSDP config as unsynchronised single processes (DistributedType.NO), and it has no hook for another sharding "
     "engine. Use `from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator` and "
     "`FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(), ...)`: the same arguments and methods as Accelerator."
 )
@@ -37,7 +36,6 @@ _STATE_DICT_TYPES = {
     "sharded": StateDictType.SHARDED_STATE_DICT, "sharded_state_dict": StateDictType.SHARDED_STATE_DICT,
     "full": StateDictType.FULL_STATE_DICT, "full_state_dict": StateDictType.FULL_STATE_DICT,
 }
-_PRECISION_BY_ACCELERATE_NAME = {"no": None, "bf16": "bf16", "fp16": "fp16"}
 
 
 def _config_values(config: Union[f2.FSDP2Config, Mapping[str, Any], str, Path, None]) -> dict[str, Any]:
@@ -51,14 +49,9 @@ def _config_values(config: Union[f2.FSDP2Config, Mapping[str, Any], str, Path, N
     if isinstance(config, Mapping):
         return dict(config)
     if isinstance(config, (str, Path)):
-        f2.FSDP2Config.from_yaml(config)  # full validation, errors naming the file's fields
-        with open(config) as f:
-            data = yaml.safe_load(f) or {}
-        if set(data) == {"fsdp2"}:
-            data = data["fsdp2"]
-        if isinstance(data.get("mesh_shape"), list):
-            data["mesh_shape"] = tuple(data["mesh_shape"])
-        return dict(data)
+        data = f2.FSDP2Config.yaml_fields(config)
+        f2.FSDP2Config.from_dict(data)  # full validation, errors naming the file's fields
+        return data
     raise ValueError(f"FSDP2Plugin(config=...) must be an FSDP2Config, a dict or a YAML path, got {type(config).__name__}.")
 
 
@@ -133,7 +126,7 @@ class FSDP2Plugin(FullyShardedDataParallelPlugin):
     @property
     def fsdp_version(self) -> int:
         """2, once an `FSDP2Accelerator` owns the plugin. The stock `Accelerator` reads this first
-        thing, and gets a TypeError that names `FSDP2Accelerator` instead of a silent DDP run."""
+        thing, and gets a TypeError that names `FSDP2Accelerator` instead of a silent run without FSDP."""
         if not self._claimed:
             raise TypeError(STOCK_ACCELERATOR_ERROR)
         return 2
@@ -155,10 +148,10 @@ class FSDP2Plugin(FullyShardedDataParallelPlugin):
     def with_precision(self, accelerate_name: str) -> None:
         """Apply `Accelerator(mixed_precision=...)` ("no", "bf16", "fp16") unless the plugin was
         given its own precision, which must then agree."""
-        if accelerate_name not in _PRECISION_BY_ACCELERATE_NAME:
+        if accelerate_name not in PRECISIONS:
             raise ValueError(f"FSDP2Accelerator(mixed_precision={accelerate_name!r}) is not supported; use one of "
-                             f"{', '.join(_PRECISION_BY_ACCELERATE_NAME)} (FSDP2 mixed-precision policies).")
-        value = _PRECISION_BY_ACCELERATE_NAME[accelerate_name]
+                             f"{', '.join(PRECISIONS)} (FSDP2 mixed-precision policies).")
+        value = PRECISIONS[accelerate_name]
         if self.precision_from_user and self.fsdp2_config.mixed_precision != value:
             raise ValueError(
                 f"FSDP2Accelerator(mixed_precision={accelerate_name!r}) conflicts with "
