@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -11,11 +10,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _models and _comm
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _models, _comm and _collect
 
+from _collect import full, full_grads, full_params, gather, max_rel_diff, write_json  # noqa: E402,F401
 from _models import TinyGPT  # noqa: E402
 
 VOCAB, SEQ, N_SAMPLES = 64, 16, 32
@@ -45,23 +44,12 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    """Unsharded float copy (full_tensor() is a collective: every rank calls this)."""
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().clone()
 
 
-def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: full(p) for n, p in model.named_parameters()}
 
 
-def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: full(p.grad) for n, p in model.named_parameters()}
 
 
-def gather(obj):
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def all_indices(local: list[int]) -> list[int]:
@@ -82,8 +70,6 @@ def reference(initial: nn.Module, micro_batches: list[list[int]], *, lr: float =
     return {n: p.detach().clone() for n, p in model.named_parameters()}, grads, norm
 
 
-def max_rel_diff(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)).item() for k in b)
 
 
 def update_rel_diff(start: dict, got: dict, want: dict) -> float:
@@ -97,9 +83,6 @@ def reduce_scatters(counts) -> int:
     return sum(v for k, v in counts.items() if k.startswith("reduce_scatter"))
 
 
-def write_json(path: str, result: dict) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        Path(path).write_text(json.dumps(result, indent=1, default=str))
 
 
 def rank_batch(step: int = 0):

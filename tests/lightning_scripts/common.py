@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -13,7 +12,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _comm
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _comm and _collect
+
+from _collect import full_params, gather, max_rel_diff, write_json  # noqa: E402,F401
 
 import fsdp2_strategy.integrations.lightning  # noqa: E402,F401  registers "fsdp2"
 
@@ -104,19 +105,8 @@ def trainer(strategy="fsdp2", devices=2, **kwargs) -> pl.Trainer:
     return pl.Trainer(**{**defaults, **kwargs})
 
 
-def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded copies of every parameter (full_tensor() is a collective: all ranks call this)."""
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().clone()
-            for n, p in model.named_parameters()}
 
 
-def gather(obj):
-    """Every rank's `obj`, in rank order (a plain list in one process)."""
-    if not torch.distributed.is_initialized():
-        return [obj]
-    out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
 
 
 def reference_step(initial: nn.Module, indices: list[int], *, clip: tuple | None = None, lr: float = LR):
@@ -134,10 +124,4 @@ def reference_step(initial: nn.Module, indices: list[int], *, clip: tuple | None
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norm
 
 
-def max_rel_diff(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
 
-
-def write_json(path: str, result: dict) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        Path(path).write_text(json.dumps(result, indent=1))
