@@ -11,6 +11,7 @@ finalisation that races with that thread.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -48,7 +49,8 @@ def shutdown(exit_code: int = 0, *, barrier_timeout: Optional[timedelta] = timed
 
     Call it as the last line of a training script on every rank. It waits for all ranks
     (a barrier, bounded by `barrier_timeout` when the backend supports it), destroys the
-    process group, flushes stdout, stderr and logging, and exits with `exit_code`.
+    process group, runs the `atexit` hooks, flushes stdout, stderr and logging, and exits
+    with `exit_code`.
     """
     try:
         if dist.is_available() and dist.is_initialized():
@@ -61,6 +63,9 @@ def shutdown(exit_code: int = 0, *, barrier_timeout: Optional[timedelta] = timed
         print(f"fsdp2_strategy.shutdown: barrier/destroy failed: {exc}", file=sys.stderr)
         exit_code = exit_code or 1
     finally:
+        # What a normal exit runs first (user atexit hooks, loggers, weakref finalizers such as
+        # TemporaryDirectory cleanup); only the interpreter finalisation that races is skipped.
+        atexit._run_exitfuncs()
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -4,7 +4,8 @@
   checkpoints through it; we teach it sharded checkpoint directories (it only reads files).
 - `_MultiProcessingLauncher._collect_rank_zero_results`: with a spawn start method it sends
   `lightning_module.state_dict()` back to the parent, which holds an unsharded copy; we send
-  the full (gathered) state instead of DTensor shards.
+  the full (gathered) state instead of DTensor shards; `_wrapping_function` (the worker's body)
+  is extended to end the worker cleanly.
 
 `check_private_api()` runs at import and raises ImportError naming the missing symbol if a
 Lightning release moved one (tests call it too), instead of failing later mid-training.
@@ -23,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp2_strategy import checkpoint_dir as cdir
+from fsdp2_strategy.distributed import shutdown
 from fsdp2_strategy.export import read_full_model_state
 
 TESTED_LIGHTNING = ("2.4", "2.6")  # oldest and newest minor versions this was checked against
@@ -34,8 +36,9 @@ def check_private_api() -> None:
     problems = []
     if not callable(getattr(_saving, "pl_load", None)):
         problems.append("lightning.pytorch.core.saving.pl_load")
-    if not callable(getattr(_MultiProcessingLauncher, "_collect_rank_zero_results", None)):
-        problems.append("_MultiProcessingLauncher._collect_rank_zero_results")
+    for method in ("_collect_rank_zero_results", "_wrapping_function"):
+        if not callable(getattr(_MultiProcessingLauncher, method, None)):
+            problems.append(f"_MultiProcessingLauncher.{method}")
     if problems:
         raise ImportError(
             f"fsdp2_strategy's Lightning adapter (tested with Lightning {' to '.join(TESTED_LIGHTNING)}) cannot find "
@@ -86,7 +89,19 @@ def _state_dict_returns(module: nn.Module, state: dict) -> Iterator[None]:
 
 
 class FullStateMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn launcher, returning full weights to the (unsharded) parent process."""
+    """Lightning's spawn launcher, returning full weights to the (unsharded) parent process.
+
+    Its workers end through `fsdp2_strategy.shutdown()`: a spawned worker otherwise leaves
+    through interpreter finalisation with the gloo process group alive (Lightning never
+    destroys it) and aborted "terminate called without an active exception" in 1 of 6 runs
+    of tests/lightning_scripts/spawn.py. The user cannot add that call: the worker runs only
+    Lightning's function, so the launcher does.
+    """
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)  # rank 0 has put its results on the queue
+        # A worker that raised never gets here: torch.multiprocessing reports its traceback.
+        shutdown()
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
         module = trainer.lightning_module
