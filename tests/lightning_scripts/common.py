@@ -66,14 +66,16 @@ class LitMLP(pl.LightningModule):
                 "mesh_shape": list(self.device_mesh.shape),
                 "strategy": type(self.trainer.strategy).__name__,
             }
-        loss = nn.functional.mse_loss(out.float(), y)
+        # y.float(): under "bf16-true" Lightning casts the whole batch, targets too, and torch 2.11's
+        # mse_loss backward fails on mixed dtypes ("Found dtype BFloat16 but expected Float", pytorch#94086).
+        loss = nn.functional.mse_loss(out.float(), y.float())
         self.losses.append(loss.item())
         self.indices.append(idx.tolist())
         return loss
 
     def validation_step(self, batch, batch_idx):
         idx, x, y = batch
-        loss = nn.functional.mse_loss(self(x).float(), y, reduction="sum")
+        loss = nn.functional.mse_loss(self(x).float(), y.float(), reduction="sum")
         self.log("val_sum", loss, reduce_fx="sum", sync_dist=True, on_epoch=True)
 
     def test_step(self, batch, batch_idx):
