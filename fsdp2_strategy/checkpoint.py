@@ -38,7 +38,6 @@ from torch.distributed.checkpoint.state_dict import (
 from . import checkpoint_dir as cdir
 from .checkpoint_dir import TMP_PREFIX
 from .distributed import is_distributed, log_rank_zero, logger, rank
-from .export import METADATA, committed_steps
 
 EXTRA_FILE = "extra.pt"
 MODEL_KEY, OPTIM_KEY = "model", "optim"  # top-level keys; DCP flattens them to "model.<name>"
@@ -76,7 +75,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ queries
     def latest_step(self) -> int | None:
         """Largest committed step (a `step-N/` directory holding `.metadata`), or None."""
-        steps = committed_steps(self.root)
+        steps = cdir.committed_steps(self.root)
         return max(steps) if steps else None
 
     def step_path(self, step: int) -> Path:
@@ -93,9 +92,9 @@ class Checkpointer:
         `step` is already committed. With `async_save=True` this returns before the write ends.
         """
         self.wait()  # one save in flight at a time; commits the previous one first
-        _check_step(step)
+        cdir.check_step(step)
         final = self.step_path(step)
-        if (final / METADATA).is_file():
+        if cdir.is_committed(final):
             raise ValueError(
                 f"Checkpoint step {step} already exists at {final}; committed steps are never rewritten. "
                 "Save under a new step number, or delete that directory first."
@@ -137,7 +136,7 @@ class Checkpointer:
         match the model (missing, unexpected or differently shaped keys are listed).
         """
         self.wait()
-        path = self._resolve(step)
+        path = cdir.resolve_step(self.root, step)
         self._verify(path)
         if model is not None:
             _check_compatible(cdir.read_metadata(path), model, optimizer, path)
@@ -187,7 +186,7 @@ class Checkpointer:
         """Rank 0: drop committed steps beyond the newest `keep_last`, and stale `.tmp-*` dirs."""
         doomed = []
         if self.keep_last is not None:
-            steps = committed_steps(self.root)
+            steps = cdir.committed_steps(self.root)
             doomed = [path for _, path in list(steps.items())[: -self.keep_last]]
         for path in doomed:
             # Un-publish first (rename), then delete: a crash during rmtree must not leave a
@@ -200,32 +199,11 @@ class Checkpointer:
 
     def _verify(self, path: Path) -> None:
         """Collective: raise ValueError on every rank if a file listed in `checksums.json` changed."""
-        others = sorted(s for s, p in committed_steps(self.root).items() if p != path)
+        others = sorted(s for s, p in cdir.committed_steps(self.root).items() if p != path)
         cdir.verify_dir(path, f"Load an earlier step with load(step=N); other committed steps: {others or 'none'}.")
-
-    def _resolve(self, step: int | str) -> Path:
-        steps = committed_steps(self.root)
-        if step == "latest":
-            if not steps:
-                raise FileNotFoundError(
-                    f"No committed checkpoint under {self.root} (no step-N/ directory with {METADATA}); "
-                    "partial saves are ignored. Save one first, or check the path."
-                )
-            return steps[max(steps)]
-        _check_step(step)
-        if step not in steps:
-            raise FileNotFoundError(
-                f"Checkpoint step {step} is not committed under {self.root}; committed steps: {sorted(steps) or 'none'}."
-            )
-        return steps[step]
 
 
 # ---------------------------------------------------------------------- helpers
-def _check_step(step: Any) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"Checkpoint step must be an int >= 0 (or 'latest' when loading), got {step!r}.")
-
-
 def _collect_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict:
     """Sharded state dicts: each rank holds DTensor shards, nothing is gathered."""
     if model is None:

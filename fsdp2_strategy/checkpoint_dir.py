@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Iterator, Mapping
@@ -34,8 +35,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from . import checkpoint_integrity as integrity
 from .distributed import is_distributed, logger, rank
-from .export import METADATA
 
+METADATA = ".metadata"  # DCP writes it last: the commit marker of a checkpoint directory
+STEP_DIR = re.compile(r"^step-(\d+)$")  # `Checkpointer`'s per-step directories
 TMP_PREFIX = ".tmp-"
 _MAX_LISTED = 20  # keys listed per category in a mismatch error
 
@@ -48,6 +50,48 @@ def tmp_path_for(final: Path) -> Path:
 def is_committed(path: Path) -> bool:
     """A directory holding DCP's `.metadata` (written last by DCP, then the directory renamed)."""
     return (Path(path) / METADATA).is_file()
+
+
+def step_dirs(root: Path) -> dict[int, Path]:
+    """Every `step-N/` directory under `root` (committed or not), by step."""
+    steps = {}
+    for child in root.iterdir() if root.is_dir() else []:
+        match = STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            steps[int(match.group(1))] = child
+    return dict(sorted(steps.items()))
+
+
+def committed_steps(root: Path) -> dict[int, Path]:
+    """The `step-N/` directories under `root` that hold `.metadata`, by step."""
+    return {step: path for step, path in step_dirs(root).items() if is_committed(path)}
+
+
+def resolve_step(root: Path, step: int | str = "latest") -> Path:
+    """The committed `step-N/` directory of `step` ("latest": the largest) under `root`.
+
+    Raises FileNotFoundError naming the committed steps; partial saves are never chosen.
+    """
+    steps = committed_steps(root)
+    if step == "latest":
+        if not steps:
+            raise FileNotFoundError(
+                f"No committed checkpoint under {root}: neither it nor any step-N/ folder in it holds {METADATA} "
+                "(a save that crashed leaves none and is never loaded). Save one first, or check the path."
+            )
+        return steps[max(steps)]
+    check_step(step)
+    if step not in steps:
+        raise FileNotFoundError(
+            f"Checkpoint step {step} is not committed under {root}; committed steps: {sorted(steps) or 'none'}."
+        )
+    return steps[step]
+
+
+def check_step(step: Any) -> None:
+    """Raise ValueError unless `step` is an int >= 0."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"Checkpoint step must be an int >= 0 (or 'latest' when loading), got {step!r}.")
 
 
 # ---------------------------------------------------------------------- save

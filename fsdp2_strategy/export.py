@@ -18,47 +18,22 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from . import checkpoint_dir as cdir
 from .config import dtype_from_name
 from .distributed import logger
 
-METADATA = ".metadata"
-STEP_DIR = re.compile(r"^step-(\d+)$")
 # Where the model's tensors sit in a DCP checkpoint: `Checkpointer` ("model.") and
 # Lightning's sharded checkpoints ("state_dict."; also what our Lightning adapter writes).
 MODEL_PREFIXES = ("model.", "state_dict.")
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size
 
 
-def committed_steps(root: Path) -> dict[int, Path]:
-    """Step directories under `root` that hold `.metadata` (the commit marker)."""
-    steps = {}
-    for child in root.iterdir() if root.is_dir() else []:
-        match = STEP_DIR.match(child.name)
-        if match and (child / METADATA).is_file():
-            steps[int(match.group(1))] = child
-    return dict(sorted(steps.items()))
-
-
 def resolve_checkpoint_dir(path: str | Path, step: Optional[int] = None) -> Path:
     """A DCP directory: `path` itself, or a step of a `Checkpointer` root (the latest by default)."""
     path = Path(path)
-    if (path / METADATA).is_file() and step is None:
+    if step is None and cdir.is_committed(path):
         return path
-    steps = committed_steps(path)
-    if not steps:
-        raise FileNotFoundError(
-            f"{path} holds no committed DCP checkpoint (no {METADATA} in it or in any step-N/ folder); "
-            "a save that crashed leaves no .metadata and is never used."
-        )
-    if step is None:
-        return steps[max(steps)]
-    if step not in steps:
-        raise FileNotFoundError(f"{path}: step {step} is not committed; committed steps: {sorted(steps)}.")
-    return steps[step]
-
-
-def read_metadata(ckpt_dir: Path) -> Metadata:
-    return FileSystemReader(str(ckpt_dir)).read_metadata()
+    return cdir.resolve_step(path, "latest" if step is None else step)
 
 
 def model_tensor_keys(metadata: Metadata) -> dict[str, str]:
@@ -78,7 +53,7 @@ def read_full_model_state(checkpoint_dir: str | Path, step: Optional[int] = None
     so this needs host memory for the whole model; `export_full` streams instead.
     """
     ckpt_dir = resolve_checkpoint_dir(checkpoint_dir, step)
-    metadata = read_metadata(ckpt_dir)
+    metadata = cdir.read_metadata(ckpt_dir)
     keys = model_tensor_keys(metadata)
     return _read(ckpt_dir, metadata, keys, list(keys), None)
 
@@ -163,7 +138,7 @@ def export_full(
         raise ValueError(f"format={format!r} is invalid; use 'safetensors' or 'torch'.")
     target_dtype = dtype_from_name(dtype, "dtype")
     ckpt_dir = resolve_checkpoint_dir(checkpoint_dir, step)
-    metadata = read_metadata(ckpt_dir)
+    metadata = cdir.read_metadata(ckpt_dir)
     keys = model_tensor_keys(metadata)
     if not keys:
         raise ValueError(f"{ckpt_dir} holds no tensors to export.")
@@ -231,19 +206,14 @@ class CheckpointInfo:
 def inspect_checkpoint(path: str | Path, step: Optional[int] = None) -> CheckpointInfo:
     """Steps (committed or partial), tensors with shapes and dtypes, and the saving world size."""
     path = Path(path)
-    steps = {}
-    if path.is_dir():
-        for child in sorted(path.iterdir()):
-            match = STEP_DIR.match(child.name)
-            if match:
-                steps[int(match.group(1))] = (child / METADATA).is_file()
+    steps = {step: cdir.is_committed(child) for step, child in cdir.step_dirs(path).items()}
     ckpt_dir = resolve_checkpoint_dir(path, step)
-    metadata = read_metadata(ckpt_dir)
+    metadata = cdir.read_metadata(ckpt_dir)
     tensors, others = {}, []
     for key, meta in sorted(metadata.state_dict_metadata.items()):
         if isinstance(meta, TensorStorageMetadata):
             tensors[key] = (tuple(meta.size), str(meta.properties.dtype).removeprefix("torch."))
         else:
             others.append(key)
-    return CheckpointInfo(ckpt_dir, dict(sorted(steps.items())), saved_world_size(metadata), tensors, others)
+    return CheckpointInfo(ckpt_dir, steps, saved_world_size(metadata), tensors, others)
 
