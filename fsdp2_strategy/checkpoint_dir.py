@@ -52,19 +52,19 @@ def is_committed(path: Path) -> bool:
     return (Path(path) / METADATA).is_file()
 
 
-def step_dirs(root: Path) -> dict[int, Path]:
-    """Every `step-N/` directory under `root` (committed or not), by step."""
+def step_dirs(root: Path, pattern: re.Pattern = STEP_DIR) -> dict[int, Path]:
+    """Every directory under `root` named by `pattern` (its group 1 is the step), committed or not."""
     steps = {}
     for child in root.iterdir() if root.is_dir() else []:
-        match = STEP_DIR.match(child.name)
+        match = pattern.match(child.name)
         if match and child.is_dir():
             steps[int(match.group(1))] = child
     return dict(sorted(steps.items()))
 
 
-def committed_steps(root: Path) -> dict[int, Path]:
-    """The `step-N/` directories under `root` that hold `.metadata`, by step."""
-    return {step: path for step, path in step_dirs(root).items() if is_committed(path)}
+def committed_steps(root: Path, pattern: re.Pattern = STEP_DIR) -> dict[int, Path]:
+    """The step directories under `root` (`step-N/` by default) that hold `.metadata`, by step."""
+    return {step: path for step, path in step_dirs(root, pattern).items() if is_committed(path)}
 
 
 def resolve_step(root: Path, step: int | str = "latest") -> Path:

@@ -84,12 +84,7 @@ def _auto_root(acc: "FSDP2Accelerator") -> Path:
 
 
 def _committed_auto(root: Path) -> dict[int, Path]:
-    found = {}
-    for child in root.iterdir() if root.is_dir() else []:
-        match = _AUTO_NAME.match(child.name)
-        if match and cdir.is_committed(child):
-            found[int(match.group(1))] = child
-    return dict(sorted(found.items()))
+    return cdir.committed_steps(root, _AUTO_NAME)
 
 
 def _prune(acc: "FSDP2Accelerator", root: Path) -> None:

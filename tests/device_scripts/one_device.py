@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _models
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _models, _collect
 
+from _collect import full  # noqa: E402
 from _models import TinyGPT, loss_fn, make_batch, rel_diff  # noqa: E402
 
 import fsdp2_strategy as f2  # noqa: E402
@@ -36,14 +36,10 @@ def _device() -> torch.device:
     return torch.device(torch.accelerator.current_accelerator().type, 0)
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float()
-
-
 def _max_rel(model, ref, attr: str | None = None) -> float:
     ref_p = dict(ref.named_parameters())
     get = (lambda p: getattr(p, attr)) if attr else (lambda p: p)
-    return max(rel_diff(_full(get(p)).to(get(ref_p[n]).device), get(ref_p[n])) for n, p in model.named_parameters())
+    return max(rel_diff(full(get(p)).to(get(ref_p[n]).device), get(ref_p[n])) for n, p in model.named_parameters())
 
 
 def _init_world1() -> None:
@@ -71,7 +67,7 @@ def _step(model, ref, batch, **plan) -> dict:
 
 def _update_rel(model, ref, start: dict) -> float:
     """Relative difference of the whole update (all parameters as one vector)."""
-    got = {n: _full(p).to(start[n].device) - start[n] for n, p in model.named_parameters()}
+    got = {n: full(p).to(start[n].device) - start[n] for n, p in model.named_parameters()}
     want = {n: p.detach() - start[n] for n, p in ref.named_parameters()}
     diff = torch.cat([(got[n] - want[n]).flatten() for n in want])
     return (diff.norm() / torch.cat([w.flatten() for w in want.values()]).norm()).item()
@@ -117,7 +113,7 @@ def core(out: dict, work: Path) -> None:
     # Checkpoints: sync and async (pinned staging on an accelerator), resumed into a fresh model.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt.step()
-    saved = {n: _full(p).clone() for n, p in model.named_parameters()}
+    saved = {n: full(p).clone() for n, p in model.named_parameters()}
     results = {}
     for name, async_save in (("sync", False), ("async", True)):
         ckpt = f2.Checkpointer(work / f"ckpt_{name}", async_save=async_save)
@@ -128,17 +124,17 @@ def core(out: dict, work: Path) -> None:
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
         extra = ckpt.load(model=fresh, optimizer=fresh_opt)
         results[name] = {"extra": extra, "latest": ckpt.latest_step(),
-                         "equal": all(torch.equal(_full(p), saved[n]) for n, p in fresh.named_parameters()),
+                         "equal": all(torch.equal(full(p), saved[n]) for n, p in fresh.named_parameters()),
                          "opt_state_device": str(next(iter(fresh_opt.state.values()))["exp_avg"].device.type)}
     out["checkpoint"] = results
-    f2.export_full(work / "ckpt_sync", work / "export")
+    f2.exportfull(work / "ckpt_sync", work / "export")
 
     # Meta-device build + full weights from the exported safetensors, straight onto the accelerator.
     with torch.device("meta"):
         meta = TinyGPT()
     f2.shard_model(meta, log_plan=False)
     f2.load_full_weights(meta, work / "export")
-    out["load_full_weights_equal"] = all(torch.equal(_full(p), saved[n]) for n, p in meta.named_parameters())
+    out["load_full_weights_equal"] = all(torch.equal(full(p), saved[n]) for n, p in meta.named_parameters())
 
 
 def lightning(out: dict, work: Path) -> None:
