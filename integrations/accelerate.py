@@ -63,6 +63,9 @@ def _env_without(*names: str) -> Iterator[None]:
         os.environ.update(saved)
 
 
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what env:// reads
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -91,8 +94,11 @@ def _init_process_group(timeout: Optional[timedelta], cpu: bool) -> None:
     else:
         backend = "gloo"
     kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group(backend, **kwargs)  # env:// from the launcher
+    if all(k in os.environ for k in _LAUNCHER_ENV):
+        # env:// whenever a launcher started us, one process included: torchrun's agent holds
+        # the store at MASTER_PORT and (TORCHELASTIC_USE_AGENT_STORE) makes every rank a client
+        # of it, so a tcp:// group on another port waited forever for a server.
+        dist.init_process_group(backend, **kwargs)
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **kwargs)
 

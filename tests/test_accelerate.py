@@ -55,9 +55,14 @@ def runs(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("accelerate")
     accelerate_launch(SCRIPTS / "fsdp2.yaml", "flows.py", str(work / "flows.json"), str(work))
     _run(["resume.py", str(work / "resume.json"), str(work / "state_step2")], timeout=120)
+    # The same resume as a 1-process `accelerate launch` (torchrun's agent store: env://).
+    _run(["-m", "accelerate.commands.launch", "--config_file", str(SCRIPTS / "fsdp2.yaml"), "--num_processes", "1",
+          "--main_process_port", str(free_port()), "resume.py", str(work / "resume_launched.json"),
+          str(work / "state_step2")], timeout=120)
     accelerate_launch(SCRIPTS / "fsdp2_variant.yaml", "flows.py", str(work / "variant.json"), str(work / "variant"),
                       "config_from_launch,launch_variant")
     return {"flows": _load(work / "flows.json"), "resume": _load(work / "resume.json"),
+            "resume_launched": _load(work / "resume_launched.json"),
             "variant": _load(work / "variant.json")}
 
 
@@ -176,9 +181,11 @@ def test_automatic_naming_keeps_the_newest(flows):
     assert flows["checkpoints"]["auto_after_resume"] == "checkpoint_3"
 
 
-def test_two_rank_state_resumes_in_one_process(runs):
-    """DCP reshards the 2-rank shards onto 1 process; the losses continue as the 2-rank run did."""
-    r = runs["resume"]
+@pytest.mark.parametrize("how", ["resume", "resume_launched"])
+def test_two_rank_state_resumes_in_one_process(runs, how):
+    """DCP reshards the 2-rank shards onto 1 process (plain `python`, or `accelerate launch` with one
+    process); the losses continue as the 2-rank run did."""
+    r = runs[how]
     assert r["num_processes"] == 1
     assert _close(r["resumed"], runs["flows"]["checkpoints"]["continued"])
     assert r["lr_loaded"] == runs["flows"]["checkpoints"]["lr_saved"]
