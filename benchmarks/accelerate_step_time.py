@@ -1,15 +1,17 @@
 """Step time and losses: `FSDP2Accelerator` vs the stock `Accelerator`, same accelerate FSDP config.
 
     python benchmarks/accelerate_step_time.py [--dim 512 --layers 8 --batch 16 --accumulate 4
-                                               --steps 8 --rounds 3 --processes 2 --cpu]
+                                               --steps 8 --rounds 3 --processes 2 --cpu --cpu-env]
 
 Both read one ordinary accelerate config file (`distributed_type: FSDP`, `fsdp_version: 2`,
 `TRANSFORMER_BASED_WRAP` on `Block`); the training loop is the same Accelerate loop
 (`prepare`, `accumulate`, `backward`, `clip_grad_norm_`, AdamW). What differs is what each
 accelerator does with the config: on CPU the stock one leaves the model as it is (its FSDP
 path needs an accelerator; measured with Accelerate 1.15: no wrapper and no gradient
-synchronisation); on GPUs it runs its own FSDP2 path. Each run is a fresh
-`accelerate launch` world, interleaved (ours, stock, stock, ours, ...), first round dropped.
+synchronisation), or with `--cpu-env` (ACCELERATE_USE_CPU=true, which its FSDP launcher
+does not derive from `use_cpu: true`) wraps it in DDP; on GPUs it runs its own FSDP2 path.
+Each run is a fresh `accelerate launch` world, interleaved (ours, stock, stock, ours, ...),
+first round dropped.
 Reported: what the model became, median seconds per optimizer step with spread, the ratio,
 and each one's largest loss difference from one process training on the same global batches
 (correct data parallelism matches it; unsynchronised processes do not).
@@ -128,6 +130,10 @@ def reference_losses(args: argparse.Namespace) -> list[float]:
 def launch(variant: str, config: Path, args: argparse.Namespace) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
     env.setdefault("OMP_NUM_THREADS", "1")
+    if args.cpu_env:
+        # Accelerate's FSDP launcher drops the file's `use_cpu: true`; this variable reaches both
+        # variants (the stock one then becomes MULTI_CPU + DDP instead of DistributedType.NO).
+        env["ACCELERATE_USE_CPU"] = "true"
     with socket.socket() as s:  # a free port: 29500 may still be held by the previous world
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -152,6 +158,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (plus one warm-up round)")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--cpu", action="store_true", help="use_cpu: true (the default where no accelerator exists)")
+    parser.add_argument("--cpu-env", action="store_true",
+                        help="also set ACCELERATE_USE_CPU=true (needed for CPU runs on a machine with GPUs)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -28,7 +28,8 @@ from ._accelerate_env import ADAPTER_KEYS, PRECISIONS, read_accelerate_env
 
 STOCK_ACCELERATOR_ERROR = (
     "FSDP2Plugin was handed to accelerate.Accelerator, which cannot run it: on CPU Accelerate 1.15 runs an "
-    "FSDP config as unsynchronised single processes (DistributedType.NO), and it has no hook for another sharding "
+    "FSDP config as unsynchronised single processes (DistributedType.NO), or as DDP with ACCELERATE_USE_CPU=true "
+    "(MULTI_CPU), and it has no hook for another sharding "
     "engine. Use `from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator` and "
     "`FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(), ...)`: the same arguments and methods as Accelerator."
 )

@@ -87,7 +87,8 @@ def _init_process_group(timeout: Optional[timedelta], cpu: bool) -> None:
             raise RuntimeError(
                 f"LOCAL_RANK={local_rank} but this machine has {count} {accel.type} device(s): launch at most {count} "
                 "process(es) per node (`num_processes` in the accelerate config), or run on CPU with "
-                "FSDP2Accelerator(cpu=True)."
+                "FSDP2Accelerator(cpu=True) or ACCELERATE_USE_CPU=true (accelerate's FSDP launcher does not pass "
+                "the config's `use_cpu: true` on)."
             )
         torch.accelerator.set_device_index(local_rank)
         backend = f"cpu:gloo,{accel.type}:{dist.Backend.default_device_backend_map.get(accel.type, 'nccl')}"

@@ -28,9 +28,11 @@ TOL = 1e-5  # fp32 parity, relative
 
 
 def _run(args: list[str], timeout: int) -> None:
-    # No FSDP_* / ACCELERATE_* from the outer environment: the config file alone decides.
+    # No FSDP_* / ACCELERATE_* from the outer environment: the config file alone decides, except
+    # ACCELERATE_USE_CPU: Accelerate's FSDP launcher drops the files' `use_cpu: true`, so on a
+    # machine with GPUs these CPU tests would otherwise ask for one GPU per process.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
-    proc = subprocess.run([sys.executable, *args], env=dict(env, OMP_NUM_THREADS="1"), cwd=SCRIPTS,
+    proc = subprocess.run([sys.executable, *args], env=dict(env, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true"), cwd=SCRIPTS,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
@@ -324,6 +326,22 @@ def test_accelerator_refuses_other_engines_and_plugins():
         FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(read_env=False), deepspeed_plugin=object())
     with pytest.raises(TypeError, match="needs an FSDP2Plugin"):
         FSDP2Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+
+
+def test_more_processes_than_devices_is_refused_with_the_ways_out(monkeypatch):
+    """2 processes on a 1-GPU node (e.g. a CPU config whose `use_cpu` the launcher dropped): a
+    clear error before any process group is started, naming num_processes and the CPU switches."""
+    import torch
+
+    from fsdp2_strategy.integrations import accelerate as adapter
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(RuntimeError) as err:
+        adapter._init_process_group(None, cpu=False)
+    for words in ("LOCAL_RANK=1", "1 cuda device(s)", "num_processes", "cpu=True", "ACCELERATE_USE_CPU=true"):
+        assert words in str(err.value)
 
 
 # ---------------------------------------------------------------------------------------- private API guard

@@ -112,7 +112,9 @@ def test_accelerate_finetune_example_with_its_config_file(tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate_fsdp2.yaml",
            "--main_process_port", str(free_port()), "examples/accelerate_finetune.py", "--max-steps", "4",
            "--ckpt-every", "2", "--sentences", "64", "--max-length", "16", "--out-dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=dict(env, OMP_NUM_THREADS="1"))
+    # ACCELERATE_USE_CPU: the file's `use_cpu: true` does not reach the processes (see README).
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
+                          env=dict(env, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "DistributedType.FSDP, precision bf16" in out and "BertLayer" in out  # the config file's keys
