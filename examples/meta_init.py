@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import resource
 import tempfile
 import warnings
@@ -108,11 +107,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    device = f2.init_distributed()  # gloo on CPU; on an accelerator its device LOCAL_RANK
+    accel = torch.get_device_module(device) if device.type != "cpu" else None
     rank, world = dist.get_rank(), dist.get_world_size()
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
 
     # 1. A full checkpoint to load (what from_pretrained would read), written once by rank 0.
     shared = [str(args.weights or Path(tempfile.gettempdir()) / f"meta_init_{args.dim}x{args.layers}.safetensors")]
@@ -125,8 +122,8 @@ def main() -> None:
 
     # 2. Measured: build on meta, shard, load this rank's slices.
     reset_peak_rss()
-    if backend == "nccl":
-        torch.cuda.reset_peak_memory_stats()
+    if accel is not None:
+        accel.reset_peak_memory_stats()
     before = rss_mib("VmRSS")
     with torch.device("meta"):
         model = build_model(args.dim, args.layers)
@@ -134,12 +131,11 @@ def main() -> None:
     f2.shard_model(model, f2.FSDP2Config(wrap_policy="auto"))
     f2.load_full_weights(model, path)
     growth = rss_mib("VmHWM") - before
-    gpu_peak = torch.cuda.max_memory_allocated() / MIB if backend == "nccl" else None
+    gpu_peak = accel.max_memory_allocated() / MIB if accel is not None else None
     shard_mib = f2.sharding_plan(model).local_bytes / MIB
 
     # 3. Proof that the right weights arrived, and that the model runs.
     checksum = weight_checksum(model)
-    device = next(p.to_local().device for p in model.parameters() if hasattr(p, "to_local"))
     with torch.no_grad():
         out = model(torch.randn(2, args.dim, generator=torch.Generator().manual_seed(0)).to(device))
     rows = [None] * world

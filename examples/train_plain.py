@@ -1,7 +1,7 @@
 """Plain PyTorch + the fsdp2_strategy core: shard, accumulate, clip, step, checkpoint.
 
     torchrun --standalone --nproc_per_node=2 examples/train_plain.py [--steps 20 --ckpt-dir runs/train_plain]
-Runs on CPU (gloo) or GPUs (nccl) alike. Run it twice: the second run resumes from the
+Runs on CPU (gloo) or accelerators (nccl, ...) alike. Run it twice: the second run resumes from the
 latest checkpoint (on any number of ranks) and trains `--steps` more.
 """
 
@@ -29,10 +29,7 @@ class Block(nn.Module):
 
 def main(steps: int, accumulate: int, ckpt_dir: str, save_every: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    if backend == "nccl":
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    device = f2.init_distributed()  # gloo on CPU; on GPUs the device LOCAL_RANK, nccl (+ gloo for CPU tensors)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), *[Block(64) for _ in range(4)], nn.Linear(64, 1))
     f2.shard_model(model, f2.FSDP2Config(wrap_policy="auto", mixed_precision="bf16"))
@@ -42,7 +39,6 @@ def main(steps: int, accumulate: int, ckpt_dir: str, save_every: int) -> None:
     if ckpt.latest_step() is not None:  # resume: weights, optimizer state and the step counter
         start = ckpt.load(model=model, optimizer=optimizer)["step"] + 1
 
-    device = next(p.to_local().device for p in model.parameters() if hasattr(p, "to_local"))
     gen = torch.Generator().manual_seed(dist.get_rank())
     w_true = torch.randn(16, 1, generator=torch.Generator().manual_seed(42))
     for step in range(start, start + steps):

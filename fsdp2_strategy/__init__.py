@@ -8,7 +8,7 @@
 from .checkpoint import Checkpointer
 from .compat import fully_shard
 from .config import FSDP2Config, ModuleOverride
-from .distributed import shutdown
+from .distributed import init_distributed, shutdown
 from .plan import ShardingPlan, sharding_plan
 from .sharding import shard_model
 from .export import export_full, inspect_checkpoint
@@ -25,6 +25,7 @@ __all__ = [
     "clip_grad_value_",
     "export_full",
     "fully_shard",
+    "init_distributed",
     "inspect_checkpoint",
     "load_full_weights",
     "no_sync",

@@ -1,4 +1,4 @@
-"""Process-level helpers: rank-zero logging and a clean shutdown.
+"""Process-level helpers: starting the process group, rank-zero logging and a clean shutdown.
 
 `shutdown()` exists because of a torch bug measured here (torch 2.13, gloo): a process that
 ran a DCP save aborts at interpreter exit ("terminate called without an active exception",
@@ -14,13 +14,62 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import sys
 from datetime import timedelta
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 logger = logging.getLogger("fsdp2_strategy")
+
+
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What a launcher (torchrun, `accelerate launch`, Lightning, SLURM wrappers) sets for env://."""
+
+
+def init_distributed(
+    *, cpu: bool = False, timeout: Optional[timedelta] = None, cpu_hint: str = "init_distributed(cpu=True)"
+) -> torch.device:
+    """Start the default process group (unless started) and return this process's device.
+
+    - Under a launcher (`LAUNCHER_ENV` set): env://, one process included: torchrun's agent
+      holds the store at MASTER_PORT and (TORCHELASTIC_USE_AGENT_STORE) makes every rank a
+      client of it, so a group on another port would wait forever for a server.
+    - Without one: a 1-rank group on a free local port (`fully_shard` needs a group).
+    - On an accelerator (unless `cpu`): device index LOCAL_RANK and backend
+      "cpu:gloo,<type>:<its backend>", so CPU tensors (DCP, offloaded state) have one too;
+      otherwise gloo on CPU. `cpu_hint` names the caller's CPU switch in the error raised
+      when LOCAL_RANK has no device.
+    """
+    accel = torch.accelerator.current_accelerator() if not cpu and torch.accelerator.is_available() else None
+    if accel is None:
+        device, backend = torch.device("cpu"), "gloo"
+    else:
+        local_rank, count = int(os.environ.get("LOCAL_RANK", 0)), torch.accelerator.device_count()
+        if local_rank >= count:
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but this machine has {count} {accel.type} device(s): start at most {count} "
+                f"process(es) per node, or run on CPU with {cpu_hint}."
+            )
+        torch.accelerator.set_device_index(local_rank)
+        device = torch.device(accel.type, local_rank)
+        backend = f"cpu:gloo,{accel.type}:{dist.Backend.default_device_backend_map.get(accel.type, 'nccl')}"
+    if dist.is_initialized():
+        return device
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    if all(k in os.environ for k in LAUNCHER_ENV):
+        dist.init_process_group(backend, **kwargs)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **kwargs)
+    return device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def is_distributed() -> bool:

@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from datetime import timedelta
 from typing import Any, Iterable, Iterator, Optional, Union
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DynamoBackend, FullyShardedDataParallelPlugin, GradScalerKwargs, InitProcessGroupKwargs
@@ -51,6 +49,8 @@ from ._accelerate_plugin import STOCK_ACCELERATOR_ERROR, FSDP2Plugin
 
 __all__ = ["FSDP2Accelerator", "FSDP2Plugin", "STOCK_ACCELERATOR_ERROR", "read_accelerate_env"]
 
+_CPU_HINT = ("FSDP2Accelerator(cpu=True) or ACCELERATE_USE_CPU=true (accelerate's FSDP launcher does not pass the "
+             "config's `use_cpu: true` on); or lower `num_processes` in the accelerate config")
 _REFUSED_KWARGS = ("deepspeed_plugin", "deepspeed_plugins", "megatron_lm_plugin", "torch_tp_plugin", "parallelism_config")
 
 
@@ -61,47 +61,6 @@ def _env_without(*names: str) -> Iterator[None]:
         yield
     finally:
         os.environ.update(saved)
-
-
-_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what env:// reads
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init_process_group(timeout: Optional[timedelta], cpu: bool) -> None:
-    """Start the process group ourselves (before Accelerate's state does), so that:
-    - on an accelerator, CPU tensors get a backend too ("cpu:gloo,cuda:nccl"): DCP and
-      offloaded state use it;
-    - one process without a launcher still gets a 1-rank group, which `fully_shard` needs.
-    On CPU with a launcher Accelerate would start the same gloo group."""
-    if dist.is_initialized():
-        return
-    accel = None if cpu else torch.accelerator.current_accelerator()
-    if accel is not None:
-        local_rank, count = int(os.environ.get("LOCAL_RANK", 0)), torch.accelerator.device_count()
-        if local_rank >= count:
-            raise RuntimeError(
-                f"LOCAL_RANK={local_rank} but this machine has {count} {accel.type} device(s): launch at most {count} "
-                "process(es) per node (`num_processes` in the accelerate config), or run on CPU with "
-                "FSDP2Accelerator(cpu=True) or ACCELERATE_USE_CPU=true (accelerate's FSDP launcher does not pass "
-                "the config's `use_cpu: true` on)."
-            )
-        torch.accelerator.set_device_index(local_rank)
-        backend = f"cpu:gloo,{accel.type}:{dist.Backend.default_device_backend_map.get(accel.type, 'nccl')}"
-    else:
-        backend = "gloo"
-    kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
-    if all(k in os.environ for k in _LAUNCHER_ENV):
-        # env:// whenever a launcher started us, one process included: torchrun's agent holds
-        # the store at MASTER_PORT and (TORCHELASTIC_USE_AGENT_STORE) makes every rank a client
-        # of it, so a tcp:// group on another port waited forever for a server.
-        dist.init_process_group(backend, **kwargs)
-    else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **kwargs)
 
 
 class FSDP2Accelerator(Accelerator):
@@ -147,7 +106,10 @@ class FSDP2Accelerator(Accelerator):
         cpu = cpu or accelerate_cpu_requested() or not torch.accelerator.is_available()
         handlers = {type(h): h for h in kwargs.get("kwargs_handlers") or []}
         init_handler = handlers.get(InitProcessGroupKwargs)
-        _init_process_group(timeout if timeout is not None or init_handler is None else init_handler.timeout, cpu)
+        # Started here, before Accelerate's state would start its own: on an accelerator the core
+        # adds a CPU backend ("cpu:gloo,cuda:nccl") that DCP and offloaded state need.
+        f2.init_distributed(cpu=cpu, timeout=timeout if timeout is not None or init_handler is None else init_handler.timeout,
+                            cpu_hint=_CPU_HINT)
         compat.release_reported_precision()
         # Accelerate must not build its own FSDP plugin from the environment (it parses the
         # same variables with FSDP1 defaults) nor autocast: FSDP2 policies do the casting.

@@ -333,13 +333,13 @@ def test_more_processes_than_devices_is_refused_with_the_ways_out(monkeypatch):
     clear error before any process group is started, naming num_processes and the CPU switches."""
     import torch
 
-    from fsdp2_strategy.integrations import accelerate as adapter
-
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
     with pytest.raises(RuntimeError) as err:
-        adapter._init_process_group(None, cpu=False)
+        FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(read_env=False))
     for words in ("LOCAL_RANK=1", "1 cuda device(s)", "num_processes", "cpu=True", "ACCELERATE_USE_CPU=true"):
         assert words in str(err.value)
 

@@ -1,4 +1,5 @@
-"""`fsdp2_strategy.shutdown()`: exit code, process group destroyed, atexit hooks still run."""
+"""`fsdp2_strategy.init_distributed()` and `shutdown()`: group start with and without a launcher; exit code, group
+destroyed, atexit hooks still run."""
 
 from __future__ import annotations
 
@@ -37,3 +38,36 @@ def test_shutdown_destroys_the_group_runs_atexit_hooks_and_exits_with_the_code(t
     initialized, tmpdir = report.read_text().split()
     assert initialized == "False"  # the hook ran after the group was destroyed
     assert not Path(tmpdir).exists()  # TemporaryDirectory's weakref finalizer ran too
+
+
+INIT_SCRIPT = r"""
+import sys
+import torch.distributed as dist
+import fsdp2_strategy as f2
+
+device = f2.init_distributed(cpu=True)  # CPU on any machine: this test is about the group
+again = f2.init_distributed(cpu=True)  # already started: same device, no second group
+# One write per line: torchrun runs ranks with `python -u`, so print's pieces would interleave.
+sys.stdout.write(f"INIT {dist.get_world_size()} {dist.get_rank()} {dist.get_backend()} {device} {again}\n")
+f2.shutdown()
+"""
+
+
+def test_init_distributed_without_and_under_a_launcher(tmp_path: Path):
+    """Plain `python`: a 1-rank gloo group of its own. torchrun with one process: env:// (a group on
+    another port waited forever on torchrun's agent store, so the timeout fails it); with two: both ranks."""
+    script = tmp_path / "init.py"
+    script.write_text(INIT_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    runs = {"plain": [str(script)]}
+    for n in (1, 2):
+        runs[f"torchrun{n}"] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", str(script)]
+    lines = {}
+    for name, args in runs.items():
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=90, env=env)
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        lines[name] = sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("INIT"))
+    assert lines["plain"] == [["1", "0", "gloo", "cpu", "cpu"]]
+    assert lines["torchrun1"] == [["1", "0", "gloo", "cpu", "cpu"]]
+    assert lines["torchrun2"] == [["2", "0", "gloo", "cpu", "cpu"], ["2", "1", "gloo", "cpu", "cpu"]]
