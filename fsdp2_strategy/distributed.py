@@ -26,7 +26,7 @@ logger = logging.getLogger("fsdp2_strategy")
 
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-"""What a launcher (torchrun, `accelerate launch`, Lightning, SLURM wrappers) sets for env://."""
+"""What a launcher (torchrun, `accelerate launch`, Lightning's subprocess launcher) sets for env://."""
 
 
 def init_distributed(

@@ -113,7 +113,7 @@ def core(out: dict, work: Path) -> None:
     # Checkpoints: sync and async (pinned staging on an accelerator), resumed into a fresh model.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt.step()
-    saved = {n: full(p).clone() for n, p in model.named_parameters()}
+    saved = {n: full(p) for n, p in model.named_parameters()}
     results = {}
     for name, async_save in (("sync", False), ("async", True)):
         ckpt = f2.Checkpointer(work / f"ckpt_{name}", async_save=async_save)
@@ -127,7 +127,7 @@ def core(out: dict, work: Path) -> None:
                          "equal": all(torch.equal(full(p), saved[n]) for n, p in fresh.named_parameters()),
                          "opt_state_device": str(next(iter(fresh_opt.state.values()))["exp_avg"].device.type)}
     out["checkpoint"] = results
-    f2.exportfull(work / "ckpt_sync", work / "export")
+    f2.export_full(work / "ckpt_sync", work / "export")
 
     # Meta-device build + full weights from the exported safetensors, straight onto the accelerator.
     with torch.device("meta"):
