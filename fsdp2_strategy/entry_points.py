@@ -22,6 +22,10 @@ from .distributed import log_rank_zero
 # torch-private names this relies on (the same ones `register_fsdp_forward_method` calls).
 _PRIVATE = ("_get_fsdp_state", "_pre_forward", "_post_forward")
 _warned = False
+# The arguments handed to FSDP's pre/post-forward instead of the step's own: one placeholder,
+# because torch 2.11's root pre-forward on an accelerator indexes what moving the arguments
+# to the device returns, which is empty for no arguments (IndexError; 2.13 guards it).
+_PLACEHOLDER_ARGS = (None,)
 
 
 def _private_api_present(module: FSDPModule) -> bool:
@@ -53,7 +57,7 @@ def register_step_method(module: nn.Module, method_name: str) -> None:
     @functools.wraps(original)
     def gathered(self, *args, **kwargs):
         state = self._get_fsdp_state()
-        state._pre_forward(self, (), {})  # no arguments: nothing to cast or move
-        return state._post_forward(self, (), original(*args, **kwargs))
+        state._pre_forward(self, _PLACEHOLDER_ARGS, {})  # not the step's arguments: nothing cast or moved
+        return state._post_forward(self, _PLACEHOLDER_ARGS, original(*args, **kwargs))
 
     setattr(module, method_name, gathered.__get__(module, type(module)))

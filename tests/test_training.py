@@ -217,3 +217,16 @@ def test_step_method_gathers_without_casting_its_arguments():
     for seen, grads, resharded in run_distributed(_step_method_world, 2):
         assert seen == "torch.float32"  # torch's register_fsdp_forward_method would hand it bf16
         assert grads < 0.1 and resharded  # bf16 compute vs an fp32 process (measured 0.045)
+
+
+def test_step_method_placeholder_survives_the_root_input_move():
+    """torch 2.11's root pre-forward on an accelerator moves the arguments with `_to_kwargs` and
+    takes element 0 unguarded: empty arguments raised IndexError on the H100 (2.13 guards it). The
+    placeholder the step wrapper passes must come back as one argument tuple."""
+    from torch.distributed.utils import _to_kwargs
+
+    from fsdp2_strategy.entry_points import _PLACEHOLDER_ARGS
+
+    assert _to_kwargs((), {}, torch.device("cpu"), False) == ((), ())  # what 2.11 indexed
+    args, kwargs = _to_kwargs(_PLACEHOLDER_ARGS, {}, torch.device("cpu"), False)
+    assert args[0] == _PLACEHOLDER_ARGS and kwargs[0] == {}
