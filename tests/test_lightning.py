@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("lightning")
 
@@ -212,7 +213,7 @@ def test_two_nodes_hybrid_replicates_across_nodes(tmp_path):
 
 _CLI_YAML = """
 trainer:
-  accelerator: cpu
+  accelerator: {accelerator}
   devices: {devices}
   max_steps: 2
   precision: bf16-mixed
@@ -228,7 +229,7 @@ def test_lightning_cli_yaml_and_subprocess_launcher(tmp_path):
     strategy = ("\n    class_path: fsdp2_strategy.integrations.lightning.FSDP2Strategy"
                 "\n    init_args:\n      wrap_policy: [Block]\n      reshard_after_forward: false")
     config = tmp_path / "cli.yaml"
-    config.write_text(_CLI_YAML.format(devices=2, strategy=strategy))
+    config.write_text(_CLI_YAML.format(accelerator="cpu", devices=2, strategy=strategy))
     out = tmp_path / "cli.json"
     _run(["cli.py", "fit", "--config", str(config)], timeout=180, env={"FSDP2_CLI_OUT": str(out)})
     r = json.loads(out.read_text())
@@ -238,12 +239,15 @@ def test_lightning_cli_yaml_and_subprocess_launcher(tmp_path):
 
 
 def test_lightning_cli_registry_string(tmp_path):
+    """`strategy: fsdp2` with `accelerator: auto` (CPU here, the GPU on a GPU machine)."""
     config = tmp_path / "cli.yaml"
-    config.write_text(_CLI_YAML.format(devices=1, strategy="fsdp2"))
+    config.write_text(_CLI_YAML.format(accelerator="auto", devices=1, strategy="fsdp2"))
     out = tmp_path / "cli.json"
     _run(["cli.py", "fit", "--config", str(config)], timeout=120, env={"FSDP2_CLI_OUT": str(out)})
     r = json.loads(out.read_text())
     assert r["strategy"] == "FSDP2Strategy" and r["world_size"] == 1
+    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    assert r["device_type"] == (accel.type if accel else "cpu")
 
 
 # ---------------------------------------------------------------------- construction (no processes)

@@ -31,6 +31,7 @@ class Report(pl.Callback):
         write_json(os.environ["FSDP2_CLI_OUT"], {
             "strategy": type(strategy).__name__,
             "world_size": trainer.world_size,
+            "device_type": strategy.root_device.type,
             "wrap_policy": repr(strategy.fsdp2_config.wrap_policy),
             "groups": [g.name for g in f2.sharding_plan(module).groups],
             "precision": [g.precision for g in f2.sharding_plan(module).groups],
