@@ -92,23 +92,28 @@ def _problems(directory: Path, expected: dict[str, dict[str, Any]], names: list[
     return out
 
 
+def check(directory: Path, rank: int = 0, world_size: int = 1) -> list[str]:
+    """The problems in this rank's share of the files `checksums.json` lists (every file for one
+    process); not a collective. No `checksums.json`: nothing to check."""
+    manifest = directory / CHECKSUMS_FILE
+    if not manifest.is_file():
+        return []
+    try:
+        data = json.loads(manifest.read_text())
+        expected = data["files"]
+        if data.get("algorithm") != ALGORITHM:
+            raise ValueError(f"unknown checksum algorithm {data.get('algorithm')!r}")
+        return _problems(directory, expected, sorted(expected)[rank::world_size])
+    except Exception as exc:  # also unreadable JSON: every rank hits it alike
+        return [f"{CHECKSUMS_FILE}: unreadable ({type(exc).__name__}: {exc})"] if rank == 0 else []
+
+
 def verify(directory: Path, rank: int, world_size: int) -> list[str]:
     """Collective when distributed: the problems found in `directory` (same list on every rank).
 
     Each rank checks every `world_size`-th listed file; no `checksums.json`: nothing to check.
     """
-    manifest = directory / CHECKSUMS_FILE
-    found: list[str] = []
-    if manifest.is_file():
-        try:
-            data = json.loads(manifest.read_text())
-            expected = data["files"]
-            if data.get("algorithm") != ALGORITHM:
-                raise ValueError(f"unknown checksum algorithm {data.get('algorithm')!r}")
-            names = sorted(expected)
-            found = _problems(directory, expected, names[rank::world_size])
-        except Exception as exc:  # also unreadable JSON: every rank hits it alike
-            found = [f"{CHECKSUMS_FILE}: unreadable ({type(exc).__name__}: {exc})"] if rank == 0 else []
+    found = check(directory, rank, world_size)
     if is_distributed():
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, found)

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="convert on export")
     cons.add_argument("--step", type=int, default=None, help="step of a Checkpointer root (default: latest)")
     cons.add_argument("--max-shard-size", type=_size, default="5GB", help="split safetensors above this (e.g. 500MB)")
-    insp = sub.add_parser("inspect", help="list steps, tensors, shapes, dtypes and the saving world size")
+    insp = sub.add_parser("inspect", help="list steps, tensors, shapes, dtypes and the saving world size; "
+                          "verify checksums (exit status 1 if a file is damaged)")
     insp.add_argument("checkpoint")
     insp.add_argument("--step", type=int, default=None)
     return parser
@@ -44,7 +45,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               max_shard_size=args.max_shard_size)
             print(f"wrote {out}")
         else:
-            print(inspect_checkpoint(args.checkpoint, args.step))
+            info = inspect_checkpoint(args.checkpoint, args.step)
+            print(info)
+            return 1 if info.problems else 0
     except (FileNotFoundError, ValueError) as exc:
         print(f"fsdp2-strategy {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -19,6 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import checkpoint_dir as cdir
+from . import checkpoint_integrity as integrity
 from .config import dtype_from_name
 from .distributed import logger
 
@@ -138,6 +139,10 @@ def export_full(
         raise ValueError(f"format={format!r} is invalid; use 'safetensors' or 'torch'.")
     target_dtype = dtype_from_name(dtype, "dtype")
     ckpt_dir = resolve_checkpoint_dir(checkpoint_dir, step)
+    problems = integrity.check(ckpt_dir)  # one process: every file listed in checksums.json
+    if problems:
+        raise ValueError(f"Checkpoint {ckpt_dir} is damaged and was not exported:\n  " + "\n  ".join(problems)
+                         + "\nExport an earlier step (step=N, or --step N).")
     metadata = cdir.read_metadata(ckpt_dir)
     keys = model_tensor_keys(metadata)
     if not keys:
@@ -190,6 +195,10 @@ class CheckpointInfo:
     """DCP key -> (shape, dtype) of every tensor."""
     other_keys: list[str]
     """Non-tensor entries (pickled objects such as extra state)."""
+    checksummed: bool = False
+    """Whether the directory holds `checksums.json` (written by every fsdp2_strategy save)."""
+    problems: list[str] = field(default_factory=list)
+    """Files whose size or checksum differs from `checksums.json` (empty: intact)."""
 
     def __str__(self) -> str:
         lines = [f"checkpoint: {self.path}", f"saved by {self.world_size} rank(s)"]
@@ -200,11 +209,16 @@ class CheckpointInfo:
         lines += [f"{k.ljust(width)}  {list(shape)}  {dt}" for k, (shape, dt) in self.tensors.items()]
         if self.other_keys:
             lines.append("other entries: " + ", ".join(self.other_keys))
+        if self.problems:
+            lines.append("DAMAGED: " + "; ".join(self.problems))
+        else:
+            lines.append("checksums: " + ("every file matches" if self.checksummed else "none (plain DCP, not verified)"))
         return "\n".join(lines)
 
 
 def inspect_checkpoint(path: str | Path, step: Optional[int] = None) -> CheckpointInfo:
-    """Steps (committed or partial), tensors with shapes and dtypes, and the saving world size."""
+    """Steps (committed or partial), tensors with shapes and dtypes, the saving world size, and
+    whether the files still match their checksums."""
     path = Path(path)
     steps = {step: cdir.is_committed(child) for step, child in cdir.step_dirs(path).items()}
     ckpt_dir = resolve_checkpoint_dir(path, step)
@@ -215,5 +229,6 @@ def inspect_checkpoint(path: str | Path, step: Optional[int] = None) -> Checkpoi
             tensors[key] = (tuple(meta.size), str(meta.properties.dtype).removeprefix("torch."))
         else:
             others.append(key)
-    return CheckpointInfo(ckpt_dir, steps, saved_world_size(metadata), tensors, others)
+    return CheckpointInfo(ckpt_dir, steps, saved_world_size(metadata), tensors, others,
+                          checksummed=(ckpt_dir / integrity.CHECKSUMS_FILE).is_file(), problems=integrity.check(ckpt_dir))
 

@@ -85,3 +85,36 @@ def test_consolidate_to_hf_safetensors_and_torch(tmp_path):
     assert missing.returncode == 2 and "No committed checkpoint" in missing.stderr
     with pytest.raises(ValueError, match="format='onnx'"):
         f2.export_full(root, tmp_path / "x", format="onnx")
+
+
+def test_consolidate_and_inspect_refuse_a_damaged_checkpoint(tmp_path):
+    """A byte flipped in a committed shard: export refuses (naming the file and an earlier step),
+    inspect reports it, the CLI exits non-zero; the intact earlier step still exports."""
+    import fsdp2_strategy as f2
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    ckpt = f2.Checkpointer(tmp_path / "root")
+    ckpt.save(1, model=model)
+    ckpt.save(2, model=model)
+    assert "checksums: every file matches" in str(f2.inspect_checkpoint(tmp_path / "root"))
+    shard = ckpt.step_path(2) / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    with pytest.raises(ValueError, match=r"__0_0.distcp: corrupted .*\n.*earlier step"):
+        f2.export_full(tmp_path / "root", tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    info = f2.inspect_checkpoint(tmp_path / "root")
+    assert info.problems and "DAMAGED: __0_0.distcp: corrupted" in str(info)
+    cli = [sys.executable, "-m", "fsdp2_strategy.cli"]
+    consolidate = subprocess.run(cli + ["consolidate", str(tmp_path / "root"), str(tmp_path / "out")],
+                                 capture_output=True, text=True, timeout=120)
+    assert consolidate.returncode == 2 and "damaged" in consolidate.stderr
+    inspect = subprocess.run(cli + ["inspect", str(tmp_path / "root")], capture_output=True, text=True, timeout=120)
+    assert inspect.returncode == 1 and "DAMAGED" in inspect.stdout
+    f2.export_full(tmp_path / "root", tmp_path / "out", step=1)
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(tmp_path / "out" / "model.safetensors"))["weight"], model.weight)
