@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("accelerate")
 
+from _collect import close_lists  # noqa: E402
 from _harness import free_port  # noqa: E402
 from fsdp2_strategy.integrations import _accelerate_compat as compat  # noqa: E402
 from fsdp2_strategy.integrations.accelerate import STOCK_ACCELERATOR_ERROR, FSDP2Accelerator, FSDP2Plugin  # noqa: E402
@@ -74,7 +75,7 @@ def flows(runs) -> dict:
 
 
 def _close(a: list[float], b: list[float], tol: float = TOL) -> bool:
-    return len(a) == len(b) and all(abs(x - y) <= tol * max(abs(y), 1e-8) for x, y in zip(a, b))
+    return close_lists(a, b, tol)
 
 
 # ---------------------------------------------------------------------------------------- launch runs

@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("lightning")
 
+from _collect import close_lists  # noqa: E402
 from _harness import free_port  # noqa: E402
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy  # noqa: E402
 
@@ -56,7 +57,7 @@ def flows(runs) -> dict:
 
 
 def _close(a: list[float], b: list[float], tol: float = TOL) -> bool:
-    return len(a) == len(b) and all(abs(x - y) <= tol * max(abs(y), 1e-8) for x, y in zip(a, b))
+    return close_lists(a, b, tol)
 
 
 def test_string_strategy_shards_by_policy_before_optimizers(flows):
