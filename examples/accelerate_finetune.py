@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator
-from reviews import LABELS, encode, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
+from reviews import LABELS, encode_splits, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
 
 
 class Progress:
@@ -150,11 +150,8 @@ def main() -> None:
     args.model_dir = args.model_dir or pretrained_dir()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     quiet()
-    from transformers import AutoTokenizer
-
     train_rows, test_rows = load_reviews(args.sentences)
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    train_set, test_set = encode(train_rows, tokenizer, args.max_length), encode(test_rows, tokenizer, args.max_length)
+    train_set, test_set = encode_splits(train_rows, test_rows, args.model_dir, args.max_length)
 
     accelerator, model, optimizer, loader, test_loader, scheduler, progress = build(args, train_set, test_set)
     accelerator.print(f"{accelerator.num_processes} processes, {accelerator.distributed_type}, precision "

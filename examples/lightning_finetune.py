@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp2_strategy as f2
 import fsdp2_strategy.integrations.lightning  # noqa: F401  (registers strategy="fsdp2")
-from reviews import LABELS, encode, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
+from reviews import LABELS, encode_splits, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
 
 # --------------------------------------------------------------------------- model
 class ReviewClassifier(pl.LightningModule):
@@ -199,11 +199,8 @@ def main() -> None:
     args.model_dir = args.model_dir or pretrained_dir()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     quiet()
-    from transformers import AutoTokenizer
-
     train_rows, test_rows = load_reviews(args.sentences)
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    train_set, test_set = encode(train_rows, tokenizer, args.max_length), encode(test_rows, tokenizer, args.max_length)
+    train_set, test_set = encode_splits(train_rows, test_rows, args.model_dir, args.max_length)
     ckpt_dir = args.out_dir / "checkpoints"
     if ckpt_dir.exists() and not _is_lightning_child():
         shutil.rmtree(ckpt_dir)  # a fresh run each time (resume is shown within the run)

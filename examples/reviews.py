@@ -45,3 +45,12 @@ def encode(rows: list[tuple[str, int]], tokenizer, max_length: int) -> TensorDat
     enc = tokenizer([t for t, _ in rows], padding="max_length", truncation=True, max_length=max_length,
                     return_tensors="pt")
     return TensorDataset(enc["input_ids"], enc["attention_mask"], torch.tensor([y for _, y in rows]))
+
+
+def encode_splits(train_rows: list[tuple[str, int]], test_rows: list[tuple[str, int]], model_dir: Path,
+                  max_length: int) -> tuple[TensorDataset, TensorDataset]:
+    """Both splits encoded with the tokenizer shipped in `model_dir`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return encode(train_rows, tokenizer, max_length), encode(test_rows, tokenizer, max_length)
