@@ -6,7 +6,7 @@
 """
 
 from .checkpoint import Checkpointer
-from .compat import fully_shard
+from .fsdp1 import fully_shard
 from .config import FSDP2Config, ModuleOverride
 from .distributed import init_distributed, shutdown
 from .plan import ShardingPlan, sharding_plan

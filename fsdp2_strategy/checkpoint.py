@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from . import checkpoint_dir as cdir
 from .checkpoint_dir import TMP_PREFIX
-from .distributed import is_distributed, log_rank_zero, logger, rank
+from .distributed import barrier, is_distributed, log_rank_zero, logger, rank
 
 EXTRA_FILE = "extra.pt"
 MODEL_KEY, OPTIM_KEY = "model", "optim"  # top-level keys; DCP flattens them to "model.<name>"
@@ -179,7 +179,7 @@ class Checkpointer:
                 self._apply_retention()
             except OSError as exc:  # pruning is housekeeping: the step itself is committed
                 logger.warning("Could not prune old checkpoints under %s: %s", self.root, exc)
-        cdir.barrier()  # retention done before any rank saves again
+        barrier()  # retention done before any rank saves again
         log_rank_zero("Saved checkpoint %s", self.step_path(step))
 
     def _apply_retention(self) -> None:

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import checkpoint_integrity as integrity
-from .distributed import is_distributed, logger, rank
+from .distributed import barrier, from_rank_zero, is_distributed, logger, rank
 
 METADATA = ".metadata"  # DCP writes it last: the commit marker of a checkpoint directory
 STEP_DIR = re.compile(r"^step-(\d+)$")  # `Checkpointer`'s per-step directories
@@ -243,20 +243,6 @@ def single_process_quiet() -> Iterator[None]:
         if not is_distributed():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to", category=UserWarning)
         yield
-
-
-def barrier() -> None:
-    if is_distributed():
-        dist.barrier()
-
-
-def from_rank_zero(value: Any) -> Any:
-    """Rank 0's `value` on every rank (a collective, so it synchronises like a barrier)."""
-    if not is_distributed():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def write_file(path: Path, value: Any) -> None:

@@ -303,18 +303,3 @@ class FSDP2Config:
             raise ValueError(f"config must be an FSDP2Config, a dict or a YAML path, got {type(config).__name__}.")
         base.update(overrides)
         return cls.from_dict(base)
-
-
-def dtype_from_name(value: Any, name: str) -> torch.dtype | None:
-    """Turn "bf16"/"bfloat16"/"torch.float32"/a dtype into a `torch.dtype`, naming `name` on error."""
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    aliases = {
-        "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-        "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-        "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-    }
-    key = str(value).lower().removeprefix("torch.")
-    if key in aliases:
-        return aliases[key]
-    raise ValueError(f"{name}={value!r} is not a dtype; use one of {sorted(aliases)} or a torch.dtype.")

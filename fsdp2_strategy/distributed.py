@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,21 @@ def rank() -> int:
 def world_size() -> int:
     """World size (1 without a process group)."""
     return dist.get_world_size() if is_distributed() else 1
+
+
+def barrier() -> None:
+    """Wait for every rank (a no-op without a process group)."""
+    if is_distributed():
+        dist.barrier()
+
+
+def from_rank_zero(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a collective, so it synchronises like a barrier)."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def log_rank_zero(message: str, *args, level: int = logging.INFO) -> None:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from . import checkpoint_dir as cdir
 from . import checkpoint_integrity as integrity
-from .config import dtype_from_name
+from .precision import dtype_from_name
 from .distributed import logger
 
 # Where the model's tensors sit in a DCP checkpoint: `Checkpointer` ("model.") and

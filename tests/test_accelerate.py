@@ -19,9 +19,9 @@ pytest.importorskip("accelerate")
 
 from _collect import close_lists  # noqa: E402
 from _harness import free_port  # noqa: E402
-from fsdp2_strategy.integrations import _accelerate_compat as compat  # noqa: E402
+from fsdp2_strategy.integrations.accelerate import _compat as compat  # noqa: E402
 from fsdp2_strategy.integrations.accelerate import STOCK_ACCELERATOR_ERROR, FSDP2Accelerator, FSDP2Plugin  # noqa: E402
-from fsdp2_strategy.integrations._accelerate_env import accelerate_cpu_requested  # noqa: E402
+from fsdp2_strategy.integrations.accelerate.env import accelerate_cpu_requested  # noqa: E402
 from fsdp2_strategy.integrations.accelerate import read_accelerate_env  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "accelerate_scripts"

@@ -194,7 +194,7 @@ def _step_method_world():
     from torch.distributed.tensor import DTensor
 
     import fsdp2_strategy as f2
-    from fsdp2_strategy.entry_points import register_step_method
+    from fsdp2_strategy.step_methods import register_step_method
 
     torch.manual_seed(0)
     model = Stepper()
@@ -225,7 +225,7 @@ def test_step_method_placeholder_survives_the_root_input_move():
     placeholder the step wrapper passes must come back as one argument tuple."""
     from torch.distributed.utils import _to_kwargs
 
-    from fsdp2_strategy.entry_points import _PLACEHOLDER_ARGS
+    from fsdp2_strategy.step_methods import _PLACEHOLDER_ARGS
 
     assert _to_kwargs((), {}, torch.device("cpu"), False) == ((), ())  # what 2.11 indexed
     args, kwargs = _to_kwargs(_PLACEHOLDER_ARGS, {}, torch.device("cpu"), False)

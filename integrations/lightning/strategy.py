@@ -36,7 +36,7 @@ from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 import fsdp2_strategy as f2
 from fsdp2_strategy import checkpoint_dir as cdir
-from fsdp2_strategy.entry_points import register_step_method
+from fsdp2_strategy.step_methods import register_step_method
 
 from ._compat import META_FILE, FullStateMultiProcessingLauncher, is_sharded_checkpoint
 from .precision import FSDP2Precision, to_fsdp2_precision

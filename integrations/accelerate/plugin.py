@@ -24,7 +24,7 @@ from torch.distributed.fsdp import StateDictType
 import fsdp2_strategy as f2
 from fsdp2_strategy.precision import resolve_mixed_precision, resolve_offload
 
-from ._accelerate_env import ADAPTER_KEYS, PRECISIONS, read_accelerate_env
+from .env import ADAPTER_KEYS, PRECISIONS, read_accelerate_env
 
 STOCK_ACCELERATOR_ERROR = (
     "FSDP2Plugin was handed to accelerate.Accelerator, which cannot run it: on CPU Accelerate 1.15 runs an "

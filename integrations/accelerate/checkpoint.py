@@ -20,9 +20,10 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
+from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -34,12 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 import fsdp2_strategy as f2
 from fsdp2_strategy import checkpoint_dir as cdir
-from fsdp2_strategy.distributed import log_rank_zero, rank
+from fsdp2_strategy.distributed import barrier, from_rank_zero, log_rank_zero, rank
 
-from . import _accelerate_compat as compat
-
-if TYPE_CHECKING:
-    from .accelerate import FSDP2Accelerator
+from . import _compat as compat
 
 _AUTO_NAME = re.compile(r"^checkpoint_(\d+)$")
 
@@ -65,7 +63,7 @@ def _owner(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Modu
     return owners[0]
 
 
-def _sharded_state(acc: "FSDP2Accelerator") -> tuple[dict, list[tuple[str, torch.optim.Optimizer, nn.Module]]]:
+def _sharded_state(acc: Accelerator) -> tuple[dict, list[tuple[str, torch.optim.Optimizer, nn.Module]]]:
     """The DCP state dict (each rank's shards, nothing gathered) and the optimizers with their models."""
     prepared = compat.registries(acc)
     models = list(prepared.models)
@@ -79,7 +77,7 @@ def _sharded_state(acc: "FSDP2Accelerator") -> tuple[dict, list[tuple[str, torch
     return state, optimizers
 
 
-def _auto_root(acc: "FSDP2Accelerator") -> Path:
+def _auto_root(acc: Accelerator) -> Path:
     return Path(acc.project_dir) / "checkpoints"
 
 
@@ -87,7 +85,7 @@ def _committed_auto(root: Path) -> dict[int, Path]:
     return cdir.committed_steps(root, _AUTO_NAME)
 
 
-def _prune(acc: "FSDP2Accelerator", root: Path) -> None:
+def _prune(acc: Accelerator, root: Path) -> None:
     """Rank 0: keep the newest `keep_last` (or `total_limit`) automatically named checkpoints."""
     limit = acc.fsdp_plugin.keep_last or acc.project_configuration.total_limit
     if not limit or rank() != 0:
@@ -99,7 +97,7 @@ def _prune(acc: "FSDP2Accelerator", root: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
-def save_state(acc: "FSDP2Accelerator", output_dir: Optional[str | os.PathLike], safe_serialization: bool) -> str:
+def save_state(acc: Accelerator, output_dir: Optional[str | os.PathLike], safe_serialization: bool) -> str:
     """Write the full training state atomically to `output_dir` (or the next automatic name)."""
     automatic = acc.project_configuration.automatic_checkpoint_naming
     if automatic:
@@ -111,7 +109,7 @@ def save_state(acc: "FSDP2Accelerator", output_dir: Optional[str | os.PathLike],
         raise ValueError("save_state() needs output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True).")
     else:
         path = Path(output_dir)
-    path = Path(cdir.from_rank_zero(str(path.resolve())))  # one directory, rank 0's spelling
+    path = Path(from_rank_zero(str(path.resolve())))  # one directory, rank 0's spelling
     state, _ = _sharded_state(acc)
     tmp = cdir.prepare_tmp(path)
     prepared = compat.registries(acc)
@@ -128,13 +126,13 @@ def save_state(acc: "FSDP2Accelerator", output_dir: Optional[str | os.PathLike],
     cdir.commit(path, replace=not automatic)  # an explicit directory is replaced whole, never mixed
     if automatic:
         _prune(acc, path.parent)
-        cdir.barrier()
+        barrier()
     acc.project_configuration.iteration += 1
     log_rank_zero("Saved accelerator state to %s", path)
     return str(path)
 
 
-def resolve_load_dir(acc: "FSDP2Accelerator", input_dir: Optional[str | os.PathLike]) -> Path:
+def resolve_load_dir(acc: Accelerator, input_dir: Optional[str | os.PathLike]) -> Path:
     """The directory `load_state` reads: `input_dir`, or the newest committed automatic checkpoint."""
     if input_dir is not None:
         path = Path(os.path.expanduser(str(input_dir)))
@@ -150,10 +148,10 @@ def resolve_load_dir(acc: "FSDP2Accelerator", input_dir: Optional[str | os.PathL
             f"{path} is not a committed FSDP2Accelerator checkpoint (no DCP .metadata): it is missing, or a save "
             "that did not finish. Load another checkpoint."
         )
-    return Path(cdir.from_rank_zero(str(path.resolve())))
+    return Path(from_rank_zero(str(path.resolve())))
 
 
-def load_state(acc: "FSDP2Accelerator", input_dir: Optional[str | os.PathLike], load_kwargs: Optional[dict]) -> None:
+def load_state(acc: Accelerator, input_dir: Optional[str | os.PathLike], load_kwargs: Optional[dict]) -> None:
     """Restore everything `save_state` wrote; DCP reshards when the world size changed."""
     path = resolve_load_dir(acc, input_dir)
     cdir.verify_dir(path)
