@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
 
-import torch
 from torch import nn
 
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "NO_SHARD")
-"""Accepted names for `FSDP2Config.sharding_strategy` (FSDP1's vocabulary)."""
+from . import strategies
+
+SHARDING_STRATEGIES = strategies.NAMES
+"""Accepted names for `FSDP2Config.sharding_strategy` (FSDP1's vocabulary; see `strategies`)."""
 
 PRECISION_NAMES = ("bf16", "fp16", "fp32")
 """Accepted strings for `FSDP2Config.mixed_precision`."""

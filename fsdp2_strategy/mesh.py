@@ -1,17 +1,6 @@
 """Device meshes for sharding strategies, and the one place that reads the launch environment.
 
-FSDP1 strategies map onto FSDP2 as a mesh plus a `reshard_after_forward` choice:
-
-| strategy            | mesh                     | reshard_after_forward |
-|---------------------|--------------------------|-----------------------|
-| FULL_SHARD          | (world,)                 | True (root: False)    |
-| SHARD_GRAD_OP       | (world,)                 | False                 |
-| HYBRID_SHARD        | (replicate, shard)       | True (root: False)    |
-| HYBRID_SHARD_ZERO2  | (replicate, shard)       | False                 |
-| NO_SHARD            | (world, 1)               | False                 |
-
-NO_SHARD is HSDP with shards of size one: every rank keeps full parameters and gradients
-are all-reduced, which is what DDP does, with the same hooks and checkpoint format as the rest.
+Sharding strategies become meshes here; what each strategy means is in `strategies`.
 """
 
 from __future__ import annotations
@@ -23,13 +12,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-HYBRID = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2", "NO_SHARD")
+from . import strategies
+
 REPLICATE_DIM, SHARD_DIM = "dp_replicate", "dp_shard"
 
 
 def default_reshard_after_forward(strategy: str) -> Optional[bool]:
     """The `reshard_after_forward` a strategy implies (None lets torch keep the root gathered)."""
-    return None if strategy in ("FULL_SHARD", "HYBRID_SHARD") else False
+    return strategies.strategy(strategy).reshard_after_forward
 
 
 def mesh_device_type() -> str:
@@ -58,14 +48,15 @@ def detect_num_nodes(world_size: int) -> int:
 
 def strategy_mesh_shape(strategy: str, mesh_shape: Optional[tuple[int, ...]], world_size: int) -> tuple[int, ...]:
     """The validated mesh shape for `strategy` on `world_size` ranks."""
-    if strategy == "NO_SHARD":
+    layout = strategies.strategy(strategy).layout
+    if layout == "replicate":
         shape = mesh_shape or (world_size, 1)
         if len(shape) != 2 or shape[1] != 1:
             raise ValueError(
                 f"FSDP2Config.mesh_shape={mesh_shape} conflicts with sharding_strategy='NO_SHARD', which "
                 f"replicates on every rank; leave mesh_shape unset or use ({world_size}, 1)."
             )
-    elif strategy in HYBRID:
+    elif layout == "hybrid":
         if mesh_shape is not None and len(mesh_shape) != 2:
             raise ValueError(
                 f"FSDP2Config.mesh_shape={mesh_shape} needs two dims (replicate, shard) for "

@@ -31,10 +31,11 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
+from fsdp2_strategy.strategies import NAMES as STRATEGIES
+
 TRUE = ("true", "1", "yes", "y", "on")
 FALSE = ("false", "0", "no", "n", "off")
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 # torch's FSDP1 StateDictType values, which accelerate also accepts as digits.
 STATE_DICT_TYPES = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded", "1": "full", "3": "sharded"}
 PRECISIONS = {"no": None, "bf16": "bf16", "fp16": "fp16"}

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import StateDictType
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.precision import resolve_mixed_precision, resolve_offload
+from fsdp2_strategy.strategies import reshards_after_forward
 
 from .env import ADAPTER_KEYS, PRECISIONS, read_accelerate_env
 
@@ -174,7 +175,7 @@ class FSDP2Plugin(FullyShardedDataParallelPlugin):
         cfg = self.fsdp2_config
         self.sharding_strategy = None  # deprecated for FSDP2 in Accelerate
         self.reshard_after_forward = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else (
-            cfg.sharding_strategy not in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2", "NO_SHARD"))
+            reshards_after_forward(cfg.sharding_strategy))
         self.mixed_precision_policy = resolve_mixed_precision(cfg.mixed_precision) if cfg.mixed_precision else None
         self.cpu_offload = resolve_offload(cfg.cpu_offload)
         self.activation_checkpointing = cfg.activation_checkpointing is not None
