@@ -27,16 +27,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from . import checkpoint_dir as cdir
 from .checkpoint_dir import TMP_PREFIX
+from .checkpoint_state import Models, Optimizers, sharded_state
 from .distributed import barrier, is_distributed, log_rank_zero, logger, rank
 
 EXTRA_FILE = "extra.pt"
@@ -136,15 +130,13 @@ class Checkpointer:
         match the model (missing, unexpected or differently shaped keys are listed).
         """
         self.wait()
-        path = cdir.resolve_step(self.root, step)
-        self._verify(path)
-        if model is not None:
-            _check_compatible(cdir.read_metadata(path), model, optimizer, path)
-            state = _collect_state(model, optimizer)
-            cdir.load_dcp(state, path)
-            _apply_state(model, optimizer, state)
-        elif optimizer is not None:
+        if model is None and optimizer is not None:
             raise ValueError("Checkpointer.load(optimizer=...) needs model= too: optimizer state is keyed by parameter names.")
+        path = cdir.resolve_step(self.root, step)
+        others = sorted(s for s, p in cdir.committed_steps(self.root).items() if p != path)
+        models, optimizers = _named(model, optimizer)
+        cdir.load_dir(path, models, optimizers,
+                      hint=f"Load an earlier step with load(step=N); other committed steps: {others or 'none'}.")
         log_rank_zero("Loaded checkpoint %s", path)
         return _read_extra(path)
 
@@ -184,51 +176,25 @@ class Checkpointer:
 
     def _apply_retention(self) -> None:
         """Rank 0: drop committed steps beyond the newest `keep_last`, and stale `.tmp-*` dirs."""
-        doomed = []
         if self.keep_last is not None:
-            steps = cdir.committed_steps(self.root)
-            doomed = [path for _, path in list(steps.items())[: -self.keep_last]]
-        for path in doomed:
-            # Un-publish first (rename), then delete: a crash during rmtree must not leave a
-            # directory that still holds `.metadata` but lost some shards.
-            trash = self.root / f"{TMP_PREFIX}deleting-{path.name}"
-            os.replace(path, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            cdir.prune(self.root, self.keep_last)
         for stale in self.root.glob(f"{TMP_PREFIX}*"):  # only one save is in flight, and it just committed
             shutil.rmtree(stale, ignore_errors=True)
 
-    def _verify(self, path: Path) -> None:
-        """Collective: raise ValueError on every rank if a file listed in `checksums.json` changed."""
-        others = sorted(s for s, p in cdir.committed_steps(self.root).items() if p != path)
-        cdir.verify_dir(path, f"Load an earlier step with load(step=N); other committed steps: {others or 'none'}.")
-
 
 # ---------------------------------------------------------------------- helpers
-def _collect_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict:
-    """Sharded state dicts: each rank holds DTensor shards, nothing is gathered."""
+def _named(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> tuple[Models, Optimizers]:
+    """The Checkpointer's top-level keys for what it saves and loads."""
     if model is None:
         if optimizer is not None:
             raise ValueError("Checkpointer needs model= with optimizer=: optimizer state is keyed by parameter names.")
-        return {}
-    if optimizer is None:
-        return {MODEL_KEY: get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
+        return {}, {}
+    return {MODEL_KEY: model}, ({OPTIM_KEY: (model, optimizer)} if optimizer is not None else {})
 
 
-def _apply_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
-    if optimizer is None:
-        set_model_state_dict(model, state[MODEL_KEY])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIM_KEY])
-
-
-def _check_compatible(metadata: Metadata, model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Path) -> None:
-    """Raise ValueError listing keys and shapes that differ between the checkpoint and `model`."""
-    extra = []
-    if optimizer is not None and not cdir.has_prefix(metadata, OPTIM_KEY + "."):
-        extra.append("no optimizer state in checkpoint (it was saved without optimizer=); load with model= only")
-    cdir.check_compatible(metadata, get_model_state_dict(model), MODEL_KEY + ".", path, extra)
+def _collect_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict:
+    """Sharded state dicts: each rank holds DTensor shards, nothing is gathered."""
+    return sharded_state(*_named(model, optimizer))
 
 
 def _read_extra(path: Path) -> Any:

@@ -11,8 +11,10 @@ same way:
    the directory into place. Until that rename nothing at `final` changes, so a crash at any
    moment loses at most the save in progress.
 
-`load_dir(path, state)` verifies the checksums (every rank raises the same error together)
-before DCP reads anything, so a damaged checkpoint never half-loads into a model.
+`load_dir(path, models, optimizers)` is the counterpart: it verifies the checksums (every rank
+raises the same error together) and checks the models against the checkpoint before DCP reads
+anything, so a damaged or mismatched checkpoint never half-loads into a model. `remove_dir` and
+`prune` delete checkpoints so that a crash mid-delete never leaves a loadable half.
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from . import checkpoint_integrity as integrity
+from .checkpoint_state import UNSTEPPED, Models, Optimizers, apply_state, sharded_state, without_markers
 from .distributed import barrier, from_rank_zero, is_distributed, logger, rank
 
 METADATA = ".metadata"  # DCP writes it last: the commit marker of a checkpoint directory
@@ -146,15 +150,13 @@ def publish(final: Path, *, replace: bool = False) -> None:
             raise FileExistsError(f"{final} is a committed checkpoint and is never rewritten")
         # Un-publish the old directory with a rename first: `final` then holds either the
         # old checkpoint or the new one, never a mix; only a crash in the instant between the
-        # two renames leaves no `final` (the old copy is still beside it as `.tmp-old-*`).
-        old = final.parent / f"{TMP_PREFIX}old-{final.name}"
-        shutil.rmtree(old, ignore_errors=True)
-        if final.is_dir() and not final.is_symlink():
-            os.replace(final, old)
-        else:  # a stray file or link where the directory goes
+        # two renames leaves no `final` (the old copy is still beside it, see `trash_path_for`).
+        old = unpublish(final) if final.is_dir() and not final.is_symlink() else None
+        if old is None:  # a stray file or link where the directory goes
             final.unlink()
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)  # atomic on POSIX: the checkpoint appears complete or not at all
     fsync_dir(final.parent)
@@ -166,6 +168,37 @@ def save_dir(final: Path, state: dict, *, files: Mapping[str, Any] | None = None
     tmp = prepare_tmp(final, files)
     write_dcp(state, tmp)
     commit(final, replace=replace)
+
+
+# ---------------------------------------------------------------------- removal (rank 0 only)
+def trash_path_for(final: Path) -> Path:
+    """Where `unpublish` moves a directory before deleting it (not the `.tmp-<name>` a save uses)."""
+    return final.parent / f"{TMP_PREFIX}deleting-{final.name}"
+
+
+def unpublish(final: Path) -> Path:
+    """Rank 0: rename a checkpoint directory out of sight and return where it went.
+
+    Deleting in place could crash half-way and leave a directory that still holds `.metadata`
+    but lost shards, i.e. one that looks committed; after the rename nothing is loadable there."""
+    trash = trash_path_for(final)
+    shutil.rmtree(trash, ignore_errors=True)  # left by a crash during an earlier delete
+    os.replace(final, trash)
+    return trash
+
+
+def remove_dir(final: Path) -> None:
+    """Rank 0: delete checkpoint directory `final` so that no crash leaves a loadable half."""
+    shutil.rmtree(unpublish(Path(final)), ignore_errors=True)
+
+
+def prune(root: Path, keep_last: int, pattern: re.Pattern = STEP_DIR) -> list[Path]:
+    """Rank 0: remove all but the newest `keep_last` committed directories under `root` named by
+    `pattern`; returns the removed paths."""
+    doomed = list(committed_steps(root, pattern).values())[:-keep_last]
+    for path in doomed:
+        remove_dir(path)
+    return doomed
 
 
 # ---------------------------------------------------------------------- load
@@ -192,6 +225,37 @@ def load_dcp(state: dict, path: Path) -> None:
             dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=not is_distributed())
     except CheckpointException as exc:
         raise RuntimeError(f"DCP load from {path} failed: {exc}") from exc
+
+
+def load_dir(path: Path, models: Models, optimizers: Optimizers | None = None, *, strict: bool = True,
+             hint: str = "") -> None:
+    """Collective: load the models and optimizers saved under their keys in committed directory `path`.
+
+    The counterpart of `save_dir`. In order: checksums verified (`hint` is added to that error),
+    every model checked against the checkpoint (missing, unexpected and differently shaped keys;
+    `strict=False` loads the keys both sides have), each optimizer's state checked to be there,
+    then DCP reads (resharding to this world size) and the state is applied. Raises ValueError
+    before anything changes.
+    """
+    path = Path(path)
+    verify_dir(path, hint)
+    metadata = read_metadata(path)
+    optimizers = optimizers or {}
+    absent = [f"no optimizer state under {key!r} in checkpoint (it was saved without that optimizer); load without it"
+              for key in optimizers if not has_prefix(metadata, key + ".")]
+    model_states = {key: get_model_state_dict(model) for key, model in models.items()}
+    for i, (key, current) in enumerate(model_states.items()):
+        check_compatible(metadata, current, key + ".", path, absent if i == 0 else None, strict=strict)
+        if not strict:
+            saved = saved_keys(metadata, key + ".")
+            model_states[key] = {k: v for k, v in current.items() if k in saved}
+    if absent and not models:
+        raise ValueError(f"Checkpoint {path} does not match:\n  " + "\n  ".join(absent))
+    state = {**model_states, **without_markers(sharded_state({}, optimizers), optimizers)}
+    if state:
+        load_dcp(state, path)
+    unstepped = frozenset(k for k in optimizers if f"{k}.{UNSTEPPED}" in metadata.state_dict_metadata)
+    apply_state(state, models, optimizers, strict=strict, unstepped=unstepped)
 
 
 def check_compatible(metadata: Metadata, current: Mapping[str, Any], prefix: str, path: Path,

@@ -176,6 +176,12 @@ def test_load_from_checkpoint_reads_sharded_dir_in_one_process(runs):
     assert runs["resume"]["loaded_hparams"] == {"optimizer": "adam", "lr": 0.1}
 
 
+def test_save_before_the_first_step_changes_nothing(flows):
+    r = flows["checkpoints"]
+    assert r["early_sharded_diff"] < 1e-6 and r["early_full_diff"] < 1e-6
+    assert r["early_resumed_diff"] < 1e-6
+
+
 def test_damaged_checkpoint_refused_on_every_rank(flows):
     c = flows["checkpoints"]
     assert "damaged" in c["damaged_error"] and "__1_0.distcp" in c["damaged_error"]

@@ -18,23 +18,19 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils.constants import FSDP_MODEL_NAME
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 import fsdp2_strategy as f2
 from fsdp2_strategy import checkpoint_dir as cdir
+from fsdp2_strategy.checkpoint_state import Models, Optimizers, sharded_state
+from fsdp2_strategy.export import write_model_view
 from fsdp2_strategy.distributed import barrier, from_rank_zero, log_rank_zero, rank
 
 from . import _compat as compat
@@ -63,18 +59,16 @@ def _owner(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Modu
     return owners[0]
 
 
-def _sharded_state(acc: Accelerator) -> tuple[dict, list[tuple[str, torch.optim.Optimizer, nn.Module]]]:
-    """The DCP state dict (each rank's shards, nothing gathered) and the optimizers with their models."""
+def _named(acc: Accelerator) -> tuple[Models, Optimizers]:
+    """Every prepared model and optimizer under its checkpoint key (`model`, `model_1`, `optimizer`, ...)."""
     prepared = compat.registries(acc)
-    models = list(prepared.models)
-    state: dict[str, Any] = {_key("model", i): get_model_state_dict(m) for i, m in enumerate(models)}
-    optimizers = []
+    models = {_key("model", i): m for i, m in enumerate(prepared.models)}
+    owners = list(prepared.models)
+    optimizers = {}
     for i, wrapped in enumerate(prepared.optimizers):
         opt = _raw(wrapped)
-        model = _owner(opt, models)
-        state[_key("optimizer", i)] = get_optimizer_state_dict(model, opt)
-        optimizers.append((_key("optimizer", i), opt, model))
-    return state, optimizers
+        optimizers[_key("optimizer", i)] = (_owner(opt, owners), opt)
+    return models, optimizers
 
 
 def _auto_root(acc: Accelerator) -> Path:
@@ -88,13 +82,8 @@ def _committed_auto(root: Path) -> dict[int, Path]:
 def _prune(acc: Accelerator, root: Path) -> None:
     """Rank 0: keep the newest `keep_last` (or `total_limit`) automatically named checkpoints."""
     limit = acc.fsdp_plugin.keep_last or acc.project_configuration.total_limit
-    if not limit or rank() != 0:
-        return
-    for path in list(_committed_auto(root).values())[:-limit]:
-        # Un-publish with a rename first: a crash mid-delete never leaves a loadable half.
-        trash = cdir.tmp_path_for(path)
-        os.replace(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+    if limit and rank() == 0:
+        cdir.prune(root, limit, _AUTO_NAME)
 
 
 def save_state(acc: Accelerator, output_dir: Optional[str | os.PathLike], safe_serialization: bool) -> str:
@@ -110,7 +99,7 @@ def save_state(acc: Accelerator, output_dir: Optional[str | os.PathLike], safe_s
     else:
         path = Path(output_dir)
     path = Path(from_rank_zero(str(path.resolve())))  # one directory, rank 0's spelling
-    state, _ = _sharded_state(acc)
+    state = sharded_state(*_named(acc))
     tmp = cdir.prepare_tmp(path)
     prepared = compat.registries(acc)
     compat.save_accelerator_state(str(tmp), [], [], prepared.schedulers, prepared.dataloaders, acc.process_index, acc.step,
@@ -120,6 +109,11 @@ def save_state(acc: Accelerator, output_dir: Optional[str | os.PathLike], safe_s
     for hook in prepared.save_hooks.values():
         hook(prepared.models, [], str(tmp))  # before the commit, so hook files are covered by it
     cdir.write_dcp(state, tmp)
+    if rank() == 0:
+        # Accelerate's `merge-weights` reads one model per directory, `pytorch_model_fsdp_<i>/` in
+        # its own layout: a view onto the shards above (no tensor written twice) keeps it working.
+        for i in range(len(prepared.models)):
+            write_model_view(tmp, _key("model", i), f"{FSDP_MODEL_NAME}_{i}")
     if acc.fsdp_plugin.full_state_dict and rank() == 0:
         # Read back from the shards just written, one file at a time: no rank gathers the model.
         f2.export_full(tmp, tmp)
@@ -154,19 +148,8 @@ def resolve_load_dir(acc: Accelerator, input_dir: Optional[str | os.PathLike]) -
 def load_state(acc: Accelerator, input_dir: Optional[str | os.PathLike], load_kwargs: Optional[dict]) -> None:
     """Restore everything `save_state` wrote; DCP reshards when the world size changed."""
     path = resolve_load_dir(acc, input_dir)
-    cdir.verify_dir(path)
-    metadata = cdir.read_metadata(path)
-    state, optimizers = _sharded_state(acc)
+    cdir.load_dir(path, *_named(acc))
     prepared = compat.registries(acc)
-    for i, model in enumerate(prepared.models):
-        extra = [f"no {key} state in checkpoint" for key, _, m in optimizers
-                 if m is model and not cdir.has_prefix(metadata, key + ".")]
-        cdir.check_compatible(metadata, state[_key("model", i)], _key("model", i) + ".", path, extra)
-    cdir.load_dcp(state, path)
-    for i, model in enumerate(prepared.models):
-        set_model_state_dict(model, state[_key("model", i)])
-    for key, opt, model in optimizers:
-        set_optimizer_state_dict(model, opt, optim_state_dict=state[key])
     for hook in prepared.load_hooks.values():
         hook(prepared.models, str(path))
     # RNG states are per rank: after a world-size change a rank without its file keeps its own

@@ -10,7 +10,6 @@ norm, and checkpoints committed atomically with checksums.
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -24,19 +23,16 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.optim import Optimizer
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 import fsdp2_strategy as f2
 from fsdp2_strategy import checkpoint_dir as cdir
+from fsdp2_strategy.checkpoint_state import optimizer_state_dict, unstepped_kept
 from fsdp2_strategy.step_methods import register_step_method
+from fsdp2_strategy.strategies import strategy
 
 from ._compat import META_FILE, FullStateMultiProcessingLauncher, is_sharded_checkpoint
 from .precision import FSDP2Precision, to_fsdp2_precision
@@ -46,8 +42,6 @@ __all__ = ["FSDP2Strategy", "STEP_METHODS"]
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 """LightningModule methods Lightning calls instead of `forward`; FSDP gathers the root around them."""
 
-_ONE_DIM_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
-_HYBRID_STRATEGIES = ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _MODEL_KEY = "state_dict"  # Lightning's key for the model; optimizers are "optimizer_<i>"
 
@@ -161,7 +155,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         policy = getattr(self.precision_plugin, "fsdp2_mixed_precision", None)
         if policy is not None and self.fsdp2_config.mixed_precision is None:
             changes["mixed_precision"] = policy
-        if self.fsdp2_config.sharding_strategy in _HYBRID_STRATEGIES and self.fsdp2_config.mesh_shape is None:
+        if strategy(self.fsdp2_config.sharding_strategy).layout == "hybrid" and self.fsdp2_config.mesh_shape is None:
             # Replicate across nodes, shard within one: Lightning's launcher may not set the
             # LOCAL_WORLD_SIZE the core would otherwise read.
             changes["mesh_shape"] = (self.num_nodes, self.num_processes)
@@ -170,7 +164,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     def _core_mesh(self):
         """The 1-D data-parallel sub-mesh for 1-D strategies; None lets the core build hybrid meshes."""
         cfg = self.fsdp2_config
-        if cfg.sharding_strategy in _ONE_DIM_STRATEGIES and cfg.mesh_shape is None:
+        if not strategy(cfg.sharding_strategy).two_dim and cfg.mesh_shape is None:
             return self.device_mesh["data_parallel"]
         return None
 
@@ -181,6 +175,15 @@ class FSDP2Strategy(ModelParallelStrategy):
             yield
 
     # ------------------------------------------------------------------ checkpoints
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state for `save_checkpoint`, leaving an optimizer that never stepped
+        without state (torch's state-dict call would step it once; see core `checkpoint_state`)."""
+        raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if self._save_distributed_checkpoint:
+            return optimizer_state_dict(self.model, raw, StateDictOptions(cpu_offload=True))
+        with unstepped_kept(raw):  # full state: Lightning's own re-keyed format
+            return super().optimizer_state(optimizer)
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Sharded: DCP shards + `meta.pt` into `filepath/`, committed atomically (rank 0 renames a
         finished `.tmp-<name>/`), so a crash mid-save leaves the previous checkpoint intact."""
@@ -203,23 +206,9 @@ class FSDP2Strategy(ModelParallelStrategy):
                 raise FileNotFoundError(f"{path} is not a committed sharded checkpoint (no .metadata and meta.pt): "
                                         "a save that did not finish is never loaded. Pick another checkpoint.")
             return super().load_checkpoint(path, weights_only)
-        cdir.verify_dir(path)
-        metadata = cdir.read_metadata(path)
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        keys = {f"optimizer_{i}": opt for i, opt in enumerate(optimizers)}
-        missing = [k for k in keys if not cdir.has_prefix(metadata, k + ".")]
-        strict = self.lightning_module.strict_loading
-        model_state = get_model_state_dict(self.model)
-        cdir.check_compatible(metadata, model_state, _MODEL_KEY + ".", path,
-                              [f"no {k} state in checkpoint (saved without optimizers?)" for k in missing], strict=strict)
-        if not strict:  # `strict_loading = False`: load the keys both sides have
-            saved = cdir.saved_keys(metadata, _MODEL_KEY + ".")
-            model_state = {k: v for k, v in model_state.items() if k in saved}
-        state = {_MODEL_KEY: model_state, **{k: get_optimizer_state_dict(self.model, o) for k, o in keys.items()}}
-        cdir.load_dcp(state, path)
-        set_model_state_dict(self.model, state[_MODEL_KEY], options=StateDictOptions(strict=strict))
-        for key, optimizer in keys.items():
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=state[key])
+        cdir.load_dir(path, {_MODEL_KEY: self.model}, {f"optimizer_{i}": (self.model, o) for i, o in enumerate(optimizers)},
+                      strict=self.lightning_module.strict_loading)
         return torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -227,10 +216,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self.is_global_zero:
             path = Path(filepath)
             if path.is_dir() and not path.is_symlink():
-                # Un-publish with a rename first: a crash mid-delete must not leave a loadable half.
-                trash = cdir.tmp_path_for(path)
-                path.rename(trash)
-                shutil.rmtree(trash, ignore_errors=True)
+                cdir.remove_dir(path)  # un-published first: a crash mid-delete leaves nothing loadable
             else:
                 super().remove_checkpoint(filepath)
 

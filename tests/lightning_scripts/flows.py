@@ -198,6 +198,16 @@ def _ckpt_trainer(dirpath: Path, epochs: int, **kwargs) -> pl.Trainer:
     return trainer(max_epochs=epochs, enable_checkpointing=True, callbacks=[callback], **kwargs)
 
 
+class _SaveAtStart(pl.Callback):
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+        self.state_entries = len(trainer.optimizers[0].state)
+        assert self.state_entries == 0, f"the save gave the optimizer state ({self.state_entries} entries)"
+
+
 def checkpoints(out: dict, work: Path) -> None:
     ckpt_dir = work / "ckpts"
     # Uninterrupted reference: two epochs.
@@ -246,6 +256,18 @@ def checkpoints(out: dict, work: Path) -> None:
         trainer(max_epochs=2).fit(resumed, loader(BATCH), ckpt_path=sys.argv[3])
         out["from_single_losses"] = _global_losses(resumed)
         out["from_single_diff"] = max_rel_diff(full_params(resumed), ref_params)
+
+    # A save before the first optimizer step (on_train_start) changes nothing, sharded or full
+    # (torch's state-dict call would step Adam once), and a resume from it runs like `ref`.
+    for kind in ("sharded", "full"):
+        early = work / f"early_{kind}.ckpt"
+        model, _ = _fresh(optimizer="adam")
+        trainer(FSDP2Strategy(state_dict_type=kind), max_epochs=2, callbacks=[_SaveAtStart(early)]).fit(
+            model, loader(BATCH))
+        out[f"early_{kind}_diff"] = max_rel_diff(full_params(model), ref_params)
+    resumed, _ = _fresh(seed=7, optimizer="adam")
+    trainer(max_epochs=2).fit(resumed, loader(BATCH), ckpt_path=work / "early_sharded.ckpt")
+    out["early_resumed_diff"] = max_rel_diff(full_params(resumed), ref_params)
 
     damaged = work / "damaged.ckpt"
     if torch.distributed.get_rank() == 0:
