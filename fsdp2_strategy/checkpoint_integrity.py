@@ -37,8 +37,8 @@ def file_checksum(path: Path) -> str:
 def local_entries(directory: Path, rank: int) -> dict[str, dict[str, Any]]:
     """{file name: {"size", "crc32"}} for the files `rank` wrote into `directory`."""
     names = sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
-    if rank == 0:  # the files written once (DCP's `.metadata`, the trainer's non-tensor state)
-        names += sorted(p.name for p in directory.iterdir()
+    if rank == 0:  # the files written once (DCP's `.metadata`, the trainer's non-tensor state, views)
+        names += sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
                         if p.is_file() and not p.name.endswith(".distcp") and p.name != CHECKSUMS_FILE)
     return {n: {"size": (directory / n).stat().st_size, ALGORITHM: file_checksum(directory / n)} for n in names}
 

@@ -6,7 +6,10 @@ Runs in one process, without a process group: tensors are read from the DCP file
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import pickle
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -57,6 +60,42 @@ def read_full_model_state(checkpoint_dir: str | Path, step: Optional[int] = None
     metadata = cdir.read_metadata(ckpt_dir)
     keys = model_tensor_keys(metadata)
     return _read(ckpt_dir, metadata, keys, list(keys), None)
+
+
+def write_model_view(checkpoint_dir: str | Path, key: str, view: str, *, as_key: str = "model") -> Path:
+    """Write `checkpoint_dir/view/.metadata`: a DCP directory holding only the entries saved under
+    `key` (renamed to `as_key`), whose data is the parent's own shard files (no tensor is written
+    twice). For tools that expect one model per DCP directory, such as `accelerate merge-weights`
+    (`merge_fsdp_weights`) on Accelerate's `pytorch_model_fsdp_0/`. Rank 0, before the commit
+    (so `checksums.json` covers it). Returns the view directory.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    metadata = cdir.read_metadata(checkpoint_dir)
+    prefix = key + "."
+
+    def renamed(fqn: str) -> str:
+        return as_key + "." + fqn[len(prefix):]
+
+    view_metadata = Metadata(
+        state_dict_metadata={renamed(k): v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)},
+        planner_data={renamed(k): (as_key, *path[1:]) for k, path in (metadata.planner_data or {}).items()
+                      if k.startswith(prefix)},
+        storage_data={dataclasses.replace(index, fqn=renamed(index.fqn)):
+                      dataclasses.replace(info, relative_path=f"../{info.relative_path}")
+                      for index, info in metadata.storage_data.items() if index.fqn.startswith(prefix)},
+        storage_meta=metadata.storage_meta,
+        version=metadata.version,
+    )
+    if not view_metadata.state_dict_metadata:
+        raise ValueError(f"{checkpoint_dir} holds no entries under {key!r}; saved keys start with "
+                         f"{sorted({k.split('.')[0] for k in metadata.state_dict_metadata})}.")
+    out = checkpoint_dir / view
+    out.mkdir(exist_ok=True)
+    with open(out / cdir.METADATA, "wb") as f:
+        pickle.dump(view_metadata, f)  # DCP's own format for `.metadata`
+        f.flush()
+        os.fsync(f.fileno())
+    return out
 
 
 def saved_world_size(metadata: Metadata) -> int:

@@ -172,6 +172,19 @@ def test_save_state_load_state_resume_exactly(flows):
     assert not [p for p in r["parent"] + r["parent_after_resave"] if p.startswith(".tmp")]
 
 
+def test_save_state_before_the_first_step_changes_nothing(flows):
+    r = flows["checkpoints"]
+    assert r["early_state_entries"] == 0
+    assert _close(r["early_trained"], r["first"] + r["continued"])  # the same seed-9 run without that save
+    assert r["early_state_after_load"] == 0 and _close(r["early_resumed"], r["first"] + r["continued"])
+
+
+def test_accelerate_merge_weights_reads_the_model_view(flows):
+    r = flows["checkpoints"]
+    assert "pytorch_model_fsdp_0" in r["listing"]
+    assert r["merged_keys_match"] and r["merged_equal"]
+
+
 def test_load_state_refuses_partial_and_damaged_directories(flows):
     r = flows["checkpoints"]
     assert r["partial_error"].startswith("FileNotFoundError") and "not a committed" in r["partial_error"]

@@ -23,8 +23,8 @@ from fsdp2_strategy.rebind import parameters_by_name, rebind_optimizer
 
 from . import checkpoint
 from . import _compat as compat
-from .env import accelerate_cpu_requested, read_accelerate_env
-from .plugin import STOCK_ACCELERATOR_ERROR, FSDP2Plugin
+from .env import accelerate_cpu_requested
+from .plugin import FSDP2Plugin
 
 __all__ = ["FSDP2Accelerator"]
 

@@ -284,6 +284,28 @@ def checkpoints(out: dict, work: Path) -> None:
     acc4.project_configuration = ProjectConfiguration(project_dir=str(work / "auto"), automatic_checkpoint_naming=True)
     acc4.load_state()
     out["auto_after_resume"] = Path(acc4.save_state()).name
+    # A save before the first optimizer step changes nothing (torch's state-dict call would step
+    # Adam once), and resuming from it starts like a fresh run.
+    acc5, model5, opt5, sched5 = setup_resumable(9)
+    acc5.save_state(work / "early")
+    out["early_state_entries"] = len(opt5.optimizer.state)
+    out["early_trained"] = train(acc5, model5, opt5, sched5, range(0, 4))
+    acc6, model6, opt6, sched6 = setup_resumable(99)
+    acc6.load_state(work / "early")
+    out["early_state_after_load"] = len(opt6.optimizer.state)
+    out["early_resumed"] = train(acc6, model6, opt6, sched6, range(0, 4))
+    # Accelerate's own `merge_fsdp_weights` (`accelerate merge-weights`) reads the model view
+    # `pytorch_model_fsdp_0/` of a save_state directory; the top level is not one model.
+    from accelerate.utils import merge_fsdp_weights
+
+    merge_fsdp_weights(str(work / "state_step2" / "pytorch_model_fsdp_0"), str(work / "merged"))
+    if dist.get_rank() == 0:
+        from safetensors.torch import load_file
+
+        merged, exported = load_file(str(work / "merged" / "model.safetensors")), load_file(
+            str(work / "state_step2" / "model.safetensors"))
+        out["merged_keys_match"] = sorted(merged) == sorted(exported)
+        out["merged_equal"] = all(torch.equal(merged[k], exported[k]) for k in exported)
 
 
 def hf_export(out: dict, work: Path) -> None:
