@@ -182,6 +182,18 @@ class FSDP2Config:
     `reshard_after_forward`, `mixed_precision`, `cpu_offload`). A matching module becomes its
     own group with those settings; the first matching glob wins."""
 
+    tensor_parallel_size: int = 1
+    """Ranks one tensor-parallel group spans (1: none). The world size must be a multiple of it;
+    the rest is data parallel: FSDP (or HSDP) over `world_size // tensor_parallel_size` ranks.
+    TP groups are consecutive ranks (inside a node), applied before FSDP."""
+
+    tensor_parallel_plan: Any = "auto"
+    """With `tensor_parallel_size > 1`, how modules are split: "auto" (the plan a Hugging Face
+    model declares in `base_model_tp_plan` / `_tp_plan`), a dict of module-name globs to
+    "colwise", "rowwise", "sequence_parallel" (or "colwise_rep"/"rowwise_rep") or a torch
+    `ParallelStyle`, or a callable `(model, tp_mesh)` that parallelises the model itself.
+    Modules whose parameters are DTensors already (parallelised by the user) are left alone."""
+
     log_plan: bool = True
     """Log the sharding plan table on rank 0 after `shard_model`."""
 
@@ -200,6 +212,23 @@ class FSDP2Config:
         _check_nonneg_int(self.forward_prefetch, "FSDP2Config.forward_prefetch")
         _check_nonneg_int(self.backward_prefetch, "FSDP2Config.backward_prefetch")
         self.module_overrides = self._validated_overrides(self.module_overrides)
+        self._validate_tensor_parallel()
+
+    def _validate_tensor_parallel(self) -> None:
+        from .tensor_parallel import check_plan
+
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"FSDP2Config.tensor_parallel_size={size!r} is invalid; use an int >= 1 (1: no tensor parallelism).")
+        check_plan(self.tensor_parallel_plan, "FSDP2Config.tensor_parallel_plan")
+        if size > 1:
+            changed = [p for p, o in self.module_overrides.items() if o.sharding_strategy not in (None, self.sharding_strategy)]
+            if changed:
+                raise ValueError(
+                    f"FSDP2Config.module_overrides {changed} change the sharding strategy, which needs another mesh; "
+                    f"with tensor_parallel_size={size} every group shares one (data parallel x tensor parallel) mesh. "
+                    "Drop those sharding_strategy overrides (reshard, precision and offload overrides are fine)."
+                )
 
     def _validate_mesh_shape(self) -> None:
         if self.mesh_shape is None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import strategies
+from .tensor_parallel import TP_DIM
 
 REPLICATE_DIM, SHARD_DIM = "dp_replicate", "dp_shard"
 
@@ -95,11 +96,18 @@ def check_reshard_factor(value, shard_size: int, field: str) -> None:
 
 
 class MeshCache:
-    """Builds each mesh shape once per `shard_model` call (creating one is a collective)."""
+    """Builds each mesh shape once per `shard_model` call (creating one is a collective).
 
-    def __init__(self, device_type: Optional[str] = None, given: Optional[DeviceMesh] = None):
+    With `tp_size > 1` every data-parallel mesh is a sub-mesh of one (data..., "tp") mesh, and
+    `tp_mesh` is its "tp" sub-mesh (FSDP2 needs both to share that parent).
+    """
+
+    def __init__(self, device_type: Optional[str] = None, given: Optional[DeviceMesh] = None, tp_size: int = 1,
+                 tp_mesh: Optional[DeviceMesh] = None):
         self.device_type = device_type or mesh_device_type()
         self.given = given
+        self.tp_size = tp_size
+        self.tp_mesh = tp_mesh
         self._meshes: dict[tuple[int, ...], DeviceMesh] = {}
 
     def get(self, strategy: str, mesh_shape: Optional[tuple[int, ...]]) -> DeviceMesh:
@@ -108,12 +116,23 @@ class MeshCache:
                 "shard_model needs an initialised process group: call torch.distributed.init_process_group() "
                 "first (torchrun sets the environment; a single process can use world_size=1)."
             )
-        shape = strategy_mesh_shape(strategy, mesh_shape, dist.get_world_size())
+        world = dist.get_world_size()
+        if world % self.tp_size:
+            raise ValueError(
+                f"FSDP2Config.tensor_parallel_size={self.tp_size} does not divide the world size {world}; use a divisor "
+                f"of it: {[d for d in range(1, world + 1) if world % d == 0]}."
+            )
+        shape = strategy_mesh_shape(strategy, mesh_shape, world // self.tp_size)
         if self.given is not None and tuple(self.given.shape) == shape:
             return self.given
         if shape not in self._meshes:
             names = (SHARD_DIM,) if len(shape) == 1 else (REPLICATE_DIM, SHARD_DIM)
-            self._meshes[shape] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+            if self.tp_size == 1:
+                self._meshes[shape] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+            else:
+                full = init_device_mesh(self.device_type, (*shape, self.tp_size), mesh_dim_names=(*names, TP_DIM))
+                self._meshes[shape] = full[names[0]] if len(names) == 1 else full[names]
+                self.tp_mesh = full[TP_DIM]
         return self._meshes[shape]
 
 

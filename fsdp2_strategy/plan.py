@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from .groups import GROUP_ATTR, own_named_params
 from .precision import describe_precision
 from .replicated import replicated_params_of
+from .tensor_parallel import tp_summary
 
 
 @dataclass
@@ -35,6 +36,8 @@ class GroupPlan:
     """Compute/reduce dtypes, "param" when the parameter dtype is kept."""
     cpu_offload: bool = False
     """Whether this group's parameters live on CPU."""
+    tensor_parallel: str = "-"
+    """Tensor-parallel styles of the modules in this group, e.g. "colwise 3, rowwise 2"."""
     note: str = ""
     """Why a choice differs from the global config (override glob, last block)."""
 
@@ -54,15 +57,16 @@ class ShardingPlan:
         return sum(g.local_bytes for g in self.groups)
 
     def __str__(self) -> str:
-        header = ("group", "type", "params", "MiB/rank", "mesh", "strategy", "reshard", "precision", "offload", "note")
+        header = ("group", "type", "params", "MiB/rank", "mesh", "strategy", "reshard", "precision", "offload", "tp", "note")
         rows = [header] + [
             (
                 g.name, g.module_type, f"{g.num_params:,}", f"{g.local_bytes / 2**20:.2f}", "x".join(map(str, g.mesh_shape)),
-                g.strategy, str(g.reshard_after_forward), g.precision, "yes" if g.cpu_offload else "no", g.note,
+                g.strategy, str(g.reshard_after_forward), g.precision, "yes" if g.cpu_offload else "no", g.tensor_parallel,
+                g.note,
             )
             for g in self.groups
         ]
-        rows.append(("total", "", f"{self.total_params:,}", f"{self.local_bytes / 2**20:.2f}", "", "", "", "", "", ""))
+        rows.append(("total", "", f"{self.total_params:,}", f"{self.local_bytes / 2**20:.2f}", *[""] * 7))
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -86,7 +90,8 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
             continue
         params = _managed_params(module)
         settings = getattr(module, GROUP_ATTR, None)
-        mesh_shape = tuple(params[0].device_mesh.shape) if params else ()
+        # With tensor parallel, TP'd parameters live on the (data, tp) mesh, the others on data only.
+        mesh_shape = max((tuple(p.device_mesh.shape) for p in params), key=len, default=())
         note = ""
         if settings is not None and settings.override:
             note = f"override {settings.override!r}"
@@ -103,6 +108,7 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
                 reshard_after_forward=settings.reshard_after_forward if settings else "?",
                 precision=describe_precision(settings.mp_policy) if settings else "?",
                 cpu_offload=settings.cpu_offload if settings else False,
+                tensor_parallel=tp_summary(module, lambda m: isinstance(m, FSDPModule)),
                 note=note if settings else "sharded by the user",
             )
         )

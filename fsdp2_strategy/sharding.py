@@ -20,6 +20,7 @@ from .plan import sharding_plan
 from .policy import modules_matching, resolve_classes
 from .replicated import ATTR as REPLICATED_ATTR
 from .replicated import ReplicatedParams, find_scalar_params
+from .tensor_parallel import apply_tensor_parallel, mark_user_parallelised, split_mesh
 from .training import mark_replaced_params
 
 
@@ -35,13 +36,18 @@ def shard_model(
     Groups are chosen by `config.wrap_policy` and `config.module_overrides` and sharded
     children first, the root last. Tied weights are kept in one group; scalar parameters are
     replicated; a meta-device model is materialised (`init_weights()` or each module's
-    `reset_parameters()`). `mesh`, when given, is used for the global strategy. Keyword
-    arguments override config fields. Build the optimizer afterwards.
+    `reset_parameters()`). `mesh`, when given, is used for the global strategy; with
+    `tensor_parallel_size > 1` it is the whole (data..., tensor-parallel) mesh, its last dim
+    the TP one. Tensor parallelism is applied before FSDP. Keyword arguments override config
+    fields. Build the optimizer afterwards.
     """
     config = FSDP2Config.coerce(config, **overrides)
-    meshes = MeshCache(device_type=mesh.device_type if mesh is not None else None, given=mesh)
+    tp = config.tensor_parallel_size
+    dp_mesh, tp_mesh = split_mesh(mesh, tp) if mesh is not None and tp > 1 else (mesh, None)
+    meshes = MeshCache(device_type=mesh.device_type if mesh is not None else None, given=dp_mesh, tp_size=tp,
+                       tp_mesh=tp_mesh)
     root_settings = settings_for("", config)
-    root_mesh = mesh if mesh is not None else meshes.get(root_settings.strategy, config.mesh_shape)
+    root_mesh = dp_mesh if dp_mesh is not None else meshes.get(root_settings.strategy, config.mesh_shape)
 
     ignored_names = modules_matching(model, config.ignored_modules, "FSDP2Config.ignored_modules") if config.ignored_modules else []
     ignored = {p for n in ignored_names for p in model.get_submodule(n).parameters()}
@@ -53,6 +59,10 @@ def shard_model(
 
     # Every group's settings are resolved and checked before the model is touched.
     specs = _plan_groups(model, config, groups, root_settings, root_mesh, meshes)
+    if tp > 1:
+        # Before FSDP: fully_shard then shards the TP DTensors over the data-parallel dims.
+        apply_tensor_parallel(model, config.tensor_parallel_plan, meshes.tp_mesh)
+    mark_user_parallelised(model)  # after FSDP every managed parameter is a DTensor
     _apply_activation_checkpointing(model, config, groups)
     if config.compile:
         _compile_blocks(model, groups, config.compile)
@@ -162,15 +172,16 @@ class _GuardedForward:
     """Wraps a sharded module's forward to catch `module.forward(x)` called directly.
 
     FSDP2 gathers parameters in a hook of `module(x)`; calling `forward` skips it and the
-    module would compute on sharded DTensors, failing deep inside an op. A gathered module
-    holds plain tensors, so one attribute lookup tells the two cases apart.
+    module would compute on shards, failing deep inside an op. The module's FSDP parameter
+    groups say whether they are gathered. (Whether a parameter is a DTensor does not: under
+    FSDP + tensor parallelism a gathered parameter is still a DTensor, on the TP mesh.)
     """
 
-    def __init__(self, module: nn.Module, forward, probe: str):
-        self.module, self.forward, self.probe = module, forward, probe
+    def __init__(self, module: nn.Module, forward):
+        self.module, self.forward = module, forward
 
     def __call__(self, *args, **kwargs):
-        if isinstance(self.module.get_parameter(self.probe), DTensor):
+        if not _gathered(self.module):
             raise ValueError(
                 f"{type(self.module).__name__}.forward() was called directly on a sharded module, so FSDP "
                 "did not gather its parameters. Call the module itself, model(inputs), or register extra "
@@ -179,10 +190,27 @@ class _GuardedForward:
         return self.forward(*args, **kwargs)
 
 
+def _param_groups(module: FSDPModule) -> list:
+    """The module's FSDP parameter groups (torch-private; [] where this torch lacks them)."""
+    state = module._get_fsdp_state() if callable(getattr(module, "_get_fsdp_state", None)) else None
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return [g for g in groups if hasattr(g, "is_unsharded")]
+
+
+def _gathered(module: FSDPModule) -> bool:
+    groups = _param_groups(module)
+    if groups:
+        return all(g.is_unsharded for g in groups)
+    # A torch without that private state: the DTensor test (right unless tensor parallel is used).
+    return not any(isinstance(p, DTensor) for _, p in own_named_params(module))
+
+
 def _guard_direct_forward(model: nn.Module) -> None:
     for module in model.modules():
         if not isinstance(module, FSDPModule) or isinstance(module.forward, _GuardedForward):
             continue
-        probe = next((n for n, p in own_named_params(module) if isinstance(p, DTensor)), None)
-        if probe is not None:
-            module.forward = _GuardedForward(module, module.forward, probe)
+        if any(True for _ in own_named_params(module)):
+            module.forward = _GuardedForward(module, module.forward)
