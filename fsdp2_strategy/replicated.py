@@ -4,7 +4,8 @@
 e.g. a learned temperature. Instead of refusing the model, such parameters are passed to
 FSDP as ignored, made identical on every rank (broadcast from rank 0), and their gradients
 are averaged over the mesh after each backward, as FSDP does for the sharded ones. Sync is
-skipped under `no_sync`, like FSDP's reduce-scatter.
+skipped under `no_sync`, like FSDP's reduce-scatter. `f2.replicate` adds the parameters no
+FSDP group owns to the same object, with its own reason (one plan row per reason).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class ReplicatedParams:
 
 
 def replicated_params_of(model: nn.Module) -> ReplicatedParams | None:
-    """The `ReplicatedParams` that `shard_model` attached to `model`, if any."""
+    """The `ReplicatedParams` that `shard_model` or `replicate` attached to `model`, if any."""
     return getattr(model, ATTR, None)
 
 
