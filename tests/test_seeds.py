@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -584,6 +585,9 @@ def _ddp_world(root):
             p.mul_(0.5)
     ck.load(model=model, optimizer=opt)
     out["restored"] = _worst(_full_state(model), saved)
+    with torch.device("meta"):
+        on_meta = GPTish()
+    out["meta_error"] = _error(ValueError, f2.replicate, on_meta)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, model.head.weight.detach().clone())
     out["ranks_agree"] = rel_diff(gathered[0], gathered[1])
@@ -604,3 +608,34 @@ def test_shard_part_replicate_the_rest(tmp_path):
     assert res["plan"] == [("gpt_layers", "Sequential", "FULL_SHARD", 2 * block),
                            ("embed, head", "replicate", "REPLICATED", 8 * 32 + 32 + 32 * 4 + 4)], res["plan"]
     assert "f2.replicate" in res["plan_text"]
+    assert "meta device" in res["meta_error"] and "to_empty" in res["meta_error"]
+
+
+# --------------------------------------------------------------------------- no world needed
+def test_fsdp1_policy_objects_and_size_policy_resolve_like_fsdp1():
+    from torch.distributed.fsdp.wrap import CustomPolicy, size_based_auto_wrap_policy
+
+    from fsdp2_strategy.fsdp1_wrap import policy_groups
+
+    model = MLP()
+    model.extra = nn.Sequential(nn.Linear(4, 400), nn.Linear(400, 4))
+    # size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, min_num_params) positionally;
+    # net.0 (1088) and net.2 (4160) reach 1000, and so do extra.0 (2000) and extra.1 (1604).
+    size = functools.partial(size_based_auto_wrap_policy, min_num_params=1000)
+    assert policy_groups(model, size, []) == ["net.0", "net.2", "extra.0", "extra.1"]
+    # Ignored modules are neither asked nor counted.
+    assert policy_groups(model, size, ["extra"]) == ["net.0", "net.2"]
+    linear = CustomPolicy(lambda m: isinstance(m, nn.Linear))
+    assert policy_groups(model, linear, ["net"]) == ["extra.0", "extra.1"]
+    per_module = CustomPolicy(lambda m: {"reshard_after_forward": False} if isinstance(m, nn.Linear) else False)
+    with pytest.raises(ValueError, match="module_overrides"):
+        policy_groups(model, per_module, [])
+    with pytest.raises(ValueError, match="auto_wrap_policy=.*transformer_auto_wrap_policy"):
+        policy_groups(model, "Linear", [])
+
+
+def test_replicate_needs_a_process_group():
+    import fsdp2_strategy as f2
+
+    with pytest.raises(RuntimeError, match="init_distributed"):
+        f2.replicate(MLP())
