@@ -210,12 +210,12 @@ def _shard_fsdp1(module: nn.Module, fsdp1: dict, fsdp2: dict, prefetch: dict) ->
     if "reshard_after_forward" in fsdp2:
         config["reshard_after_forward"] = fsdp2["reshard_after_forward"]
     mp = fsdp1.get("mixed_precision", fsdp2.get("mp_policy"))
-    root_cast = None
+    root_cast, fp32_modules = None, {}
     if isinstance(mp, MixedPrecision):
         _check_mixed_precision(mp)
         config["mixed_precision"] = _fsdp2_policy(mp, mp.cast_forward_inputs)
         if policy is not None:
-            config["module_overrides"] = _ignored_class_overrides(module, mp, ignored)
+            fp32_modules = config["module_overrides"] = _ignored_class_overrides(module, mp, ignored)
         if mp.param_dtype is not None and mp.cast_root_forward_inputs and not mp.cast_forward_inputs:
             root_cast = mp.param_dtype
     elif mp is not None:
@@ -232,8 +232,9 @@ def _shard_fsdp1(module: nn.Module, fsdp1: dict, fsdp2: dict, prefetch: dict) ->
     if "process_group" in fsdp1:
         mesh = _mesh_from_process_group(fsdp1["process_group"])
     shard_model(module, config, mesh=mesh)
-    # After sharding, so that a refused config leaves the buffers as they were.
-    buffer_note = _cast_buffers(module, mp.buffer_dtype, ignored) if isinstance(mp, MixedPrecision) else ""
+    # After sharding, so that a refused config leaves the buffers as they were. Modules kept in
+    # fp32 keep their buffers too: FSDP1 gives them no mixed precision at all.
+    buffer_note = _cast_buffers(module, mp.buffer_dtype, ignored + list(fp32_modules)) if isinstance(mp, MixedPrecision) else ""
     _mark_root(module, root_cast, buffer_note)
     return module
 

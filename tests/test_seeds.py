@@ -468,6 +468,13 @@ def _precision_world():
     out["bf16_buffers"] = sorted({str(b.dtype) for b in model.buffers() if b.is_floating_point()})
     out["bf16_loss"] = _two_steps(model, ref, _batch(5, 8, seed=13), _batch(5, 4, seed=14))
 
+    # buffer_dtype=bf16: the BatchNorm group computes in fp32 and keeps fp32 statistics (as in FSDP1).
+    torch.manual_seed(11)
+    model = fully_shard(BlockNet(), auto_wrap_policy=my_auto_wrap_policy, mixed_precision=MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16))
+    out["bf16_bn_buffers"] = sorted({str(b.dtype) for b in model.norm.buffers() if b.is_floating_point()})
+    out["bf16_bn_forward"] = str(model(_local(_batch(5, 8))).dtype)
+
     # fsdp2_skill: bottom-up, a nested block and its parent with the same FSDP1 policy.
     torch.manual_seed(12)
     model = AttnModel()
@@ -503,6 +510,7 @@ def test_seed_precision_blocks_compute_in_the_policy_dtype():
     # buffer_dtype=float32 equals the buffers' dtype: nothing cast, nothing said about buffers.
     assert res["bf16_buffers"] == ["torch.float32"] and "buffers" not in res["bf16_root_note"]
     assert res["bf16_loss"] < 2e-2
+    assert res["bf16_bn_buffers"] == ["torch.float32"] and res["bf16_bn_forward"] == "torch.bfloat16"
     # Nested + parent: the root casts the fp32 input once; the nested block computes in bf16.
     assert seen["nested_root"] == ["torch.bfloat16"] and seen["nested_block"] == ["torch.bfloat16"]
     assert res["nested_loss"] < 2e-2
