@@ -10,6 +10,7 @@ from .fsdp1 import fully_shard
 from .config import FSDP2Config, ModuleOverride
 from .distributed import init_distributed, shutdown
 from .plan import ShardingPlan, sharding_plan
+from .replicate import replicate
 from .sharding import shard_model
 from .export import export_full, inspect_checkpoint
 from .weights import load_full_weights
@@ -29,6 +30,7 @@ __all__ = [
     "inspect_checkpoint",
     "load_full_weights",
     "no_sync",
+    "replicate",
     "set_gradient_sync",
     "shard_model",
     "sharding_plan",

@@ -35,6 +35,8 @@ class GroupSettings:
     """The module_overrides glob that produced these settings, if any."""
     reshard_reason: str = ""
     """Why the reshard choice differs from the strategy's (shown in the plan)."""
+    precision_note: str = ""
+    """Precision work beyond `mp_policy` (FSDP1's root input cast, buffer_dtype), for the plan."""
 
 
 def settings_for(name: str, config: FSDP2Config) -> GroupSettings:

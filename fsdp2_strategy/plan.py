@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from .groups import GROUP_ATTR, own_named_params
 from .precision import describe_precision
-from .replicated import replicated_params_of
+from .replicated import SCALAR_REASON, replicated_params_of
 from .tensor_parallel import tp_summary
 
 
@@ -97,6 +97,8 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
             note = f"override {settings.override!r}"
         elif settings is not None and settings.reshard_reason:
             note = settings.reshard_reason
+        if settings is not None and settings.precision_note:
+            note = "; ".join(filter(None, (note, settings.precision_note)))
         plan.groups.append(
             GroupPlan(
                 name=name or "<root>",
@@ -113,17 +115,24 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
             )
         )
     replicated = replicated_params_of(model)
-    if replicated is not None:
+    for reason, params in (replicated.by_reason() if replicated is not None else {}).items():
+        scalar = reason == SCALAR_REASON
         plan.groups.append(
             GroupPlan(
-                name=", ".join(replicated.params), module_type="scalar",
-                num_params=sum(p.numel() for p in replicated.params.values()),
-                local_bytes=sum(_local_bytes(p) for p in replicated.params.values()),
+                name=", ".join(params) if scalar else _owner_names(params), module_type="scalar" if scalar else "replicate",
+                num_params=sum(p.numel() for p in params.values()),
+                local_bytes=sum(_local_bytes(p) for p in params.values()),
                 mesh_shape=tuple(replicated.mesh.shape), strategy="REPLICATED", reshard_after_forward="-",
-                precision="param", note="0-dim: fully_shard cannot shard it; grads averaged",
+                precision="param", note=reason,
             )
         )
     return plan
+
+
+def _owner_names(params: dict) -> str:
+    """The modules owning `params` ("a.weight", "a.bias", "b" -> "a, b"), at most six named."""
+    owners = list(dict.fromkeys(n.rpartition(".")[0] or n for n in params))
+    return ", ".join(owners[:6]) + (f", ... (+{len(owners) - 6})" if len(owners) > 6 else "")
 
 
 def rank_param_bytes(model: nn.Module) -> int:

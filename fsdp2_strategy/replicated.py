@@ -4,7 +4,8 @@
 e.g. a learned temperature. Instead of refusing the model, such parameters are passed to
 FSDP as ignored, made identical on every rank (broadcast from rank 0), and their gradients
 are averaged over the mesh after each backward, as FSDP does for the sharded ones. Sync is
-skipped under `no_sync`, like FSDP's reduce-scatter.
+skipped under `no_sync`, like FSDP's reduce-scatter. `f2.replicate` adds the parameters no
+FSDP group owns to the same object, with its own reason (one plan row per reason).
 """
 
 from __future__ import annotations
@@ -15,19 +16,37 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 ATTR = "_fsdp2_replicated"
+SCALAR_REASON = "0-dim: fully_shard cannot shard it; grads averaged"
 
 
 class ReplicatedParams:
     """Plain parameters replicated over `mesh`, gradients averaged after accumulation."""
 
-    def __init__(self, params: dict[str, nn.Parameter], mesh: DeviceMesh):
-        self.params = params
+    def __init__(self, params: dict[str, nn.Parameter], mesh: DeviceMesh, reason: str = SCALAR_REASON):
+        self.params: dict[str, nn.Parameter] = {}
+        self.reasons: dict[str, str] = {}
+        """Why each parameter is replicated (one plan row per reason)."""
         self.mesh = mesh
         self.requires_sync = True
         self._groups = [mesh.get_group(d) for d in range(mesh.ndim)]
-        for p in params.values():
+        self.add(params, reason)
+
+    def add(self, params: dict[str, nn.Parameter], reason: str) -> None:
+        """Replicate more parameters over the same mesh (hooks registered once per parameter)."""
+        for name, p in params.items():
+            if name in self.params:
+                continue
+            self.params[name] = p
+            self.reasons[name] = reason
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._average_grad)
+
+    def by_reason(self) -> dict[str, dict[str, nn.Parameter]]:
+        """Parameters grouped by why they are replicated, in insertion order."""
+        rows: dict[str, dict[str, nn.Parameter]] = {}
+        for name, p in self.params.items():
+            rows.setdefault(self.reasons[name], {})[name] = p
+        return rows
 
     def move_to(self, device: torch.device) -> None:
         """FSDP leaves ignored parameters where they are; put them on the mesh device."""
@@ -54,7 +73,7 @@ class ReplicatedParams:
 
 
 def replicated_params_of(model: nn.Module) -> ReplicatedParams | None:
-    """The `ReplicatedParams` that `shard_model` attached to `model`, if any."""
+    """The `ReplicatedParams` that `shard_model` or `replicate` attached to `model`, if any."""
     return getattr(model, ATTR, None)
 
 
