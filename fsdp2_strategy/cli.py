@@ -48,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             info = inspect_checkpoint(args.checkpoint, args.step)
             print(info)
             return 1 if info.problems else 0
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # bad input or a damaged/unwritable path: a message, not a traceback
         print(f"fsdp2-strategy {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 0
