@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import CPUOffload, MixedPrecision, MixedPrecisionPolicy
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffload, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 FSDP1_KEYWORDS = ("sharding_strategy", "mixed_precision", "cpu_offload", "ignored_modules", "auto_wrap_policy", "device_mesh")
@@ -55,6 +57,25 @@ def _wrap_policy(policy: Any) -> Any:
     return policy
 
 
+def _check_fsdp2_keywords(kwargs: dict[str, Any]) -> None:
+    """What torch would otherwise fail on deep inside (`'str' object has no attribute 'ndim'`)."""
+    accepted = {
+        "mesh": ((DeviceMesh,), "a torch.distributed.device_mesh.DeviceMesh"),
+        "mp_policy": ((MixedPrecisionPolicy,), "a torch.distributed.fsdp.MixedPrecisionPolicy"),
+        "offload_policy": ((OffloadPolicy,), "torch.distributed.fsdp.CPUOffloadPolicy() or OffloadPolicy()"),
+    }
+    for key, (types, fix) in accepted.items():
+        if kwargs.get(key) is not None and not isinstance(kwargs[key], types):
+            raise ValueError(f"fully_shard({key}={kwargs[key]!r}) is invalid; pass {fix}.")
+    reshard = kwargs.get("reshard_after_forward")
+    if not (reshard is None or isinstance(reshard, bool) or (isinstance(reshard, int) and reshard >= 1)):
+        raise ValueError(f"fully_shard(reshard_after_forward={reshard!r}) is invalid; use True, False, or a positive "
+                         "int that divides the shard group size.")
+    if kwargs.get("mesh") is None and not dist.is_initialized():
+        raise RuntimeError("fully_shard needs an initialised process group (or mesh=): call f2.init_distributed() "
+                           "or torch.distributed.init_process_group() first.")
+
+
 def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
     """Shard `module` with FSDP2, accepting FSDP1 keywords too; returns the module.
 
@@ -75,6 +96,7 @@ def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
     unknown = set(kwargs) - set(FSDP2_KEYWORDS)
     if unknown:
         raise ValueError(f"fully_shard got unknown keywords {sorted(unknown)}; FSDP1: {list(FSDP1_KEYWORDS)}, FSDP2: {list(FSDP2_KEYWORDS)}.")
+    _check_fsdp2_keywords(kwargs)
     if not (fsdp1 or no_ops or prefetch):
         return _torch_fully_shard(module, **kwargs)
 
