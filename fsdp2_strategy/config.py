@@ -54,7 +54,12 @@ def _check_reshard(value: Any, name: str) -> None:
 def _check_mixed_precision(value: Any, name: str) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if value is None or isinstance(value, (MixedPrecisionPolicy, dict)):
+    from .precision import resolve_mixed_precision
+
+    if isinstance(value, dict):
+        resolve_mixed_precision(value, name)  # unknown keys and dtype names fail now, not at shard_model
+        return
+    if value is None or isinstance(value, MixedPrecisionPolicy):
         return
     if isinstance(value, str) and value.lower() in PRECISION_NAMES:
         return

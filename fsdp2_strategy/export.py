@@ -164,7 +164,6 @@ def export_full(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"export_full: out_dir {out} is a file; pass a folder (it is created if missing).")
-    out.mkdir(parents=True, exist_ok=True)
     limit = max_shard_size if format == "safetensors" else float("inf")
     batches = _batches(keys, metadata, limit, target_dtype)
     total = sum(_nbytes(metadata.state_dict_metadata[keys[n]], target_dtype) for n in keys)
@@ -173,6 +172,7 @@ def export_full(
         if format == "torch":
             state = _read(ckpt_dir, metadata, keys, batches[0], target_dtype)
             bar.update(total)
+            out.mkdir(parents=True, exist_ok=True)
             torch.save(state, out / "model.pt")
         else:
             _write_safetensors(ckpt_dir, metadata, keys, batches, target_dtype, out, bar, total)
@@ -189,6 +189,7 @@ def _write_safetensors(ckpt_dir, metadata, keys, batches, dtype, out: Path, bar,
     for i, names in enumerate(batches, start=1):
         fname = "model.safetensors" if len(batches) == 1 else f"model-{i:05d}-of-{len(batches):05d}.safetensors"
         state = _read(ckpt_dir, metadata, keys, names, dtype)
+        out.mkdir(parents=True, exist_ok=True)  # after the first read: a checkpoint that cannot be read leaves no folder
         save_file(state, str(out / fname), metadata={"format": "pt"})
         bar.update(sum(t.numel() * t.element_size() for t in state.values()))
         weight_map.update(dict.fromkeys(names, fname))

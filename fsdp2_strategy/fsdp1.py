@@ -58,7 +58,7 @@ def _wrap_policy(policy: Any) -> Any:
 
 
 def _check_fsdp2_keywords(kwargs: dict[str, Any]) -> None:
-    """What torch would otherwise fail on deep inside (`'str' object has no attribute 'ndim'`)."""
+    """Types torch would otherwise fail on deep inside (`'str' object has no attribute 'ndim'`)."""
     accepted = {
         "mesh": ((DeviceMesh,), "a torch.distributed.device_mesh.DeviceMesh"),
         "mp_policy": ((MixedPrecisionPolicy,), "a torch.distributed.fsdp.MixedPrecisionPolicy"),
@@ -71,9 +71,6 @@ def _check_fsdp2_keywords(kwargs: dict[str, Any]) -> None:
     if not (reshard is None or isinstance(reshard, bool) or (isinstance(reshard, int) and reshard >= 1)):
         raise ValueError(f"fully_shard(reshard_after_forward={reshard!r}) is invalid; use True, False, or a positive "
                          "int that divides the shard group size.")
-    if kwargs.get("mesh") is None and not dist.is_initialized():
-        raise RuntimeError("fully_shard needs an initialised process group (or mesh=): call f2.init_distributed() "
-                           "or torch.distributed.init_process_group() first.")
 
 
 def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
@@ -98,6 +95,9 @@ def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
         raise ValueError(f"fully_shard got unknown keywords {sorted(unknown)}; FSDP1: {list(FSDP1_KEYWORDS)}, FSDP2: {list(FSDP2_KEYWORDS)}.")
     _check_fsdp2_keywords(kwargs)
     if not (fsdp1 or no_ops or prefetch):
+        if kwargs.get("mesh") is None and not dist.is_initialized():  # torch would try env:// and ask for RANK
+            raise RuntimeError("fully_shard needs an initialised process group (or mesh=): call f2.init_distributed() "
+                               "or torch.distributed.init_process_group() first.")
         return _torch_fully_shard(module, **kwargs)
 
     from .sharding import shard_model
