@@ -5,153 +5,25 @@
 precision strings, and the Accelerate config keys and plugin. Each row states the exception
 type and phrases its message must hold (the offending field, file or key, and the fix); the
 runner also asserts that nothing changed: the model's weights, and every file and folder
-under the fixture directory. `CLI_ROWS` does the same for both commands, asserting the exit
-status and that no traceback is printed. `WORLD_ROWS` need a process group and run together
-in one 2-rank world. Rows for the Fabric and Ray adapters go in `FABRIC_ROWS` / `RAY_ROWS`
+under the fixture directory (`_bad_inputs.Env`). The command line's table is in
+`test_bad_inputs_cli.py`, the rows that need a process group in `test_bad_inputs_world.py`
+(one 2-rank world). Rows for the Fabric and Ray adapters go in `FABRIC_ROWS` / `RAY_ROWS`
 once those adapters exist.
 """
 
 from __future__ import annotations
-
-import contextlib
-import hashlib
-import json
-import logging
-import os
-import shutil
-import subprocess
-import sys
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 import torch
 from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
 import fsdp2_strategy as f2
-from _harness import run_distributed
-from _models import TinyGPT
-
-
-@dataclass
-class Row:
-    """One bad input: `call(env)` must raise `error` whose message holds every phrase in `says`."""
-
-    id: str
-    call: Callable[["Env"], Any]
-    error: type[BaseException]
-    says: tuple[str, ...]
-
-
-@dataclass
-class CliRow:
-    """One bad command line: exit status `status`, stderr holding `says`, no traceback."""
-
-    id: str
-    argv: Callable[["Env"], list[str]]
-    status: int
-    says: tuple[str, ...]
-
-
-class Env:
-    """The fixtures every row sees: a model and files (good and damaged) under `root`."""
-
-    def __init__(self, root: Path):
-        from safetensors.torch import save_file
-
-        self.root = root
-        torch.manual_seed(0)
-        self.model = TinyGPT(tied=False)
-        # Other values than the model holds: a load that copied anything would show in the snapshot.
-        state = {k: v.detach() + 1 for k, v in self.model.state_dict().items()}
-        save_file(state, str(root / "good.safetensors"))
-        data = (root / "good.safetensors").read_bytes()
-        (root / "empty.safetensors").write_bytes(b"")
-        (root / "random.safetensors").write_bytes(bytes(range(256)) * 8)  # length field ~ 5e17
-        (root / "truncated.safetensors").write_bytes(data[: len(data) // 2])
-        (root / "not_json.safetensors").write_bytes((16).to_bytes(8, "little") + b"\xff" * 16 + b"\0" * 64)
-        _write_raw_safetensors(root / "overlap.safetensors", {
-            "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-            "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
-        }, 24)
-        _write_raw_safetensors(root / "wrong_size.safetensors", {
-            "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, 8)
-        (root / "random.pt").write_bytes(bytes(range(256)) * 4)
-        (root / "index_bad").mkdir()
-        (root / "index_bad" / "model.safetensors.index.json").write_text("{not json")
-        (root / "index_gap").mkdir()
-        (root / "index_gap" / "model.safetensors.index.json").write_text(
-            json.dumps({"weight_map": {"tok.weight": "model-00001-of-00002.safetensors"}}))
-        (root / "two_files").mkdir()
-        for name in ("a.safetensors", "b.safetensors"):
-            shutil.copy(root / "good.safetensors", root / "two_files" / name)
-        (root / "a_file.txt").write_text("not a folder")
-        (root / "bad.yaml").write_text("wrap_policy: [Block\n")
-        (root / "list.yaml").write_text("- FULL_SHARD\n")
-        self._write_checkpoints(root)
-
-    def _write_checkpoints(self, root: Path) -> None:
-        f2.Checkpointer(root / "ckpt").save(1, model=self.model)
-        step = root / "ckpt" / "step-000001"
-        for name, edit in (("damaged", _flip_byte), ("garbage", _garbage_metadata), ("shardless", _drop_shards)):
-            shutil.copytree(root / "ckpt", root / name)
-            edit(root / name / "step-000001")
-
-    def snapshot(self) -> tuple:
-        """Every file's digest, every folder, and the model's tensors (to assert nothing changed)."""
-        files = {str(p.relative_to(self.root)): hashlib.sha256(p.read_bytes()).hexdigest()
-                 for p in sorted(self.root.rglob("*")) if p.is_file()}
-        dirs = sorted(str(p.relative_to(self.root)) for p in self.root.rglob("*") if p.is_dir())
-        return files, dirs, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
-    def other_model(self) -> TinyGPT:
-        return TinyGPT(dim=16, tied=False)
-
-
-def _write_raw_safetensors(path: Path, header: dict, data_bytes: int) -> None:
-    raw = json.dumps(header).encode()
-    path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * data_bytes)
-
-
-def _flip_byte(step: Path) -> None:
-    shard = next(step.glob("*.distcp"))
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
-
-
-def _garbage_metadata(step: Path) -> None:
-    (step / "checksums.json").unlink()  # plain DCP: nothing to catch it before unpickling
-    (step / ".metadata").write_bytes(b"\x80\x04garbage")
-
-
-def _drop_shards(step: Path) -> None:
-    (step / "checksums.json").unlink()
-    for shard in step.glob("*.distcp"):
-        shard.unlink()
+from _bad_inputs import Env, Row, assert_unchanged, environ_restored
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> Env:
     return Env(tmp_path_factory.mktemp("bad_inputs"))
-
-
-@contextlib.contextmanager
-def _environ_restored():
-    """Some entry points export variables (Accelerate sets ACCELERATE_USE_FSDP): undo them."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def _assert_unchanged(before: tuple, after: tuple) -> None:
-    assert after[0] == before[0], "files on disk changed"
-    assert after[1] == before[1], "folders on disk changed"
-    assert all(torch.equal(after[2][k], v) for k, v in before[2].items()), "model weights changed"
 
 
 def _lightning():
@@ -391,10 +263,10 @@ ROWS = CONFIG_ROWS + SHARDING_ROWS + WEIGHTS_ROWS + CHECKPOINT_ROWS + LIGHTNING_
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
 def test_bad_input_is_named_with_its_fix_and_changes_nothing(row: Row, env: Env):
     before = env.snapshot()
-    with _environ_restored(), pytest.raises(Exception) as info:
+    with environ_restored(), pytest.raises(Exception) as info:
         row.call(env)
     assert isinstance(info.value, row.error), f"{type(info.value).__name__}: {info.value}"
     message = str(info.value)
     for phrase in row.says:
         assert phrase in message, (phrase, message)
-    _assert_unchanged(before, env.snapshot())
+    assert_unchanged(before, env.snapshot())
