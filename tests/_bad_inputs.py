@@ -2,7 +2,7 @@
 
 `Env(root)` writes a model's weights (other values than the model holds, so any copy shows),
 damaged safetensors/torch/index files, and checkpoints (intact, with a flipped byte, with an
-unreadable `.metadata`, without shards). `Env.snapshot()` records every file, folder and model
+unreadable `.metadata`, without shards, without `checksums.json`). `Env.snapshot()` records every file, folder and model
 tensor, so a row can assert that a refused input changed nothing.
 """
 
@@ -82,8 +82,9 @@ class Env:
 
     def _write_checkpoints(self, root: Path) -> None:
         f2.Checkpointer(root / "ckpt").save(1, model=self.model)
-        step = root / "ckpt" / "step-000001"
-        for name, edit in (("damaged", _flip_byte), ("garbage", _garbage_metadata), ("shardless", _drop_shards)):
+        edits = (("damaged", _flip_byte), ("garbage", _garbage_metadata), ("shardless", _drop_shards),
+                 ("plain", _drop_checksums))
+        for name, edit in edits:
             shutil.copytree(root / "ckpt", root / name)
             edit(root / name / "step-000001")
 
@@ -113,6 +114,10 @@ def _flip_byte(step: Path) -> None:
 def _garbage_metadata(step: Path) -> None:
     (step / "checksums.json").unlink()  # plain DCP: nothing to catch it before unpickling
     (step / ".metadata").write_bytes(b"\x80\x04garbage")
+
+
+def _drop_checksums(step: Path) -> None:
+    (step / "checksums.json").unlink()  # as plain DCP or an older version writes it
 
 
 def _drop_shards(step: Path) -> None:

@@ -13,12 +13,15 @@ once those adapters exist.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
 import fsdp2_strategy as f2
 from _bad_inputs import Env, Row, assert_unchanged, environ_restored
+from _models import TinyGPT
 
 
 @pytest.fixture(scope="module")
@@ -270,3 +273,16 @@ def test_bad_input_is_named_with_its_fix_and_changes_nothing(row: Row, env: Env)
     for phrase in row.says:
         assert phrase in message, (phrase, message)
     assert_unchanged(before, env.snapshot())
+
+
+def test_unverified_checkpoint_is_said_once_per_directory(env: Env, caplog, tmp_path):
+    """No checksums.json: loading and exporting work, with one warning naming the directory."""
+    caplog.set_level(logging.WARNING, logger="fsdp2_strategy")
+    for _ in range(2):
+        f2.Checkpointer(env.root / "plain").load(model=TinyGPT(tied=False))
+    f2.export_full(env.root / "plain", tmp_path / "export")
+    f2.Checkpointer(env.root / "ckpt").load(model=TinyGPT(tied=False))  # verified: no warning
+    said = [r.getMessage() for r in caplog.records if "checksums.json" in r.getMessage()]
+    assert len(said) == 1, said
+    assert f"{env.root / 'plain' / 'step-000001'} has no checksums.json" in said[0]
+    assert "without verifying" in said[0]
