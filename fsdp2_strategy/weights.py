@@ -69,7 +69,7 @@ def _check_entries(path: Path, header: dict, data_bytes: int) -> None:
             numel = torch.Size(shape).numel()
         except (TypeError, KeyError, ValueError):
             raise DamagedWeightsError(path, f"header entry {name!r} is malformed: {entry!r}") from None
-        if dtype_name not in _ST_DTYPES:
+        if not isinstance(dtype_name, str) or dtype_name not in _ST_DTYPES:
             raise ValueError(f"{path}: tensor {name!r} has dtype {dtype_name!r}, which load_full_weights does not read; "
                              f"supported: {', '.join(_ST_DTYPES)}. Convert the file (e.g. to F32 or BF16) first.")
         nbytes = numel * _ST_DTYPES[dtype_name].itemsize

@@ -66,6 +66,8 @@ class Env:
         }, 24)
         _write_raw_safetensors(root / "wrong_size.safetensors", {
             "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, 8)
+        _write_raw_safetensors(root / "float8.safetensors", {
+            "a": {"dtype": "F8_E4M3", "shape": [4], "data_offsets": [0, 4]}}, 4)
         (root / "random.pt").write_bytes(bytes(range(256)) * 4)
         (root / "index_bad").mkdir()
         (root / "index_bad" / "model.safetensors.index.json").write_text("{not json")

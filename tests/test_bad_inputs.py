@@ -153,6 +153,8 @@ WEIGHTS_ROWS = [
         ValueError, ("overlap.safetensors", "'a' and 'b' overlap", _WEIGHTS_FIX)),
     Row("load_full_weights offsets vs shape", lambda e: f2.load_full_weights(e.model, e.root / "wrong_size.safetensors"),
         ValueError, ("wrong_size.safetensors", "needs 16 bytes", "span 8", _WEIGHTS_FIX)),
+    Row("load_full_weights unsupported dtype", lambda e: f2.load_full_weights(e.model, e.root / "float8.safetensors"),
+        ValueError, ("float8.safetensors", "dtype 'F8_E4M3'", "supported: F64, F32", "Convert the file")),
     Row("load_full_weights damaged torch file", lambda e: f2.load_full_weights(e.model, e.root / "random.pt"),
         ValueError, ("random.pt", "not a readable torch checkpoint", "torch.save")),
     Row("load_full_weights missing path", lambda e: f2.load_full_weights(e.model, e.root / "nope.safetensors"),
