@@ -14,6 +14,7 @@ once those adapters exist.
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -39,9 +40,8 @@ def _lightning():
 def _accelerate():
     pytest.importorskip("accelerate")
     import fsdp2_strategy.integrations.accelerate as adapter
-    from fsdp2_strategy.integrations.accelerate.env import read_accelerate_env
 
-    return adapter, read_accelerate_env
+    return adapter
 
 
 def _trainer(precision: str):
@@ -53,11 +53,14 @@ def _trainer(precision: str):
 
 
 def _accelerate_env(**variables: str):
-    return _accelerate()[1](variables)
+    """`FSDP2Plugin()` as `accelerate launch --config_file` starts it: the YAML's keys as `FSDP_*`
+    variables (the row runs inside `environ_restored`)."""
+    os.environ.update(variables)
+    return _accelerate().FSDP2Plugin()
 
 
 def _plugin(**kwargs):
-    return _accelerate()[0].FSDP2Plugin(read_env=False, **kwargs)
+    return _accelerate().FSDP2Plugin(read_env=False, **kwargs)
 
 
 def _stock_accelerator(e: Env):
