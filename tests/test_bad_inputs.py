@@ -45,9 +45,9 @@ def _accelerate():
 
 
 def _trainer(precision: str):
+    _lightning()
     import lightning.pytorch as pl
 
-    _lightning()
     return pl.Trainer(strategy="fsdp2", precision=precision, accelerator="cpu", devices=1, logger=False,
                       enable_progress_bar=False, enable_model_summary=False)
 
@@ -64,9 +64,10 @@ def _plugin(**kwargs):
 
 
 def _stock_accelerator(e: Env):
+    plugin = _plugin()
     import accelerate
 
-    return accelerate.Accelerator(fsdp_plugin=_plugin(), cpu=True)
+    return accelerate.Accelerator(fsdp_plugin=plugin, cpu=True)
 
 
 _WEIGHTS_FIX = "download or export the file again"
