@@ -130,6 +130,7 @@ class Checkpointer:
         match the model (missing, unexpected or differently shaped keys are listed).
         """
         self.wait()
+        _check_types(model, optimizer)
         if model is None and optimizer is not None:
             raise ValueError("Checkpointer.load(optimizer=...) needs model= too: optimizer state is keyed by parameter names.")
         path = cdir.resolve_step(self.root, step)
@@ -183,8 +184,17 @@ class Checkpointer:
 
 
 # ---------------------------------------------------------------------- helpers
+def _check_types(model: Any, optimizer: Any) -> None:
+    """Wrong objects fail here by name instead of deep inside torch's state-dict helpers."""
+    if model is not None and not isinstance(model, nn.Module):
+        raise ValueError(f"Checkpointer: model= must be an nn.Module, got {type(model).__name__}.")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"Checkpointer: optimizer= must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+
+
 def _named(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> tuple[Models, Optimizers]:
     """The Checkpointer's top-level keys for what it saves and loads."""
+    _check_types(model, optimizer)
     if model is None:
         if optimizer is not None:
             raise ValueError("Checkpointer needs model= with optimizer=: optimizer state is keyed by parameter names.")

@@ -214,8 +214,14 @@ def verify_dir(path: Path, hint: str = "") -> None:
 
 
 def read_metadata(path: Path) -> Metadata:
-    """DCP's metadata of a committed directory (tensor names, shapes, dtypes)."""
-    return FileSystemReader(str(path)).read_metadata()
+    """DCP's metadata of a committed directory (tensor names, shapes, dtypes); ValueError if unreadable."""
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # a truncated or overwritten `.metadata` fails anywhere inside unpickling
+        raise ValueError(f"{Path(path) / METADATA} is unreadable ({type(exc).__name__}: {exc}): the checkpoint is "
+                         "damaged. Load or export an earlier step.") from exc
 
 
 def load_dcp(state: dict, path: Path) -> None:

@@ -5,7 +5,7 @@ At commit time every rank hashes the files it wrote (`__<rank>_<n>.distcp`; rank
 every other file: `.metadata` and the small files a trainer adds, such as `extra.pt` or `meta.pt`), rank 0 gathers the results and writes `checksums.json` into the
 temporary directory before the rename. At load time the ranks verify a share of the listed
 files each (size, then CRC-32) and exchange their findings, so every rank raises the same
-ValueError together. A checkpoint without `checksums.json` (plain DCP) is loaded unverified.
+ValueError together. A checkpoint without `checksums.json` (plain DCP) is loaded unverified, with a warning.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .distributed import is_distributed
+from .distributed import is_distributed, logger
 
 CHECKSUMS_FILE = "checksums.json"
 ALGORITHM = "crc32"
@@ -108,11 +108,35 @@ def check(directory: Path, rank: int = 0, world_size: int = 1) -> list[str]:
         return [f"{CHECKSUMS_FILE}: unreadable ({type(exc).__name__}: {exc})"] if rank == 0 else []
 
 
+_warned_unverified: set[Path] = set()
+
+
+def warn_if_unverified(directory: Path) -> bool:
+    """Log a warning, once per directory, when `directory` has no `checksums.json` (written by
+    plain DCP or an older version): it loads, but nothing can tell whether a file changed.
+    Returns whether the directory is unverified."""
+    directory = Path(directory)
+    if (directory / CHECKSUMS_FILE).is_file():
+        return False
+    key = directory.resolve()
+    if key not in _warned_unverified:
+        _warned_unverified.add(key)
+        logger.warning(
+            "Checkpoint %s has no %s (written by plain DCP or an older version): it is loaded without "
+            "verifying its files, so a damaged shard would load silently wrong values. Save it again with "
+            "fsdp2_strategy to get checksums.", directory, CHECKSUMS_FILE,
+        )
+    return True
+
+
 def verify(directory: Path, rank: int, world_size: int) -> list[str]:
     """Collective when distributed: the problems found in `directory` (same list on every rank).
 
-    Each rank checks every `world_size`-th listed file; no `checksums.json`: nothing to check.
+    Each rank checks every `world_size`-th listed file; no `checksums.json`: nothing to check
+    (rank 0 says so once, see `warn_if_unverified`).
     """
+    if rank == 0:
+        warn_if_unverified(directory)
     found = check(directory, rank, world_size)
     if is_distributed():
         gathered: list[Any] = [None] * dist.get_world_size()

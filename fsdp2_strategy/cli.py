@@ -13,10 +13,14 @@ from .export import export_full, inspect_checkpoint
 def _size(text: str) -> int:
     units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
     upper = text.strip().upper()
-    for unit, factor in units.items():
-        if upper.endswith(unit):
-            return int(float(upper[: -len(unit)]) * factor)
-    return int(upper)
+    try:
+        for unit, factor in units.items():
+            if upper.endswith(unit):
+                return int(float(upper[: -len(unit)]) * factor)
+        return int(upper)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use bytes or a number with KB, MB, GB or TB "
+                                         "(e.g. 500MB)") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,7 +52,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             info = inspect_checkpoint(args.checkpoint, args.step)
             print(info)
             return 1 if info.problems else 0
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # bad input or a damaged/unwritable path: a message, not a traceback
         print(f"fsdp2-strategy {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 0

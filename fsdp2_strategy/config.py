@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -54,7 +55,12 @@ def _check_reshard(value: Any, name: str) -> None:
 def _check_mixed_precision(value: Any, name: str) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if value is None or isinstance(value, (MixedPrecisionPolicy, dict)):
+    from .precision import resolve_mixed_precision
+
+    if isinstance(value, dict):
+        resolve_mixed_precision(value, name)  # unknown keys and dtype names fail now, not at shard_model
+        return
+    if value is None or isinstance(value, MixedPrecisionPolicy):
         return
     if isinstance(value, str) and value.lower() in PRECISION_NAMES:
         return
@@ -100,6 +106,14 @@ def _check_module_list(value: Any, name: str, allow_auto: bool) -> None:
 def _check_nonneg_int(value: Any, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}={value!r} is invalid; use an int >= 0 (how many blocks ahead; 0 disables).")
+
+
+def _check_field_names(cls: type, values: Mapping[str, Any]) -> None:
+    """Raise ValueError naming unknown keys and listing the valid field names."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - names
+    if unknown:
+        raise ValueError(f"Unknown {cls.__name__} fields {sorted(unknown)}; valid fields: {sorted(names)}.")
 
 
 @dataclass
@@ -292,10 +306,7 @@ class FSDP2Config:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "FSDP2Config":
         """Build a config from a mapping; unknown keys raise `ValueError` listing the valid ones."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(values) - names
-        if unknown:
-            raise ValueError(f"Unknown FSDP2Config fields {sorted(unknown)}; valid fields: {sorted(names)}.")
+        _check_field_names(cls, values)
         return cls(**dict(values))
 
     @classmethod
@@ -308,8 +319,14 @@ class FSDP2Config:
         """The fields a YAML file sets, as `from_yaml` reads them (not yet validated)."""
         import yaml
 
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"FSDP2Config YAML file {path} does not exist; pass the path of a YAML mapping "
+                                    "of FSDP2Config fields (or a dict / an FSDP2Config).")
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path} is not valid YAML; fix the file:\n{exc}") from None
         if isinstance(data, Mapping) and set(data) == {"fsdp2"}:
             data = data["fsdp2"]
         if not isinstance(data, Mapping):
@@ -333,3 +350,19 @@ class FSDP2Config:
             raise ValueError(f"config must be an FSDP2Config, a dict or a YAML path, got {type(config).__name__}.")
         base.update(overrides)
         return cls.from_dict(base)
+
+
+def _reject_unknown_fields(init: Callable[..., None]) -> Callable[..., None]:
+    """The dataclass `__init__`, naming the valid fields on an unknown keyword (the generated
+    one says only "unexpected keyword argument"). `functools.wraps` keeps its signature, which
+    LightningCLI/jsonargparse read to offer the fields as options."""
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _check_field_names(type(self), kwargs)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+FSDP2Config.__init__ = _reject_unknown_fields(FSDP2Config.__init__)  # type: ignore[method-assign]

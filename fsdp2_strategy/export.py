@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import checkpoint_dir as cdir
@@ -133,8 +134,20 @@ def _read(ckpt_dir: Path, metadata: Metadata, keys: dict[str, str], names: list[
         state[keys[name]] = torch.empty(meta.size, dtype=meta.properties.dtype)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=FileSystemReader(str(ckpt_dir)), no_dist=True)
+        try:
+            dcp.load(state, storage_reader=FileSystemReader(str(ckpt_dir)), no_dist=True)
+        except CheckpointException as exc:  # a BaseException whose text is a whole traceback
+            raise ValueError(
+                f"Reading the shards of {ckpt_dir} failed ({_dcp_failure(exc)}): the checkpoint is damaged or "
+                "incomplete. Use an earlier step (step=N, or --step N)."
+            ) from None
     return {name: (state[keys[name]].to(dtype) if dtype else state[keys[name]]).contiguous() for name in names}
+
+
+def _dcp_failure(exc: CheckpointException) -> str:
+    """The underlying error of a one-process DCP failure, in one line (no traceback text)."""
+    errors = {f"{type(err).__name__}: {err}" for err, _ in exc.failures.values()}
+    return "; ".join(sorted(errors)) or str(exc).splitlines()[0]
 
 
 def _progress(total: int, desc: str):
@@ -178,6 +191,7 @@ def export_full(
         raise ValueError(f"format={format!r} is invalid; use 'safetensors' or 'torch'.")
     target_dtype = dtype_from_name(dtype, "dtype")
     ckpt_dir = resolve_checkpoint_dir(checkpoint_dir, step)
+    integrity.warn_if_unverified(ckpt_dir)
     problems = integrity.check(ckpt_dir)  # one process: every file listed in checksums.json
     if problems:
         raise ValueError(f"Checkpoint {ckpt_dir} is damaged and was not exported:\n  " + "\n  ".join(problems)
@@ -187,7 +201,8 @@ def export_full(
     if not keys:
         raise ValueError(f"{ckpt_dir} holds no tensors to export.")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export_full: out_dir {out} is a file; pass a folder (it is created if missing).")
     limit = max_shard_size if format == "safetensors" else float("inf")
     batches = _batches(keys, metadata, limit, target_dtype)
     total = sum(_nbytes(metadata.state_dict_metadata[keys[n]], target_dtype) for n in keys)
@@ -196,6 +211,7 @@ def export_full(
         if format == "torch":
             state = _read(ckpt_dir, metadata, keys, batches[0], target_dtype)
             bar.update(total)
+            out.mkdir(parents=True, exist_ok=True)
             torch.save(state, out / "model.pt")
         else:
             _write_safetensors(ckpt_dir, metadata, keys, batches, target_dtype, out, bar, total)
@@ -212,6 +228,7 @@ def _write_safetensors(ckpt_dir, metadata, keys, batches, dtype, out: Path, bar,
     for i, names in enumerate(batches, start=1):
         fname = "model.safetensors" if len(batches) == 1 else f"model-{i:05d}-of-{len(batches):05d}.safetensors"
         state = _read(ckpt_dir, metadata, keys, names, dtype)
+        out.mkdir(parents=True, exist_ok=True)  # after the first read: a checkpoint that cannot be read leaves no folder
         save_file(state, str(out / fname), metadata={"format": "pt"})
         bar.update(sum(t.numel() * t.element_size() for t in state.values()))
         weight_map.update(dict.fromkeys(names, fname))

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffload, MixedPrecision, MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffload, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.distributed.utils import _apply_to_tensors
 
@@ -166,6 +166,22 @@ def _pop_fsdp1(kwargs: dict[str, Any]) -> dict[str, Any]:
     return fsdp1
 
 
+def _check_fsdp2_keywords(kwargs: dict[str, Any]) -> None:
+    """Types torch would otherwise fail on deep inside (`'str' object has no attribute 'ndim'`)."""
+    accepted = {
+        "mesh": ((DeviceMesh,), "a torch.distributed.device_mesh.DeviceMesh"),
+        "mp_policy": ((MixedPrecisionPolicy,), "a torch.distributed.fsdp.MixedPrecisionPolicy"),
+        "offload_policy": ((OffloadPolicy,), "torch.distributed.fsdp.CPUOffloadPolicy() or OffloadPolicy()"),
+    }
+    for key, (types, fix) in accepted.items():
+        if kwargs.get(key) is not None and not isinstance(kwargs[key], types):
+            raise ValueError(f"fully_shard({key}={kwargs[key]!r}) is invalid; pass {fix}.")
+    reshard = kwargs.get("reshard_after_forward")
+    if not (reshard is None or isinstance(reshard, bool) or (isinstance(reshard, int) and reshard >= 1)):
+        raise ValueError(f"fully_shard(reshard_after_forward={reshard!r}) is invalid; use True, False, or a positive "
+                         "int that divides the shard group size.")
+
+
 def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
     """Shard `module` with FSDP2, accepting FSDP1 keywords with FSDP1's meaning; returns the module.
 
@@ -185,7 +201,11 @@ def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
             f"fully_shard got unknown keywords {sorted(unknown)}; FSDP1 keywords: {list(FSDP1_KEYWORDS)}, "
             f"FSDP1 switches FSDP2 does anyway: {list(NO_OP_KEYWORDS)}, FSDP2 keywords: {list(FSDP2_KEYWORDS)}."
         )
+    _check_fsdp2_keywords(kwargs)
     if not (fsdp1 or no_ops or prefetch):
+        if kwargs.get("mesh") is None and not dist.is_initialized():  # torch would try env:// and ask for RANK
+            raise RuntimeError("fully_shard needs an initialised process group (or mesh=): call f2.init_distributed() "
+                               "or torch.distributed.init_process_group() first.")
         return _torch_fully_shard(module, **kwargs)
     clashes = [(a, b) for a, b in (("mixed_precision", "mp_policy"), ("cpu_offload", "offload_policy"),
                                    ("ignored_modules", "ignored_params"), ("device_mesh", "mesh"),

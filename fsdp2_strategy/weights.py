@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Iterator
 
@@ -28,17 +29,74 @@ _ST_DTYPES = {
 }
 
 
+class DamagedWeightsError(ValueError):
+    """A weights file that cannot be what it claims to be (truncated, overwritten, not safetensors)."""
+
+    def __init__(self, path: Path, problem: str):
+        super().__init__(
+            f"{path} is damaged or not a safetensors file: {problem}. Nothing was loaded (the model is unchanged); "
+            "download or export the file again."
+        )
+
+
+def _read_header(path: Path) -> tuple[int, dict]:
+    """(size of the 8-byte length + JSON header, the header) of a safetensors file, checked
+    against the file's size before anything is allocated: the length field is untrusted input."""
+    size = path.stat().st_size
+    if size < 8:
+        raise DamagedWeightsError(path, f"it is {size} bytes long, shorter than the 8-byte header length")
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if length > size - 8:
+            raise DamagedWeightsError(path, f"its header length field says {length} bytes, but only {size - 8} follow")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DamagedWeightsError(path, f"its {length}-byte header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise DamagedWeightsError(path, f"its header is a JSON {type(header).__name__}, not an object")
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+def _check_entries(path: Path, header: dict, data_bytes: int) -> None:
+    """Every entry has a known dtype, a shape, and offsets that fit its size, the file and each other."""
+    spans = []
+    for name, entry in header.items():
+        try:
+            dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            numel = torch.Size(shape).numel()
+        except (TypeError, KeyError, ValueError):
+            raise DamagedWeightsError(path, f"header entry {name!r} is malformed: {entry!r}") from None
+        if not isinstance(dtype_name, str) or dtype_name not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {dtype_name!r}, which load_full_weights does not read; "
+                             f"supported: {', '.join(_ST_DTYPES)}. Convert the file (e.g. to F32 or BF16) first.")
+        nbytes = numel * _ST_DTYPES[dtype_name].itemsize
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_bytes):
+            raise DamagedWeightsError(path, f"tensor {name!r} has data_offsets [{begin}, {end}] outside the "
+                                            f"{data_bytes} data bytes of the file (truncated?)")
+        if end - begin != nbytes:
+            raise DamagedWeightsError(path, f"tensor {name!r} ({dtype_name}, shape {list(shape)}) needs {nbytes} "
+                                            f"bytes but its data_offsets span {end - begin}")
+        spans.append((begin, end, name))
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise DamagedWeightsError(path, f"the bytes of tensors {first!r} and {second!r} overlap")
+
+
 class _SafetensorsFile:
     """Header of one safetensors file: name -> (dtype, shape, absolute byte offset)."""
 
     def __init__(self, path: Path):
         self.path = path
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        header.pop("__metadata__", None)
+        data_start, header = _read_header(path)
+        # A file cut short keeps a valid header: the offsets are checked against the bytes
+        # that exist (a truncated download is reported here, before any tensor is touched).
+        _check_entries(path, header, path.stat().st_size - data_start)
         self.entries = {
-            k: (_ST_DTYPES[v["dtype"]], tuple(v["shape"]), 8 + size + v["data_offsets"][0]) for k, v in header.items()
+            k: (_ST_DTYPES[v["dtype"]], tuple(v["shape"]), data_start + v["data_offsets"][0]) for k, v in header.items()
         }
 
     def read_rows(self, name: str, start: int, out: torch.Tensor) -> None:
@@ -67,15 +125,50 @@ def _safetensors_files(path: Path) -> dict[str, _SafetensorsFile]:
         return dict.fromkeys(single.entries, single)
     index = path / SAFETENSORS_INDEX
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_weight_map(index)
         files = {f: _SafetensorsFile(path / f) for f in sorted(set(weight_map.values()))}
         return {name: files[f] for name, f in weight_map.items()}
     singles = sorted(path.glob("*.safetensors"))
     if len(singles) == 1:
         return _safetensors_files(singles[0])
+    found = f"{len(singles)} .safetensors files but no {SAFETENSORS_INDEX}" if singles else "no .safetensors file"
     raise FileNotFoundError(
-        f"{path}: expected a .safetensors file, a folder with {SAFETENSORS_INDEX}, or a torch checkpoint file."
+        f"load_full_weights: {path} holds {found}; pass a .safetensors file, a folder with "
+        f"{SAFETENSORS_INDEX}, or a torch checkpoint file."
     )
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor name -> file name map, every listed file present."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map is not a mapping of tensor names to file names")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"{index} is damaged: expected JSON with a \"weight_map\" of tensor names to file names "
+            f"({type(exc).__name__}: {exc}). Download or write the index again."
+        ) from None
+    missing = sorted({f for f in weight_map.values() if not (index.parent / f).is_file()})
+    if missing:
+        raise FileNotFoundError(f"{index} lists files that are not in {index.parent}: {missing}. "
+                                "Copy the whole folder (every shard the index names).")
+    return weight_map
+
+
+def _open_torch_file(path: Path) -> dict:
+    """A `torch.save`d state dict, memory-mapped; a file torch cannot read raises ValueError naming it."""
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as exc:
+        raise ValueError(
+            f"{path} is not a readable torch checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0]}). "
+            "It is damaged, or not written by torch.save (>= 1.6; re-save older files with torch.save). "
+            "Safetensors files need the .safetensors suffix."
+        ) from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict; save model.state_dict() instead.")
+    return state
 
 
 def _local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -111,6 +204,18 @@ def _check_keys(model_names: list[list[str]], available: set[str], path: Path) -
         )
 
 
+def _check_shapes(model: nn.Module, shapes: dict[str, tuple], path: Path) -> None:
+    """All shape mismatches at once, before any tensor is copied (so a mismatch leaves the model as it was)."""
+    wrong = [f"{key}: checkpoint {shapes[key]}, model {tuple(tensor.shape)}"
+             for names, tensor in _model_tensors(model)
+             for key in [next((n for n in names if n in shapes), None)]
+             if key is not None and tuple(shapes[key]) != tuple(tensor.shape)]
+    if wrong:
+        raise ValueError(f"{path} does not match the model: shape mismatch ({len(wrong)}): "
+                         + "; ".join(wrong[:10]) + (" ..." if len(wrong) > 10 else "")
+                         + ". Load the weights of the same architecture and size. Nothing was loaded.")
+
+
 @torch.no_grad()
 def load_full_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:
     """Load a full (unsharded) checkpoint into a sharded or meta-device model; returns `model`.
@@ -119,22 +224,31 @@ def load_full_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool
     a `torch.save` file of a state dict. Each rank reads only its own slices, so no rank holds
     more than its shards plus one tensor. A model still on the meta device is allocated on
     its mesh's device first (no random initialisation is run). With `strict`, missing or
-    unexpected keys raise `ValueError` listing them; shape mismatches always raise.
+    unexpected keys raise `ValueError` listing them; shape mismatches always raise. Every
+    file is checked first (a damaged one raises `ValueError` naming it), so an error leaves
+    the model unchanged.
     """
     path = Path(path)
-    if has_meta_tensors(model):
-        mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
-        model.to_empty(device=mesh_device(mesh) if mesh is not None else torch.device("cpu"))
-    entries = list(_model_tensors(model))
+    if not path.exists():
+        raise FileNotFoundError(f"load_full_weights: {path} does not exist; pass a .safetensors file, a folder "
+                                f"with {SAFETENSORS_INDEX}, or a torch checkpoint file.")
+    # Every source file is opened and checked before the model is touched.
     is_torch_file = path.is_file() and path.suffix not in (".safetensors",)
     if is_torch_file:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        state = _open_torch_file(path)
         available = set(state)
     else:
         files = _safetensors_files(path)
         available = set(files)
     if strict:
-        _check_keys([names for names, _ in entries], available, path)
+        _check_keys([names for names, _ in _model_tensors(model)], available, path)
+    shapes = ({k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)} if is_torch_file
+              else {k: f.entries[k][1] for k, f in files.items()})
+    _check_shapes(model, shapes, path)
+    if has_meta_tensors(model):
+        mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+        model.to_empty(device=mesh_device(mesh) if mesh is not None else torch.device("cpu"))
+    entries = list(_model_tensors(model))
     for names, tensor in entries:
         key = next((n for n in names if n in available), None)
         if key is None:
@@ -147,17 +261,11 @@ def load_full_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool
     return model
 
 
-def _check_shape(tensor: torch.Tensor, shape: tuple, key: str) -> None:
-    if tuple(tensor.shape) != tuple(shape):
-        raise ValueError(f"Shape mismatch for {key!r}: checkpoint has {tuple(shape)}, the model has {tuple(tensor.shape)}.")
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _copy_from_full(tensor: torch.Tensor, full: torch.Tensor, key: str) -> None:
-    _check_shape(tensor, full.shape, key)
     shape, offset = _local_region(tensor)
     index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
     _local(tensor).copy_(full[index])
@@ -165,7 +273,6 @@ def _copy_from_full(tensor: torch.Tensor, full: torch.Tensor, key: str) -> None:
 
 def _copy_from_safetensors(tensor: torch.Tensor, source: _SafetensorsFile, key: str) -> None:
     dtype, shape, _ = source.entries[key]
-    _check_shape(tensor, shape, key)
     local_shape, offset = _local_region(tensor)
     local = _local(tensor)
     rows_only = tensor.ndim == 0 or tuple(local_shape[1:]) == tuple(shape[1:])
