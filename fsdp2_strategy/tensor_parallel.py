@@ -137,6 +137,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Any, tp_mesh: DeviceMesh) -> d
             raise ValueError("FSDP2Config.tensor_parallel_plan callable must parallelise the model in place and "
                              "return None or the same model.")
         styles = {n: "callable" for n, m in model.named_modules() if _user_parallelised(m) and n not in before}
+    elif plan == "auto" and not declared_plan(model) and any(_user_parallelised(m) for m in model.modules()):
+        styles = {}  # no declared plan, and the user parallelised the model (e.g. in configure_model)
     else:
         resolved = resolve_plan(model, plan)
         check_sizes(model, resolved, tp_mesh.size())

@@ -43,7 +43,8 @@ STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 """LightningModule methods Lightning calls instead of `forward`; FSDP gathers the root around them."""
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
-_MODEL_KEY = "state_dict"  # Lightning's key for the model; optimizers are "optimizer_<i>"
+_MODEL_KEY = "state_dict"
+_AUTO = object()  # tensor_parallel_size="auto": the devices of one node, known once launched  # Lightning's key for the model; optimizers are "optimizer_<i>"
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -60,28 +61,54 @@ class FSDP2Strategy(ModelParallelStrategy):
             accelerator "cpu:gloo,<device>:<nccl...>" so CPU collectives (async
             checkpointing) have a backend too.
         timeout: process-group timeout; a rank that fails then ends the others.
-        **fields: `FSDP2Config` fields (`wrap_policy`, `sharding_strategy`, ...), overriding `config`.
+        data_parallel_size: as in `ModelParallelStrategy`: ranks in the "data_parallel" mesh dim;
+            "auto" (default): every rank outside tensor parallelism (ModelParallelStrategy's
+            "auto" is the node count, which shards nothing on one node).
+        save_distributed_checkpoint: as in `ModelParallelStrategy` (True: "sharded", False: "full").
+        **fields: `FSDP2Config` fields (`wrap_policy`, `sharding_strategy`, `tensor_parallel_size`,
+            `tensor_parallel_plan`, ...), overriding `config`. `tensor_parallel_size="auto"` means
+            ModelParallelStrategy's default, the devices of one node. A LightningModule that
+            parallelises itself in `configure_model` keeps its own tensor parallelism.
     """
 
     def __init__(
         self,
         config: Union[f2.FSDP2Config, dict, str, Path, None] = None,
-        state_dict_type: Literal["sharded", "full"] = "sharded",
+        state_dict_type: Optional[Literal["sharded", "full"]] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        data_parallel_size: Union[Literal["auto"], int] = "auto",
+        save_distributed_checkpoint: Optional[bool] = None,
         **fields: Any,
     ) -> None:
-        if state_dict_type not in ("sharded", "full"):
+        if state_dict_type not in (None, "sharded", "full"):
             raise ValueError(f"FSDP2Strategy.state_dict_type={state_dict_type!r} is invalid; use 'sharded' or 'full'.")
+        if save_distributed_checkpoint is not None and state_dict_type is not None and \
+                save_distributed_checkpoint != (state_dict_type == "sharded"):
+            raise ValueError(f"FSDP2Strategy(state_dict_type={state_dict_type!r}, save_distributed_checkpoint="
+                             f"{save_distributed_checkpoint}) disagree; give one of them.")
         if start_method not in _START_METHODS:
             raise ValueError(f"FSDP2Strategy.start_method={start_method!r} is invalid; use one of {_START_METHODS}.")
+        if fields.get("tensor_parallel_size") == "auto":
+            # ModelParallelStrategy's default: every device of a node in one TP group.
+            fields["tensor_parallel_size"] = _AUTO
+        if data_parallel_size != "auto" and (isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int)
+                                             or data_parallel_size < 1):
+            raise ValueError(f"FSDP2Strategy.data_parallel_size={data_parallel_size!r} is invalid; use 'auto' or an int >= 1.")
+        auto_tp = fields.get("tensor_parallel_size") is _AUTO
+        if auto_tp:
+            fields.pop("tensor_parallel_size")
         # `FSDP2Config(**fields)` spelled out (not only via `coerce`) lets LightningCLI's parser
         # see the config fields as this class's own `init_args`.
         self.fsdp2_config = f2.FSDP2Config(**fields) if config is None else f2.FSDP2Config.coerce(config, **fields)
         self._start_method = start_method
+        self._auto_tensor_parallel = auto_tp
+        sharded = save_distributed_checkpoint if save_distributed_checkpoint is not None else state_dict_type != "full"
         super().__init__(
-            save_distributed_checkpoint=state_dict_type == "sharded",
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=self.fsdp2_config.tensor_parallel_size,
+            save_distributed_checkpoint=sharded,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
@@ -112,10 +139,24 @@ class FSDP2Strategy(ModelParallelStrategy):
         return backend if device.type == "cpu" else f"cpu:gloo,{device.type}:{backend}"
 
     def setup_environment(self) -> None:
-        """Set up the process group and a ("data_parallel"=world size, "tensor_parallel"=1) mesh."""
-        # ModelParallelStrategy's "auto" sizes shard nothing on one node (data_parallel = nodes).
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
+        """Set up the process group and Lightning's ("data_parallel", "tensor_parallel") mesh.
+
+        ModelParallelStrategy's sizes keep their meaning; its "auto" data-parallel size (the node
+        count: nothing sharded on one node) becomes every rank outside tensor parallelism."""
+        world = self.num_nodes * self.num_processes
+        if self._auto_tensor_parallel:
+            self.fsdp2_config = dataclasses.replace(self.fsdp2_config, tensor_parallel_size=self.num_processes)
+        tp = self.fsdp2_config.tensor_parallel_size
+        if world % tp:
+            raise ValueError(f"FSDP2Strategy(tensor_parallel_size={tp}) does not divide the {world} processes "
+                             f"({self.num_nodes} node(s) x {self.num_processes}); use a divisor of {world}.")
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = world // tp
+        elif self._data_parallel_size * tp != world:
+            raise ValueError(f"FSDP2Strategy(data_parallel_size={self._data_parallel_size}, tensor_parallel_size={tp}) "
+                             f"needs {self._data_parallel_size * tp} processes, but there are {world}; their product "
+                             "must equal the number of processes.")
+        self._tensor_parallel_size = tp
         super().setup_environment()
 
     # ------------------------------------------------------------------ model
@@ -162,11 +203,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         return dataclasses.replace(self.fsdp2_config, **changes) if changes else self.fsdp2_config
 
     def _core_mesh(self):
-        """The 1-D data-parallel sub-mesh for 1-D strategies; None lets the core build hybrid meshes."""
+        """What `shard_model` shards on: Lightning's whole mesh with tensor parallelism (its last
+        dim is the TP one), else the 1-D data-parallel sub-mesh; None lets the core build hybrid meshes."""
         cfg = self.fsdp2_config
-        if not strategy(cfg.sharding_strategy).two_dim and cfg.mesh_shape is None:
-            return self.device_mesh["data_parallel"]
-        return None
+        if strategy(cfg.sharding_strategy).two_dim or cfg.mesh_shape is not None:
+            return None
+        return self.device_mesh if cfg.tensor_parallel_size > 1 else self.device_mesh["data_parallel"]
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
