@@ -120,9 +120,9 @@ SHARDING_ROWS = [
         ("process_group", "mesh=DeviceMesh")),
     Row("fully_shard FSDP1 param_init_fn", lambda e: f2.fully_shard(e.model, param_init_fn=print), ValueError,
         ("param_init_fn", "meta device")),
-    Row("fully_shard FSDP1 buffer_dtype", lambda e: f2.fully_shard(
-        e.model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.float16)), ValueError,
-        ("buffer_dtype", "drop buffer_dtype")),
+    Row("fully_shard FSDP1 keep_low_precision_grads", lambda e: f2.fully_shard(
+        e.model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)), ValueError,
+        ("keep_low_precision_grads", "Drop keep_low_precision_grads")),
     Row("fully_shard FSDP1 cpu_offload", lambda e: f2.fully_shard(e.model, cpu_offload="yes"), ValueError,
         ("cpu_offload='yes'", "CPUOffload(offload_params=True)")),
     Row("fully_shard FSDP1 sharding_strategy", lambda e: f2.fully_shard(e.model, sharding_strategy="FULL"), ValueError,

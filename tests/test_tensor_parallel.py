@@ -170,6 +170,12 @@ def _world_2x2(root: str) -> dict:
     if dist.get_rank() == 0:
         f2.export_full(ck.step_path(2), f"{root}/export")
     dist.barrier()
+    info = f2.inspect_checkpoint(ck.step_path(2))
+    out["inspect"] = (info.world_size, info.tensors["model.blocks.0.attn.q.weight"][0])
+    # Full weights into a 2x2 model: each rank reads its own (TP x FSDP) rows.
+    fresh2d = f2.shard_model(_model(seed=11), tensor_parallel_size=2, tensor_parallel_plan=PLAN, log_plan=False)
+    f2.load_full_weights(fresh2d, f"{root}/export/model.safetensors")
+    out["load_full_2d_rel"] = _rel({n: _full(p) for n, p in fresh2d.named_parameters()}, params[-1])
 
     # (4) a block the user made tensor-parallel and sharded on mesh["dp"], then shard_model on mesh["dp"].
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -244,6 +250,8 @@ def test_2x2_checkpoint_loads_on_4x1_and_one_process_and_exports(world):
     root, results = world
     for r in results:
         assert r["load_4x1_rel"] < 1e-6 and r["step_after_load_rel"] < 1e-5
+        assert r["load_full_2d_rel"] == 0.0
+        assert r["inspect"] == (4, (32, 32))
     one = run_distributed(_world_one, 1, root, timeout=TIMEOUT)[0]
     assert one["export_keys"] and one["export_rel"] == 0.0
 
