@@ -119,7 +119,7 @@ def write_dcp(state: dict, path: Path, writer: FileSystemWriter | None = None) -
         with single_process_quiet():
             dcp.save(state, storage_writer=writer or FileSystemWriter(str(path)), no_dist=not is_distributed())
     except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
-        raise RuntimeError(f"DCP save into {path} failed: {exc}") from exc
+        raise RuntimeError(f"DCP save into {path} failed: {dcp_failure(exc)}") from exc
 
 
 def commit(final: Path, *, replace: bool = False) -> None:
@@ -230,7 +230,13 @@ def load_dcp(state: dict, path: Path) -> None:
         with single_process_quiet():
             dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=not is_distributed())
     except CheckpointException as exc:
-        raise RuntimeError(f"DCP load from {path} failed: {exc}") from exc
+        raise RuntimeError(f"DCP load from {path} failed: {dcp_failure(exc)}") from exc
+
+
+def dcp_failure(exc: CheckpointException) -> str:
+    """The underlying errors of a DCP failure, one line each, by rank (DCP's own text is a traceback)."""
+    errors = sorted({f"{type(err).__name__}: {err}" for err, _ in exc.failures.values()})
+    return "; ".join(errors) or str(exc).splitlines()[0]
 
 
 def load_dir(path: Path, models: Models, optimizers: Optimizers | None = None, *, strict: bool = True,

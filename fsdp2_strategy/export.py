@@ -138,16 +138,10 @@ def _read(ckpt_dir: Path, metadata: Metadata, keys: dict[str, str], names: list[
             dcp.load(state, storage_reader=FileSystemReader(str(ckpt_dir)), no_dist=True)
         except CheckpointException as exc:  # a BaseException whose text is a whole traceback
             raise ValueError(
-                f"Reading the shards of {ckpt_dir} failed ({_dcp_failure(exc)}): the checkpoint is damaged or "
+                f"Reading the shards of {ckpt_dir} failed ({cdir.dcp_failure(exc)}): the checkpoint is damaged or "
                 "incomplete. Use an earlier step (step=N, or --step N)."
             ) from None
     return {name: (state[keys[name]].to(dtype) if dtype else state[keys[name]]).contiguous() for name in names}
-
-
-def _dcp_failure(exc: CheckpointException) -> str:
-    """The underlying error of a one-process DCP failure, in one line (no traceback text)."""
-    errors = {f"{type(err).__name__}: {err}" for err, _ in exc.failures.values()}
-    return "; ".join(sorted(errors)) or str(exc).splitlines()[0]
 
 
 def _progress(total: int, desc: str):
