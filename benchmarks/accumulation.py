@@ -25,7 +25,6 @@ import logging
 import os
 import sys
 import warnings
-from collections import Counter
 
 import torch
 import torch.distributed as dist

@@ -61,8 +61,8 @@ def _gather_each_group_once(model: nn.Module) -> None:
     not use some group which has never been gathered ("'FSDPParam' object has no attribute
     '_unsharded_param'"), e.g. a block first used on the last micro-batch. One unshard/reshard
     per group creates what that code path expects; it costs one all-gather of the model, once
-    per model. "sync_each" never switches sync off and "keep_gathered" gathers every group
-    anyway, so only "sync_last" needs it (tests/test_accumulation.py covers all three).
+    per model. "sync_each" never switches sync off, so it does not need it; "sync_last" and
+    "keep_gathered" do (tests/test_accumulation.py: a block first used on a later micro-batch).
     """
     if getattr(model, _PREPARED_ATTR, False):
         return
@@ -87,12 +87,12 @@ class _KeptGroups:
         self.pending: list[Any] = []
 
     def keep(self) -> None:
+        """Each group stays gathered once its forward has gathered it (with FSDP's prefetching)."""
         self.drop_pending()
         for module in self.modules:
             module.set_reshard_after_backward(False, recurse=False)
             for group in module._get_fsdp_state()._fsdp_param_groups:
                 group.post_forward_mesh_info = None  # what set_reshard_after_forward(False) writes
-            module.unshard()  # no-op when already gathered; else the one all-gather of this step
 
     def release_after_last_backward(self) -> None:
         """Reshard after the coming backward; restore each group's forward choice after its next forward."""
@@ -152,9 +152,8 @@ def pause_sync(model: nn.Module) -> None:
         for module in modules:
             module.set_requires_all_reduce(False, recurse=False)
     else:
-        if mode == "sync_last":
-            _gather_each_group_once(model)
-        else:
+        _gather_each_group_once(model)
+        if mode == "keep_gathered":
             _kept_groups(model).keep()
         for module in modules:
             module.set_requires_gradient_sync(False, recurse=False)

@@ -10,7 +10,6 @@ from typing import Iterable, Iterator, Union
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from . import accumulation

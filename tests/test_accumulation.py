@@ -257,7 +257,8 @@ def test_hsdp_all_reduces_on_the_last_micro_batch_only(results, mode):
 def test_micro_batch_that_skips_a_block(results, mode):
     # blocks.1 first used on micro-batch 2, blocks.2 unused on the last one, with bf16: torch 2.13
     # fails in "sync_last" without the one-time gather of every group (AttributeError
-    # '_unsharded_param', checked by disabling it); "keep_gathered" still gathers each group once.
+    # '_unsharded_param', checked by disabling it); "keep_gathered" still gathers each group once
+    # per step, blocks.1 included.
     r = results[("skip_block", mode)]
     assert r["reduce_scatters"] == {"sync_each": 3 + 4 + 3, "sync_last": GROUPS, "keep_gathered": GROUPS}[mode], r
     if mode == "keep_gathered":
