@@ -52,10 +52,12 @@ fsdp_config:
 
 # --------------------------------------------------------------------------- worker (one rank)
 def _accelerator(variant: str, accumulate: int):
-    if variant == OURS:
-        from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator
+    if variant.startswith(OURS):
+        from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin
 
-        return FSDP2Accelerator(gradient_accumulation_steps=accumulate)
+        mode = variant.partition(" ")[2]  # "FSDP2Accelerator keep_gathered": FSDP2Config.accumulation
+        plugin = FSDP2Plugin(accumulation=mode) if mode else None
+        return FSDP2Accelerator(fsdp_plugin=plugin, gradient_accumulation_steps=accumulate)
     from accelerate import Accelerator
 
     return Accelerator(gradient_accumulation_steps=accumulate)  # its own plugin, from the same config
@@ -160,6 +162,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="use_cpu: true (the default where no accelerator exists)")
     parser.add_argument("--cpu-env", action="store_true",
                         help="also set ACCELERATE_USE_CPU=true (needed for CPU runs on a machine with GPUs)")
+    parser.add_argument("--accumulation", nargs="+", default=None,
+                        help="FSDP2Config.accumulation modes to run as separate FSDP2Accelerator variants")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -171,9 +175,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "fsdp2.yaml"
         config.write_text(CONFIG.format(processes=args.processes, cpu=str(cpu).lower()))
-        runs: dict[str, list[dict]] = {OURS: [], STOCK: []}
+        ours = [f"{OURS} {m}" for m in args.accumulation] if args.accumulation else [OURS]
+        runs: dict[str, list[dict]] = {v: [] for v in [*ours, STOCK]}
         for r in range(args.rounds + 1):
-            for variant in (OURS, STOCK) if r % 2 == 0 else (STOCK, OURS):
+            for variant in list(runs) if r % 2 == 0 else list(runs)[::-1]:
                 result = launch(variant, config, args)
                 if r > 0:
                     runs[variant].append(result)
@@ -181,7 +186,7 @@ def main() -> None:
     print(f"{args.processes} processes on {device}, dim {args.dim}, {args.layers} blocks, batch {args.batch}, "
           f"accumulate {args.accumulate}, {args.steps} steps x {args.rounds} rounds")
     reference = reference_losses(args)
-    print(f"{'variant':<18} {'distributed_type':<27} {'model became':<14} {'median s/step':>13} {'p25-p75':>15} "
+    print(f"{'variant':<30} {'distributed_type':<27} {'model became':<14} {'median s/step':>13} {'p25-p75':>15} "
           f"{'n':>3} {'loss vs 1 process':>18}")
     medians = {}
     for variant, results in runs.items():
@@ -190,9 +195,12 @@ def main() -> None:
         q1, _, q3 = statistics.quantiles(times, n=4)
         # Largest relative difference from the one-process run of the same global batches.
         diff = max(abs(a - b) / max(abs(b), 1e-12) for res in results for a, b in zip(res["losses"], reference))
-        print(f"{variant:<18} {results[0]['distributed_type']:<27} {results[0]['wrapped']:<14} {medians[variant]:>13.4f} "
+        print(f"{variant:<30} {results[0]['distributed_type']:<27} {results[0]['wrapped']:<14} {medians[variant]:>13.4f} "
               f"{q1:>7.3f}-{q3:<7.3f} {len(times):>3} {diff:>18.2e}")
-    print(f"ours/stock step-time ratio {medians[OURS] / medians[STOCK]:.3f}")
+    if ours == [OURS]:
+        print(f"ours/stock step-time ratio {medians[OURS] / medians[STOCK]:.3f}")
+    for variant in ours[1:] if ours == [OURS] else ours:
+        print(f"{variant} / stock step-time ratio {medians[variant] / medians[STOCK]:.3f}")
 
 
 if __name__ == "__main__":

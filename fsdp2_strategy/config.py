@@ -26,6 +26,9 @@ SHARDING_STRATEGIES = strategies.NAMES
 PRECISION_NAMES = ("bf16", "fp16", "fp32")
 """Accepted strings for `FSDP2Config.mixed_precision`."""
 
+ACCUMULATION_MODES = ("sync_each", "sync_last", "keep_gathered")
+"""Accepted values for `FSDP2Config.accumulation` (see its docstring for the trade-off)."""
+
 WrapPolicy = Union[str, int, Callable[[nn.Module, str], bool], Sequence[Union[str, type]], type, None]
 
 
@@ -207,6 +210,23 @@ class FSDP2Config:
     "colwise", "rowwise", "sequence_parallel" (or "colwise_rep"/"rowwise_rep") or a torch
     `ParallelStyle`, or a callable `(model, tp_mesh)` that parallelises the model itself.
     Modules whose parameters are DTensors already (parallelised by the user) are left alone."""
+    accumulation: str = "sync_last"
+    """What the micro-batches of one optimizer step communicate under `f2.no_sync` (k micro-batches,
+    N shard ranks, P the bytes of all parameters, G of their gradients at the reduce dtype):
+
+    - "sync_each": reduce-scatter after every micro-batch; gradients stay sharded. Gradient
+      memory G/N per rank (the lowest); communication per step: k reduce-scatters of G and 2k
+      all-gathers of P (forward and backward, as without accumulation). What torchtitan does.
+    - "sync_last" (default): reduce-scatter on the last micro-batch only; unsharded gradients
+      (G per rank) are held across the micro-batches. 1 reduce-scatter of G and 2k all-gathers
+      of P per step.
+    - "keep_gathered": "sync_last", and parameters also stay unsharded from the first forward
+      of the step to the last backward (ZeRO-1/2 style). Memory of DDP: P + G per rank during
+      the step; 1 all-gather of P and 1 reduce-scatter of G per step (the bytes of DDP's one
+      all-reduce).
+
+    With HSDP the all-reduce across replicas runs on the last micro-batch only, in every mode.
+    Without `no_sync` (k = 1) the modes do not differ."""
 
     log_plan: bool = True
     """Log the sharding plan table on rank 0 after `shard_model`."""
@@ -226,6 +246,10 @@ class FSDP2Config:
         _check_nonneg_int(self.forward_prefetch, "FSDP2Config.forward_prefetch")
         _check_nonneg_int(self.backward_prefetch, "FSDP2Config.backward_prefetch")
         self.module_overrides = self._validated_overrides(self.module_overrides)
+        if self.accumulation not in ACCUMULATION_MODES:
+            raise ValueError(
+                f"FSDP2Config.accumulation={self.accumulation!r} is invalid; use one of {', '.join(ACCUMULATION_MODES)}."
+            )
         self._validate_tensor_parallel()
 
     def _validate_tensor_parallel(self) -> None:

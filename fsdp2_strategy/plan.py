@@ -8,10 +8,18 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from .accumulation import DEFAULT_MODE, mode_of
 from .groups import GROUP_ATTR, own_named_params
 from .precision import describe_precision
 from .replicated import SCALAR_REASON, replicated_params_of
 from .tensor_parallel import tp_summary
+
+
+ACCUMULATION_SUMMARY = {
+    "sync_each": "reduce-scatter every micro-batch, sharded gradients",
+    "sync_last": "reduce on the last micro-batch, unsharded gradients held",
+    "keep_gathered": "reduce on the last micro-batch, parameters gathered for the whole step",
+}
 
 
 @dataclass
@@ -47,6 +55,8 @@ class ShardingPlan:
     """The plan of a sharded model; `str()` renders a table."""
 
     groups: list[GroupPlan] = field(default_factory=list)
+    accumulation: str = DEFAULT_MODE
+    """The `FSDP2Config.accumulation` mode `f2.no_sync` follows for this model."""
 
     @property
     def total_params(self) -> int:
@@ -70,6 +80,7 @@ class ShardingPlan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append(f"gradient accumulation: {self.accumulation} ({ACCUMULATION_SUMMARY[self.accumulation]})")
         return "\n".join(lines)
 
 
@@ -84,7 +95,7 @@ def _local_bytes(p) -> int:
 
 def sharding_plan(model: nn.Module) -> ShardingPlan:
     """Describe every FSDP group of `model` plus replicated scalars, one row each."""
-    plan = ShardingPlan()
+    plan = ShardingPlan(accumulation=mode_of(model))
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.distributed.tensor import DTensor
 
+from .accumulation import record_mode
 from .config import FSDP2Config
 from .distributed import log_rank_zero
 from .groups import GROUP_ATTR, GroupSettings, own_named_params, select_groups, settings_for, top_level
@@ -72,6 +73,7 @@ def shard_model(
     for name, settings, group_mesh in reversed(specs):  # children before parents, root last
         _shard_one(model.get_submodule(name), name, settings, group_mesh, skip_fsdp)
     mark_replaced_params(params_before, model)
+    record_mode(model, config.accumulation)
 
     _set_prefetch(model, top_level(groups), config.forward_prefetch, config.backward_prefetch)
     _guard_direct_forward(model)

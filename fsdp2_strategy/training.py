@@ -10,60 +10,45 @@ from typing import Iterable, Iterator, Union
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from .replicated import replicated_params_of
+from . import accumulation
 
 _REPLACED = "_fsdp2_replaced_by_sharding"
 
 
 # --------------------------------------------------------------------------- accumulation
-_PREPARED = "_fsdp2_accumulation_ready"
-
-
-def _prepare_for_accumulation(model: nn.Module) -> None:
-    """Gather and free every group once before the first unsynchronised backward.
-
-    torch 2.13 (with a mixed-precision policy) fails in the backward of a micro-batch that
-    does not use some group which has never been gathered ("'FSDPParam' object has no
-    attribute '_unsharded_param'"), e.g. a block first used on the last micro-batch. One
-    unshard/reshard per group creates what that code path expects; it costs one all-gather
-    of the model, once per model.
-    """
-    if getattr(model, _PREPARED, False):
-        return
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.unshard()
-            module.reshard()
-    setattr(model, _PREPARED, True)
-
-
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Turn gradient reduction on or off for every FSDP group and replicated parameter of `model`."""
-    if not enabled:
-        _prepare_for_accumulation(model)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_requires_gradient_sync(enabled, recurse=False)
-    replicated = replicated_params_of(model)
-    if replicated is not None:
-        replicated.requires_sync = enabled
+    """Turn gradient reduction off before a non-final micro-batch, on before the last one.
+
+    What "off" skips follows the model's `FSDP2Config.accumulation` mode: the reduce-scatter
+    ("sync_last"), also the re-gathering of parameters ("keep_gathered"), or only HSDP's
+    replicate all-reduce ("sync_each"). Replicated scalar parameters sync on the last only.
+    """
+    if enabled:
+        accumulation.resume_sync(model)
+    else:
+        accumulation.pause_sync(model)
 
 
 @contextlib.contextmanager
 def no_sync(*models: nn.Module) -> Iterator[None]:
-    """Skip gradient reduction inside the context (all micro-batches but the last).
+    """Accumulate without the full reduction inside the context (all micro-batches but the last).
 
-    Gradients accumulate unreduced on each rank; the first backward outside the context
-    reduces the sum. Sync is switched back on when the context exits, also on an exception.
+    Follows each model's `FSDP2Config.accumulation` mode (default "sync_last": gradients
+    accumulate unreduced on each rank and the first backward outside the context reduces the
+    sum). Sync is switched back on when the context exits; on an exception, parameters that
+    "keep_gathered" held unsharded are also resharded.
     """
     try:
         for model in models:
             set_gradient_sync(model, False)
         yield
-    finally:
+    except BaseException:
+        for model in models:
+            accumulation.abandon(model)
+        raise
+    else:
         for model in models:
             set_gradient_sync(model, True)
 

@@ -127,6 +127,19 @@ def test_accumulate_skips_reduce_scatter_until_the_last_micro_batch(flows):
     assert r["param_rel"] < TOL
 
 
+def test_accumulation_modes_through_accumulate(flows):
+    r = flows["accumulation_modes"]
+    kept, each = r["keep_gathered"], r["sync_each_batch"]
+    # keep_gathered: every FSDP group reduce-scattered once and all-gathered once per optimizer step,
+    # plus the one-time gather of every group before the first unsynchronised backward.
+    assert kept["mode"] == "keep_gathered" and kept["all_gathers"] == 2 * kept["reduce_scatters"] > 0
+    # sync_each_batch=True is "sync_each": a reduce-scatter per group on both micro-batches.
+    assert each["mode"] == "sync_each" and each["reduce_scatters"] == 2 * kept["reduce_scatters"]
+    assert each["all_gathers"] > kept["all_gathers"]
+    assert kept["param_rel"] < TOL and each["param_rel"] < TOL
+    assert "sync_each_batch=True" in r["conflict_error"] and "accumulation='keep_gathered'" in r["conflict_error"]
+
+
 def test_clip_grad_norm_is_the_global_norm(flows):
     r = flows["clipping"]
     assert r["norm_is_plain"] and abs(r["norm"] - r["ref_norm"]) <= TOL * r["ref_norm"]

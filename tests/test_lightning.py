@@ -102,6 +102,20 @@ def test_accumulation_reduces_once_per_optimizer_step(flows):
     assert r["max_rel_diff"] < TOL  # the accumulated step equals one step on the whole batch
 
 
+def test_accumulation_modes_under_accumulate_grad_batches(flows):
+    r = flows["accumulation_modes"]
+    g, k = r["keep_gathered"]["groups"], 2
+    for mode in ("sync_each", "sync_last", "keep_gathered"):
+        assert r[mode]["plan_mode"] == mode and r[mode]["max_rel_diff"] < TOL, r[mode]
+    assert r["sync_each"]["reduce_scatters"] == k * g  # every micro-batch
+    assert r["sync_last"]["reduce_scatters"] == r["keep_gathered"]["reduce_scatters"] == g  # the last only
+    # Per step, sync modes gather k * (2 per resharded block + 1 for the root and 1 for the last block),
+    # keep_gathered each group once; sync_last and keep_gathered add a one-time gather of every group.
+    # The rest of the fit (the same in every mode) cancels out.
+    assert r["sync_last"]["all_gathers"] - r["keep_gathered"]["all_gathers"] == k * (2 * (g - 2) + 2) - g
+    assert r["sync_last"]["all_gathers"] - r["sync_each"]["all_gathers"] == g
+
+
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
 def test_gradient_clipping_matches_single_process(flows, algorithm):
     r = flows["clipping"][algorithm]

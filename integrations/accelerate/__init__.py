@@ -13,7 +13,11 @@ What changes against the stock `Accelerator` (same arguments, same methods):
   a model alone for evaluation) and points optimizers built before it at the shards;
   on CPU it runs real FSDP2 over gloo, where Accelerate 1.15 falls back to DDP or to
   unsynchronised processes;
-- `accumulate`/`no_sync` skip the reduce-scatter on non-final micro-batches (core `no_sync`);
+- `accumulate`/`no_sync` follow `FSDP2Config.accumulation` on non-final micro-batches (core
+  `no_sync`): "sync_last" (default) skips the reduce-scatter, "keep_gathered" also keeps the
+  parameters gathered for the whole step (one all-gather per group per optimizer step), and
+  `GradientAccumulationPlugin(sync_each_batch=True)` selects "sync_each" (reduce every
+  micro-batch, sharded gradients; HSDP's all-reduce still waits for the last one);
   `clip_grad_norm_` is the core's global norm; mixed precision is an FSDP2 policy
   ("bf16": bf16 compute, fp32 master weights and gradient reduction), not autocast;
 - `save_state`/`load_state` write and read atomic, checksummed DCP directories (any world

@@ -118,8 +118,22 @@ class FSDP2Accelerator(Accelerator):
 
     @property
     def fsdp2_config(self) -> f2.FSDP2Config:
-        """The core config every prepared model is sharded with."""
-        return self.fsdp_plugin.fsdp2_config
+        """The core config every prepared model is sharded with.
+
+        `GradientAccumulationPlugin(sync_each_batch=True)` means "reduce every micro-batch": the
+        config's `accumulation` becomes "sync_each" (combined with "keep_gathered" it raises)."""
+        config = self.fsdp_plugin.fsdp2_config
+        if not self._sync_each_batch() or config.accumulation == "sync_each":
+            return config
+        if config.accumulation == "keep_gathered":
+            raise ValueError(
+                "GradientAccumulationPlugin(sync_each_batch=True) reduces every micro-batch, but the FSDP2 config "
+                "has accumulation='keep_gathered'; drop sync_each_batch or set accumulation='sync_each'."
+            )
+        return f2.FSDP2Config.coerce(config, accumulation="sync_each")
+
+    def _sync_each_batch(self) -> bool:
+        return bool(self.gradient_state.plugin_kwargs.get("sync_each_batch", False))
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
@@ -182,9 +196,19 @@ class FSDP2Accelerator(Accelerator):
     # ------------------------------------------------------------------ training step
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        """Skip gradient reduction for `model` inside the block (`accumulate` uses it on
-        non-final micro-batches): the first backward outside reduces the accumulated sum."""
+        """Accumulate without the full reduction inside the block (`accumulate` uses it on
+        non-final micro-batches), as the model's `FSDP2Config.accumulation` mode says."""
         with f2.no_sync(model):
+            yield
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """Accelerate's `accumulate`; with `sync_each_batch=True` the non-final micro-batches still
+        enter `no_sync`, which under "sync_each" reduce-scatters and only defers HSDP's all-reduce."""
+        with super().accumulate(*models), contextlib.ExitStack() as stack:
+            if self._sync_each_batch() and not self.sync_gradients:
+                for model in models:
+                    stack.enter_context(self.no_sync(model))
             yield
 
     def clip_grad_norm_(self, parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,

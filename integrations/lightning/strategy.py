@@ -212,7 +212,9 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """No gradient reduction on the micro-batches `accumulate_grad_batches` accumulates."""
+        """The micro-batches `accumulate_grad_batches` accumulates follow `FSDP2Config.accumulation`:
+        "sync_last" (default) reduces on the last only, "keep_gathered" also keeps parameters
+        gathered for the whole step, "sync_each" reduces every micro-batch (sharded gradients)."""
         with f2.no_sync(self.model):
             yield
 

@@ -147,6 +147,45 @@ def accumulation(out: dict, work: Path) -> None:
                micro_batches=len(micro))
 
 
+def accumulation_modes(out: dict, work: Path) -> None:
+    """2 micro-batches per step under FSDP2Plugin(accumulation="keep_gathered"), and under
+    GradientAccumulationPlugin(sync_each_batch=True) ("sync_each"); last in FLOWS, because
+    accelerate keeps the gradient plugin's settings in shared state."""
+    from accelerate.utils import GradientAccumulationPlugin
+
+    cases = {
+        "keep_gathered": dict(fsdp_plugin=FSDP2Plugin(accumulation="keep_gathered"), gradient_accumulation_steps=2),
+        "sync_each_batch": dict(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)),
+    }
+    for name, kwargs in cases.items():
+        model, initial = fresh(3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        acc = FSDP2Accelerator(mixed_precision="no", **kwargs)
+        dl = DataLoader(Subset(dataset(), range(16)), batch_size=PER_RANK)  # 2 micro-batches per rank
+        model, opt, dl = acc.prepare(model, opt, dl)
+        micro = []
+        with count_collectives() as counts:
+            for idx, x, y in dl:
+                with acc.accumulate(model):
+                    acc.backward(lm_loss(model, x, y))
+                    opt.step()
+                    opt.zero_grad()
+                micro.append(idx.tolist())
+        per_rank = gather(micro)
+        ref, _, _ = reference(initial, [[i for rank in per_rank for i in rank[m]] for m in range(len(micro))])
+        plan = f2.sharding_plan(model)
+        out[name] = dict(mode=plan.accumulation, groups=len(plan.groups), reduce_scatters=reduce_scatters(counts),
+                         all_gathers=sum(v for k, v in counts.items() if k.startswith("all_gather")),
+                         param_rel=max_rel_diff(full_params(model), ref))
+    try:
+        FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(accumulation="keep_gathered"), mixed_precision="no",
+                         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)).fsdp2_config
+        out["conflict_error"] = None
+    except ValueError as exc:
+        out["conflict_error"] = str(exc)
+    FSDP2Accelerator(mixed_precision="no", gradient_accumulation_steps=1)  # sync_each_batch back off for later flows
+
+
 def clipping(out: dict, work: Path) -> None:
     model, initial = fresh(4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -391,7 +430,7 @@ def launch_variant(out: dict, work: Path) -> None:
 
 
 FLOWS = [config_from_launch, parity, variants, accumulation, clipping, bf16, fp16, multi_model, evaluation, checkpoints,
-         hf_export, rank0_loading]
+         hf_export, rank0_loading, accumulation_modes]
 """Run under fsdp2.yaml (the default when no flow names are given)."""
 VARIANT_FLOWS = [config_from_launch, launch_variant]
 """Run under fsdp2_variant.yaml."""

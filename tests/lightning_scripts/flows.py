@@ -99,6 +99,19 @@ def accumulation(out: dict, work: Path) -> None:
                max_rel_diff=max_rel_diff(full_params(model), ref))
 
 
+def accumulation_modes(out: dict, work: Path) -> None:
+    """accumulate_grad_batches=2 under each FSDP2Config.accumulation mode: collectives and parity."""
+    for mode in ("sync_each", "sync_last", "keep_gathered"):
+        model, initial = _fresh()
+        with count_collectives() as counts:
+            trainer(FSDP2Strategy(accumulation=mode), max_steps=1, accumulate_grad_batches=2).fit(model, loader(BATCH))
+        ref, _ = reference_step(initial, _all_indices(model))
+        plan = f2.sharding_plan(model)
+        out[mode] = dict(plan_mode=plan.accumulation, groups=len(plan.groups), reduce_scatters=_rs(counts),
+                         all_gathers=sum(v for k, v in counts.items() if k.startswith("all_gather")),
+                         max_rel_diff=max_rel_diff(full_params(model), ref))
+
+
 def clipping(out: dict, work: Path) -> None:
     for algorithm, value in (("norm", 0.05), ("value", 0.002)):
         model, initial = _fresh()
@@ -286,7 +299,7 @@ def checkpoints(out: dict, work: Path) -> None:
     out["damaged_errors_all_ranks"] = gather(out["damaged_error"] is not None)
 
 
-FLOWS = [one_step_parity, registry_variants, accumulation, clipping, precision, evaluation, manual_configure_model, meta_init, checkpoints]
+FLOWS = [one_step_parity, registry_variants, accumulation, accumulation_modes, clipping, precision, evaluation, manual_configure_model, meta_init, checkpoints]
 
 
 def main(out_path: str, work: str) -> None:

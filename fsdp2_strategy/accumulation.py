@@ -1,0 +1,210 @@
+"""Gradient accumulation modes: what the non-final micro-batches of an optimizer step skip.
+
+`shard_model` records `FSDP2Config.accumulation` on the model; `training.no_sync` and
+`training.set_gradient_sync` call `pause_sync` before the non-final micro-batches and
+`resume_sync` before the last one. Per mode (see `FSDP2Config.accumulation`):
+
+- "sync_each": only the replicate all-reduce of HSDP is deferred (`set_requires_all_reduce`);
+  the reduce-scatter runs every micro-batch.
+- "sync_last": no reduction at all until the last micro-batch (`set_requires_gradient_sync`).
+- "keep_gathered": "sync_last", and every group stays unsharded from the first forward to the
+  last backward (`set_reshard_after_backward(False)` and no reshard after forward). On the last
+  micro-batch the groups reshard after backward again, and each group's own reshard-after-forward
+  choice comes back once its last forward has run, so each group is all-gathered once per step.
+
+An exception inside a micro-batch calls `abandon`: sync back on, every group resharded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from .config import ACCUMULATION_MODES
+from .replicated import replicated_params_of
+
+MODE_ATTR = "_fsdp2_accumulation"
+DEFAULT_MODE = "sync_last"
+_KEPT_ATTR = "_fsdp2_kept_gathered"
+_PREPARED_ATTR = "_fsdp2_accumulation_ready"
+
+
+def record_mode(model: nn.Module, mode: str) -> None:
+    """Remember the accumulation mode `no_sync` follows for `model`."""
+    if mode not in ACCUMULATION_MODES:
+        raise ValueError(f"accumulation={mode!r} is invalid; use one of {', '.join(ACCUMULATION_MODES)}.")
+    setattr(model, MODE_ATTR, mode)
+
+
+def mode_of(model: nn.Module) -> str:
+    """The mode recorded by `shard_model` ("sync_last" for models sharded some other way)."""
+    return getattr(model, MODE_ATTR, DEFAULT_MODE)
+
+
+def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _set_replicated_sync(model: nn.Module, enabled: bool) -> None:
+    replicated = replicated_params_of(model)
+    if replicated is not None:
+        replicated.requires_sync = enabled
+
+
+# --------------------------------------------------------------------------- sync_last
+def _gather_each_group_once(model: nn.Module) -> None:
+    """Gather and free every group once before the first unsynchronised backward ("sync_last").
+
+    torch 2.13 with a mixed-precision policy fails in the backward of a micro-batch that does
+    not use some group which has never been gathered ("'FSDPParam' object has no attribute
+    '_unsharded_param'"), e.g. a block first used on the last micro-batch. One unshard/reshard
+    per group creates what that code path expects; it costs one all-gather of the model, once
+    per model. "sync_each" never switches sync off, so it does not need it; "sync_last" and
+    "keep_gathered" do (tests/test_accumulation.py: a block first used on a later micro-batch).
+    """
+    if getattr(model, _PREPARED_ATTR, False):
+        return
+    for module in _fsdp_modules(model):
+        module.unshard()
+        module.reshard()
+    setattr(model, _PREPARED_ATTR, True)
+
+
+# --------------------------------------------------------------------------- keep_gathered
+class _KeptGroups:
+    """The groups "keep_gathered" holds unsharded, with their own reshard-after-forward choice.
+
+    torch's `set_reshard_after_forward` takes only a bool, while a group's choice can be an int
+    (reshard onto a smaller group): the choice is saved and restored as torch stores it
+    (`post_forward_mesh_info` of each parameter group), after the root's lazy init has fixed it.
+    """
+
+    def __init__(self, modules: list[FSDPModule]):
+        self.modules = modules
+        self.saved = [[(g, g.post_forward_mesh_info) for g in m._get_fsdp_state()._fsdp_param_groups] for m in modules]
+        self.pending: list[Any] = []
+
+    def keep(self) -> None:
+        """Each group stays gathered once its forward has gathered it (with FSDP's prefetching)."""
+        self.drop_pending()
+        for module in self.modules:
+            module.set_reshard_after_backward(False, recurse=False)
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                group.post_forward_mesh_info = None  # what set_reshard_after_forward(False) writes
+
+    def release_after_last_backward(self) -> None:
+        """Reshard after the coming backward; restore each group's forward choice after its next forward."""
+        self.drop_pending()
+        for module, saved in zip(self.modules, self.saved):
+            module.set_reshard_after_backward(True, recurse=False)
+            handle = module.register_forward_hook(_restore_hook(saved), always_call=True)
+            self.pending.append(handle)
+
+    def restore_flags(self) -> None:
+        """Each group's own reshard choices back at once (after an exception)."""
+        self.drop_pending()
+        for module, saved in zip(self.modules, self.saved):
+            module.set_reshard_after_backward(True, recurse=False)
+            _restore(saved)
+
+    def drop_pending(self) -> None:
+        for handle in self.pending:
+            handle.remove()
+        self.pending = []
+
+
+def _restore(saved) -> None:
+    for group, info in saved:
+        group.post_forward_mesh_info = info
+
+
+def _restore_hook(saved):
+    def hook(module, args, output):
+        # Runs after FSDP's own post-forward (registered later), so this forward kept the
+        # group gathered for its backward; later forwards use the group's own choice.
+        _restore(saved)
+        return None
+
+    return hook
+
+
+def _kept_groups(model: nn.Module) -> _KeptGroups:
+    kept = getattr(model, _KEPT_ATTR, None)
+    if kept is None:
+        modules = _fsdp_modules(model)
+        if modules:
+            # The root's lazy init (normally at its first forward) decides its reshard choice;
+            # run it now so the saved choices are the final ones. It is idempotent.
+            modules[0]._get_fsdp_state()._lazy_init()
+        kept = _KeptGroups(modules)
+        setattr(model, _KEPT_ATTR, kept)
+    return kept
+
+
+# --------------------------------------------------------------------------- entry points
+def pause_sync(model: nn.Module) -> None:
+    """Before a non-final micro-batch: skip what the model's mode skips."""
+    mode = mode_of(model)
+    modules = _fsdp_modules(model)
+    if mode == "sync_each":
+        for module in modules:
+            module.set_requires_all_reduce(False, recurse=False)
+    else:
+        _gather_each_group_once(model)
+        if mode == "keep_gathered":
+            _kept_groups(model).keep()
+        for module in modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+    _set_replicated_sync(model, False)
+
+
+def resume_sync(model: nn.Module) -> None:
+    """Before the last micro-batch: reduce everything accumulated in its backward."""
+    for module in _fsdp_modules(model):
+        module.set_requires_gradient_sync(True, recurse=False)  # also turns the all-reduce back on
+    _set_replicated_sync(model, True)
+    kept = getattr(model, _KEPT_ATTR, None)
+    if kept is not None and mode_of(model) == "keep_gathered":
+        kept.release_after_last_backward()
+
+
+def _drop_unreduced_grads(modules: list[FSDPModule]) -> None:
+    """Forget the gradients unsynchronised backwards accumulated on the unsharded parameters.
+
+    They live outside `model.parameters()` (so `zero_grad` misses them), and torch 2.13's
+    `reset_iter_state` leaves them too: the next synchronised backward would add them to its
+    reduction (measured: gradients of the next step doubled).
+    """
+    for module in modules:
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for param in group.fsdp_params:
+                param.unsharded_accumulated_grad = None
+                if hasattr(param, "_unsharded_param"):
+                    param._unsharded_param.grad = None
+
+
+def abandon(model: nn.Module) -> None:
+    """After an exception inside a micro-batch: sync on, nothing left gathered, FSDP's iteration reset.
+
+    The micro-batches accumulated so far are lost (torch's `reset_iter_state` discards pending
+    reductions): zero the gradients and start the step again.
+    """
+    modules = _fsdp_modules(model)
+    for module in modules:
+        module.set_requires_gradient_sync(True, recurse=False)
+    _set_replicated_sync(model, True)
+    kept = getattr(model, _KEPT_ATTR, None)
+    if kept is not None:
+        kept.restore_flags()
+    _drop_unreduced_grads(modules)
+    if modules and hasattr(modules[0], "reset_iter_state"):
+        # The root (outermost group): reshards every group and clears FSDP's per-iteration
+        # state, which an aborted forward or backward leaves half-way. It needs the root's lazy
+        # init (idempotent), which has not run when the exception came before any forward.
+        modules[0]._get_fsdp_state()._lazy_init()
+        modules[0].reset_iter_state()
+    else:  # torch before reset_iter_state: free what is gathered
+        for module in modules:
+            module.reshard()
