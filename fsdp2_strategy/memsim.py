@@ -16,7 +16,7 @@ import copy
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -383,8 +383,9 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     loss = getattr(out, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
-    first = next(t for t in tree_flatten(out if not hasattr(out, "values") else list(out.values()))[0]
-                 if isinstance(t, torch.Tensor))
+    if isinstance(out, Mapping):  # Hugging Face ModelOutput is an OrderedDict
+        out = list(out.values())
+    first = next(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
     return first.float().mean()
 
 

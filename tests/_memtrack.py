@@ -100,8 +100,10 @@ MODELS = {
 }
 
 
-def train_step(model, opt, batch, loss_fn, micro_batches: int, accumulation: str) -> None:
+def train_step(model, opt, batch, loss_fn, micro_batches: int, accumulation: str, tracker=None) -> None:
     for i in range(micro_batches):
+        if tracker is not None and i:
+            tracker.reset_mod_stats()  # MemTracker refuses a second forward otherwise; totals are kept
         last = i == micro_batches - 1
         skip_sync = not last and accumulation != "sync_each"
         with f2.no_sync(model) if skip_sync else contextlib.nullcontext():
@@ -123,7 +125,7 @@ def measure_peak(model_name: str, config: dict, optimizer="adamw", micro_batches
     tracker = MemTracker()
     tracker.track_external(model, opt)
     with tracker:
-        train_step(model, opt, batch, loss_fn, micro_batches, accumulation)
+        train_step(model, opt, batch, loss_fn, micro_batches, accumulation, tracker)
     snapshot = tracker.get_tracker_snapshot("peak")
     return max(s["Total"] for s in snapshot.values())
 
