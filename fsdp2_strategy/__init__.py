@@ -13,6 +13,7 @@ from .plan import ShardingPlan, sharding_plan
 from .sharding import shard_model
 from .export import export_full, inspect_checkpoint
 from .estimate import MemoryEstimate, estimate_memory
+from .planner import StrategyComparison, compare_strategies
 from .weights import load_full_weights
 from .training import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, set_gradient_sync
 
@@ -22,9 +23,11 @@ __all__ = [
     "MemoryEstimate",
     "ModuleOverride",
     "ShardingPlan",
+    "StrategyComparison",
     "check_optimizer",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "compare_strategies",
     "estimate_memory",
     "export_full",
     "fully_shard",
