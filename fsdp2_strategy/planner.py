@@ -71,7 +71,7 @@ class StrategyComparison:
         widths = [max(len(str(row[i])) for row in lines) for i in range(len(header))]
         text = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in lines]
         if self.budget is not None:
-            text.append(f"budget {self.budget / gib:.3f} GiB per rank. {self.reason}")
+            text.append(f"budget {human_bytes(self.budget)} per rank. {self.reason}")
         return "\n".join(text)
 
 
@@ -150,27 +150,38 @@ def _recommend(comparison: StrategyComparison, world_size: int) -> StrategyCompa
                              f"({best.estimate.communication_bytes / 2**30:.3f} GiB/step) of the "
                              f"{len(fitting)} settings that fit.")
     else:
-        smallest = min(comparison.rows, key=lambda r: r.estimate.peak_bytes)
-        comparison.reason = nothing_fits_message(smallest, comparison.budget, world_size)
+        comparison.reason = nothing_fits_message(comparison.rows, comparison.budget, world_size)
     return comparison
 
 
-def nothing_fits_message(smallest: PlanRow, budget: int, world_size: int) -> str:
+def human_bytes(n: float) -> str:
+    """1536 -> "1.50 KiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def nothing_fits_message(rows: list[PlanRow], budget: int, world_size: int) -> str:
     """What to change when no setting fits: the smallest peak found and the levers left."""
-    est = smallest.estimate
-    gib = 2**30
-    # Sharded state shrinks with more ranks; gathered groups and activations do not.
-    states = est.param_bytes + est.grad_bytes + est.optimizer_bytes
-    fixed = est.peak_bytes - states
+    smallest = min(rows, key=lambda r: r.estimate.peak_bytes)
     more = ""
-    if fixed < budget and states:
-        ranks = world_size
-        while fixed + states * world_size / ranks > budget and ranks < world_size * 1024:
-            ranks *= 2
-        more = f" about {ranks} ranks (sharded state shrinks with the rank count),"
-    return (f"No setting fits {budget / gib:.3f} GiB per rank: the smallest peak is {est.peak_bytes / gib:.3f} GiB "
-            f"({smallest.label}). Options:{more} CPU offload and activation checkpointing (if not tried), a "
-            "smaller micro-batch or sequence, mixed_precision='bf16', or a larger memory_budget.")
+    for row in sorted(rows, key=lambda r: r.estimate.peak_bytes):
+        est = row.estimate
+        # Sharded state shrinks with more ranks; gathered groups, buffers and activations do not.
+        states = est.param_bytes + est.grad_bytes + est.optimizer_bytes
+        fixed = est.peak_bytes - states
+        if row.estimate.shard_size > 1 and states and fixed < budget:
+            ranks = world_size
+            while fixed + states * world_size / ranks > budget:
+                ranks *= 2
+            more = f" about {ranks} ranks with {row.label} (its sharded state shrinks with the rank count);"
+            break
+    return (f"No setting fits {human_bytes(budget)} per rank: the smallest peak is "
+            f"{human_bytes(smallest.estimate.peak_bytes)} ({smallest.label}). Options:{more} CPU offload and "
+            "activation checkpointing (if not tried), a smaller micro-batch or sequence, mixed_precision='bf16', "
+            "or a larger memory_budget.")
 
 
 def resolve_auto(model: nn.Module, config: FSDP2Config, world_size: int, nodes: int) -> tuple[FSDP2Config, str]:
@@ -192,10 +203,10 @@ def resolve_auto(model: nn.Module, config: FSDP2Config, world_size: int, nodes: 
             model, dataclasses.replace(config, sharding_strategy="FULL_SHARD"), world_size=world_size, nodes=nodes,
             device_memory=budget, strategies=("FULL_SHARD",), offload=(True,), checkpointing=(False, True),
             optimizer="adamw")
-        smallest = min(comparison.rows + extra.rows, key=lambda r: r.estimate.peak_bytes)
-        raise ValueError("FSDP2Config(sharding_strategy='auto'): " + nothing_fits_message(smallest, budget, world_size))
+        raise ValueError("FSDP2Config(sharding_strategy='auto'): "
+                         + nothing_fits_message(comparison.rows + extra.rows, budget, world_size))
     best = comparison.recommended
-    reason = (f"sharding_strategy='auto' chose {best.strategy} for a budget of {budget / 2**30:.3f} GiB per rank "
-              f"(estimated peak {best.estimate.peak_bytes / 2**30:.3f} GiB without activations, AdamW): "
+    reason = (f"sharding_strategy='auto' chose {best.strategy} for a budget of {human_bytes(budget)} per rank "
+              f"(estimated peak {human_bytes(best.estimate.peak_bytes)} without activations, AdamW): "
               + comparison.reason + "\n" + str(comparison))
     return dataclasses.replace(config, sharding_strategy=best.strategy), reason
