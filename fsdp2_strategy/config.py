@@ -137,8 +137,7 @@ class ModuleOverride:
     def validate(self, pattern: str) -> None:
         prefix = f"FSDP2Config.module_overrides[{pattern!r}]"
         if self.sharding_strategy is not None:
-            self.sharding_strategy = _strategy_name(self.sharding_strategy, allow_auto=True)
-        self.memory_budget = parse_bytes(self.memory_budget, "FSDP2Config.memory_budget")
+            self.sharding_strategy = _strategy_name(self.sharding_strategy)
         _check_reshard(self.reshard_after_forward, f"{prefix}.reshard_after_forward")
         _check_mixed_precision(self.mixed_precision, f"{prefix}.mixed_precision")
         if self.cpu_offload is not None and not isinstance(self.cpu_offload, bool):
