@@ -22,9 +22,8 @@ from torch import nn
 
 from .config import FSDP2Config
 from .groups import select_groups, settings_for
-from .memsim import (
-    ACCUMULATION_MODES, GroupSizes, LiveBytes, group_sizes, measure_optimizer, meta_copy, run_step,
-)
+from .memsim import ACCUMULATION_MODES, GroupSizes, LiveBytes, group_sizes, meta_copy, run_step, states_without_batch
+from .optim_state import measure_optimizer
 from .policy import modules_matching
 
 
@@ -64,6 +63,8 @@ class MemoryEstimate:
     """Activations and backward temporaries alive at the peak (measured on meta)."""
     activation_peak_bytes: int
     """Highest activation + temporary bytes at any moment of forward and backward."""
+    communication_buffer_bytes: int
+    """All-gather / reduce-scatter buffers alive for an instant at the peak."""
     peak_bytes: int
     """Peak live tensor bytes on the device of one rank."""
     peak_phase: str
@@ -80,16 +81,24 @@ class MemoryEstimate:
         return sum(self.communication.values())
 
     def __str__(self) -> str:
-        gib = 2**30
         lines = [f"{self.strategy} on {self.world_size} ranks (shard size {self.shard_size})"
                  f"{', CPU offload' if self.cpu_offload else ''}"
                  f"{', activation checkpointing' if self.activation_checkpointing else ''}:"]
         for name in ("param_bytes", "gathered_param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes",
-                     "activation_bytes", "peak_bytes", "host_bytes"):
-            lines.append(f"  {name:22s} {getattr(self, name) / gib:10.4f} GiB")
-        lines.append(f"  peak during {self.peak_phase}; communication {self.communication_bytes / gib:.4f} GiB/step "
-                     + ", ".join(f"{k} {v / gib:.4f}" for k, v in self.communication.items()))
+                     "activation_bytes", "communication_buffer_bytes", "peak_bytes", "host_bytes"):
+            lines.append(f"  {name:27s} {human_bytes(getattr(self, name)):>12s}")
+        lines.append(f"  peak during {self.peak_phase}; communication {human_bytes(self.communication_bytes)}/step ("
+                     + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.communication.items()) + ")")
         return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> "1.50 KiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.2f} TiB"
 
 
 def _shard_and_replicate(strategy: str, config: FSDP2Config, world_size: int, nodes: int) -> tuple[int, int]:
@@ -158,7 +167,7 @@ def estimate_memory(
     if batch is not None:
         run_step(sim_model, batch, loss_fn, sizes, tracker, base, config, accumulation, micro_batches)
     else:
-        tracker.note_virtual(base + sum(g.gathered for g in sizes.values() if g.keep_after_forward), "forward")
+        states_without_batch(sizes, tracker, base, config.backward_prefetch or 1, config.cpu_offload)
     return _result(root.strategy, world_size, shard, replicate, config, accumulation, micro_batches,
                    sizes, opt_bytes, step_temp, tracker)
 
@@ -193,6 +202,7 @@ def _result(strategy, world_size, shard, replicate, config, accumulation, micro_
         grad_bytes=at_peak.get("grads", 0), optimizer_bytes=0 if offload else opt_bytes,
         mixed_precision_bytes=mp, buffer_bytes=buffers,
         activation_bytes=at_peak.get("activations", 0), activation_peak_bytes=tracker.activation_peak,
+        communication_buffer_bytes=at_peak.get("transient", 0),
         peak_bytes=int(peak), peak_phase=phase,
         host_bytes=(2 * shards + opt_bytes + step_temp) if offload else 0,
         communication=communication_bytes(sizes, config, shard, replicate, accumulation, micro_batches),

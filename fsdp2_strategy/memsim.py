@@ -88,7 +88,8 @@ class LiveBytes(TorchDispatchMode):
                 "gathered": self.virtual.get("gathered", 0),
                 "mp": self.virtual.get("mp", 0),
                 "grads": self.virtual.get("grads", 0) + self.unsharded_grads,
-                "activations": activations + transient,
+                "activations": activations,
+                "transient": transient,
             }
 
 
@@ -192,56 +193,6 @@ def meta_copy(model: nn.Module, batch: Any, compute_dtype: Optional[torch.dtype]
         return torch.empty_like(t, device="meta", dtype=dtype)
 
     return sim, (None if batch is None else tree_map_only(torch.Tensor, to_meta, batch))
-
-
-OPTIMIZERS = {
-    "adamw": lambda ps: torch.optim.AdamW(ps),
-    "adam": lambda ps: torch.optim.Adam(ps),
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-    "sgd_plain": lambda ps: torch.optim.SGD(ps, lr=0.1),
-    "adagrad": lambda ps: torch.optim.Adagrad(ps),
-    "rmsprop": lambda ps: torch.optim.RMSprop(ps),
-}
-
-
-def optimizer_factory(spec: Any) -> Optional[Callable[[list], torch.optim.Optimizer]]:
-    """Turn an optimizer name, class or factory into `params -> optimizer` (None: no optimizer)."""
-    if spec is None or spec == "none":
-        return None
-    if isinstance(spec, str):
-        if spec.lower() not in OPTIMIZERS:
-            raise ValueError(f"optimizer={spec!r} is unknown; use one of {sorted(OPTIMIZERS) + ['none']}, "
-                             "an optimizer class or a callable params -> optimizer.")
-        return OPTIMIZERS[spec.lower()]
-    if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
-        return lambda ps: spec(ps, lr=0.1) if spec is torch.optim.SGD else spec(ps)
-    if callable(spec):
-        return spec
-    raise ValueError(f"optimizer={spec!r} is invalid; use a name, an optimizer class or a callable params -> optimizer.")
-
-
-def measure_optimizer(spec: Any, sizes: dict[str, GroupSizes]) -> tuple[int, int]:
-    """(state bytes, step temporaries) of the optimizer on this rank's shards, stepped on meta.
-
-    The shards are stood in for by one flat meta tensor per group and dtype-size (the state is
-    elementwise for the optimizers named here; a factory given by the user is measured the same way).
-    """
-    factory = optimizer_factory(spec)
-    if factory is None:
-        return 0, 0
-    params = [nn.Parameter(torch.empty(g.sharded // 4, device="meta")) for g in sizes.values() if g.sharded]
-    for p in params:
-        p.grad = torch.empty_like(p)
-    opt = factory(params)
-    opt.step()  # creates the state
-    state = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor) and t.device.type == "meta")
-    tracker = LiveBytes()
-    tracker.ignore([*params, *(p.grad for p in params),
-                    *(t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))])
-    with tracker:
-        opt.step()
-    return state, tracker.peak
 
 
 class _Schedule:
@@ -420,6 +371,19 @@ def fused_attention():
         yield
     finally:
         torch.nn.functional.scaled_dot_product_attention = original
+
+
+def states_without_batch(sizes: dict[str, GroupSizes], tracker: LiveBytes, resident: int, prefetch: int,
+                         offload: bool) -> None:
+    """Without an example batch: the moment late in backward when the groups kept gathered, the
+    largest resharded group and its prefetched neighbours, a fresh all-gather buffer and nearly all
+    sharded gradients are alive together (activations are not counted)."""
+    tracker.add("resident", resident)
+    kept = sum(g.gathered for g in sizes.values() if g.keep_after_forward)
+    moving = sorted((g.gathered for g in sizes.values() if not g.keep_after_forward), reverse=True)
+    tracker.add("gathered", kept + sum(moving[: 1 + prefetch]))
+    tracker.add("grads", 0 if offload else sum(g.sharded for g in sizes.values()))
+    tracker.note_virtual(max(moving, default=0), "backward")
 
 
 def run_step(model: nn.Module, batch: Any, loss_fn, sizes: dict[str, GroupSizes], tracker: LiveBytes,

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .config import SHARDING_STRATEGIES, FSDP2Config, parse_bytes
-from .estimate import MemoryEstimate, estimate_memory
+from .estimate import MemoryEstimate, estimate_memory, human_bytes
 
 BUDGET_MARGIN = 0.10
 """Share of the device (or of this rank's part of the RAM) kept free when `memory_budget` is not
@@ -152,15 +152,6 @@ def _recommend(comparison: StrategyComparison, world_size: int) -> StrategyCompa
     else:
         comparison.reason = nothing_fits_message(comparison.rows, comparison.budget, world_size)
     return comparison
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> "1.50 KiB"."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def nothing_fits_message(rows: list[PlanRow], budget: int, world_size: int) -> str:
