@@ -376,14 +376,16 @@ def fused_attention():
 def states_without_batch(sizes: dict[str, GroupSizes], tracker: LiveBytes, resident: int, prefetch: int,
                          offload: bool) -> None:
     """Without an example batch: the moment late in backward when the groups kept gathered, the
-    largest resharded group and its prefetched neighbours, a fresh all-gather buffer and nearly all
-    sharded gradients are alive together (activations are not counted)."""
+    largest resharded group and its prefetched neighbours, an all-gather and a reduce-scatter buffer
+    and the sharded gradients are alive together (activations are not counted)."""
     tracker.add("resident", resident)
     kept = sum(g.gathered for g in sizes.values() if g.keep_after_forward)
     moving = sorted((g.gathered for g in sizes.values() if not g.keep_after_forward), reverse=True)
     tracker.add("gathered", kept + sum(moving[: 1 + prefetch]))
     tracker.add("grads", 0 if offload else sum(g.sharded for g in sizes.values()))
-    tracker.note_virtual(max(moving, default=0), "backward")
+    # An all-gather (prefetch) and the previous group's reduce-scatter can be in flight together.
+    reduce = max((g.reduce_bytes + g.sharded for g in sizes.values()), default=0)
+    tracker.note_virtual(max(moving, default=0) + reduce, "backward")
 
 
 def run_step(model: nn.Module, batch: Any, loss_fn, sizes: dict[str, GroupSizes], tracker: LiveBytes,

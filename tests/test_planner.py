@@ -12,9 +12,9 @@ from fsdp2_strategy.cli import main
 from fsdp2_strategy.estimate import human_bytes
 
 
-def gpt():
+def gpt(layers: int = 4):
     torch.manual_seed(0)
-    return TinyGPT(vocab=512, dim=128, heads=4, layers=4, seq=64)
+    return TinyGPT(vocab=512, dim=128, heads=4, layers=layers, seq=64)
 
 
 def gpt_with_batch():
@@ -64,18 +64,18 @@ def test_memory_budget_is_validated():
 def _auto_world(budget_fits_full_only, budget_nothing):
     from torch.distributed.fsdp import FSDPModule
 
-    model = f2.shard_model(gpt(), sharding_strategy="auto", memory_budget=budget_fits_full_only, log_plan=False)
+    model = f2.shard_model(gpt(8), sharding_strategy="auto", memory_budget=budget_fits_full_only, log_plan=False)
     chosen = model.blocks[0]._fsdp2_group.strategy
     assert isinstance(model, FSDPModule)
     try:
-        f2.shard_model(gpt(), sharding_strategy="auto", memory_budget=budget_nothing)
+        f2.shard_model(gpt(8), sharding_strategy="auto", memory_budget=budget_nothing)
     except ValueError as exc:
         return chosen, str(exc)
     return chosen, None
 
 
 def test_auto_picks_the_least_communication_that_fits_and_explains_when_nothing_does():
-    est = {s: f2.estimate_memory(gpt(), {"sharding_strategy": s}, world_size=2).peak_bytes
+    est = {s: f2.estimate_memory(gpt(8), {"sharding_strategy": s}, world_size=2).peak_bytes
            for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")}
     assert est["FULL_SHARD"] < est["SHARD_GRAD_OP"] < est["NO_SHARD"]
     budget = (est["FULL_SHARD"] + est["SHARD_GRAD_OP"]) // 2  # SHARD_GRAD_OP communicates less but does not fit
