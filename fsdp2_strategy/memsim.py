@@ -208,6 +208,8 @@ class _Schedule:
         self.sync = True
         self.keep = False
         self.pending: dict[str, int] = {}
+        self.upcast: dict[str, int] = {}
+        """Extra bytes of unsynced gradients held in the reduce dtype, per group."""
         self.offload = config.cpu_offload
         self.handles: list = []
 
@@ -312,6 +314,13 @@ class _Schedule:
             if new_shard:
                 self.tracker.add("grads", new_shard)
                 self.sharded_grads.add(name)
+            self.tracker.add("grads", -self.upcast.pop(name, 0))
+        elif name not in self.upcast:
+            # Without sync, FSDP2 accumulates a low-precision gradient in the reduce dtype.
+            held = sum(self.model.get_parameter(n).grad.untyped_storage().nbytes() for n in g.params
+                       if self.model.get_parameter(n).grad is not None)
+            self.upcast[name] = max(g.reduce_bytes - held, 0)
+            self.tracker.add("grads", self.upcast[name])
         if not self.keep:
             self.reshard(name)
         self.tracker.note_virtual(0, "backward")
