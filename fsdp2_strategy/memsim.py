@@ -302,15 +302,20 @@ class _Schedule:
 
     def post_backward(self, name: str) -> None:
         g = self.sizes[name]
+        # FSDP2 reshards a group before reducing its gradients.
+        if not self.keep:
+            self.reshard(name)
         if self.sync:
             new_shard = 0 if name in self.sharded_grads or self.offload else g.sharded
-            # Reduce-scatter input (flat copy in the reduce dtype) and output shard, both alive at once.
-            self.tracker.note_virtual(g.reduce_bytes + new_shard, "backward")
+            # Copy-in: the unsharded gradients and the flat reduce-scatter input are alive together;
+            # then the gradients are dropped and the output shard is allocated.
+            self.tracker.note_virtual(g.reduce_bytes, "backward")
             for pname in g.params:
                 p = self.model.get_parameter(pname)
                 if p.grad is not None:
                     self.tracker.unsharded_grads -= p.grad.untyped_storage().nbytes()
                     p.grad = None
+            self.tracker.note_virtual(g.reduce_bytes + new_shard, "backward")
             if new_shard:
                 self.tracker.add("grads", new_shard)
                 self.sharded_grads.add(name)
@@ -321,8 +326,6 @@ class _Schedule:
                        if self.model.get_parameter(n).grad is not None)
             self.upcast[name] = max(g.reduce_bytes - held, 0)
             self.tracker.add("grads", self.upcast[name])
-        if not self.keep:
-            self.reshard(name)
         self.tracker.note_virtual(0, "backward")
 
     def start_micro_batch(self, sync: bool, keep: bool) -> None:
