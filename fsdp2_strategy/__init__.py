@@ -13,17 +13,23 @@ from .plan import ShardingPlan, sharding_plan
 from .replicate import replicate
 from .sharding import shard_model
 from .export import export_full, inspect_checkpoint
+from .estimate import MemoryEstimate, estimate_memory
+from .planner import StrategyComparison, compare_strategies
 from .weights import load_full_weights
 from .training import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, set_gradient_sync
 
 __all__ = [
     "Checkpointer",
     "FSDP2Config",
+    "MemoryEstimate",
     "ModuleOverride",
     "ShardingPlan",
+    "StrategyComparison",
     "check_optimizer",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "compare_strategies",
+    "estimate_memory",
     "export_full",
     "fully_shard",
     "init_distributed",

@@ -1,4 +1,4 @@
-"""`fsdp2-strategy` command line: consolidate and inspect sharded checkpoints."""
+"""`fsdp2-strategy` command line: consolidate and inspect sharded checkpoints; plan memory."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from typing import Optional, Sequence
 
 from .export import export_full, inspect_checkpoint
+from . import plan_command
 
 
 def _size(text: str) -> int:
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "verify checksums (exit status 1 if a file is damaged)")
     insp.add_argument("checkpoint")
     insp.add_argument("--step", type=int, default=None)
+    plan_command.add_parser(sub)
     return parser
 
 
@@ -44,6 +46,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
+        if args.command == "plan":
+            return plan_command.run(args)
         if args.command == "consolidate":
             out = export_full(args.checkpoint, args.out, format=args.format, dtype=args.dtype, step=args.step,
                               max_shard_size=args.max_shard_size)

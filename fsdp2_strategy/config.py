@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from torch import nn
 
@@ -32,16 +33,32 @@ ACCUMULATION_MODES = ("sync_each", "sync_last", "keep_gathered")
 WrapPolicy = Union[str, int, Callable[[nn.Module, str], bool], Sequence[Union[str, type]], type, None]
 
 
-def _strategy_name(value: Any) -> str:
+def _strategy_name(value: Any, allow_auto: bool = False) -> str:
     """Normalise a strategy given as a string or torch's FSDP1 `ShardingStrategy` enum."""
     if isinstance(value, enum.Enum):
         value = value.name
+    if allow_auto and isinstance(value, str) and value.lower() == "auto":
+        return "auto"
     if isinstance(value, str) and value.upper() in SHARDING_STRATEGIES:
         return value.upper()
+    auto = "'auto' (chosen by the memory planner), " if allow_auto else ""
     raise ValueError(
-        f"FSDP2Config.sharding_strategy={value!r} is not supported; use one of "
+        f"FSDP2Config.sharding_strategy={value!r} is not supported; use {auto}one of "
         f"{', '.join(SHARDING_STRATEGIES)} (or torch.distributed.fsdp.ShardingStrategy)."
     )
+
+
+def parse_bytes(value: Any, name: str = "memory_budget") -> Optional[int]:
+    """None, an int of bytes, or text such as "80GiB", "80GB", "512MiB"."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    units = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
+             "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(value)) if isinstance(value, str) else None
+    if match and match.group(2).upper() in units and float(match.group(1)) > 0:
+        return int(float(match.group(1)) * units[match.group(2).upper()])
+    raise ValueError(f"{name}={value!r} is invalid; use None, a positive int of bytes, or text like '80GiB' or '512MB'.")
+
 
 
 def _check_reshard(value: Any, name: str) -> None:
@@ -150,7 +167,8 @@ class FSDP2Config:
     """How `shard_model` applies FSDP2 to a model. Every field is optional."""
 
     sharding_strategy: Any = "FULL_SHARD"
-    """FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: parameters stay gathered between forward and
+    """"auto" (the memory planner picks the strategy with the least communication that fits
+    `memory_budget`; see `f2.compare_strategies`), FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2: parameters stay gathered between forward and
     backward), HYBRID_SHARD (shard inside a node, replicate across nodes), HYBRID_SHARD_ZERO2,
     or NO_SHARD (replicate everywhere, DDP-like). torch's FSDP1 `ShardingStrategy` is accepted."""
 
@@ -231,8 +249,14 @@ class FSDP2Config:
     log_plan: bool = True
     """Log the sharding plan table on rank 0 after `shard_model`."""
 
+    memory_budget: Any = None
+    """Bytes per rank that `sharding_strategy="auto"` must fit (an int, or text like "80GiB").
+    None: the accelerator's total memory, or on CPU the available RAM divided by the local ranks,
+    minus `planner.BUDGET_MARGIN` (10%)."""
+
     def __post_init__(self) -> None:
-        self.sharding_strategy = _strategy_name(self.sharding_strategy)
+        self.sharding_strategy = _strategy_name(self.sharding_strategy, allow_auto=True)
+        self.memory_budget = parse_bytes(self.memory_budget, "FSDP2Config.memory_budget")
         _check_reshard(self.reshard_after_forward, "FSDP2Config.reshard_after_forward")
         self._validate_mesh_shape()
         _check_wrap_policy(self.wrap_policy, "FSDP2Config.wrap_policy")
@@ -259,6 +283,11 @@ class FSDP2Config:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"FSDP2Config.tensor_parallel_size={size!r} is invalid; use an int >= 1 (1: no tensor parallelism).")
         check_plan(self.tensor_parallel_plan, "FSDP2Config.tensor_parallel_plan")
+        if size > 1 and self.sharding_strategy == "auto":
+            raise ValueError(
+                f"FSDP2Config(sharding_strategy='auto', tensor_parallel_size={size}): the memory planner does not model "
+                "tensor parallelism yet; name a sharding_strategy (FULL_SHARD, HYBRID_SHARD, ...)."
+            )
         if size > 1:
             changed = [p for p, o in self.module_overrides.items() if o.sharding_strategy not in (None, self.sharding_strategy)]
             if changed:

@@ -43,6 +43,8 @@ def shard_model(
     fields. Build the optimizer afterwards.
     """
     config = FSDP2Config.coerce(config, **overrides)
+    if config.sharding_strategy == "auto":
+        config = _resolve_auto_strategy(model, config)
     tp = config.tensor_parallel_size
     dp_mesh, tp_mesh = split_mesh(mesh, tp) if mesh is not None and tp > 1 else (mesh, None)
     meshes = MeshCache(device_type=mesh.device_type if mesh is not None else None, given=dp_mesh, tp_size=tp,
@@ -88,6 +90,23 @@ def shard_model(
     if config.log_plan:
         log_rank_zero("FSDP2 sharding plan:\n%s", sharding_plan(model))
     return model
+
+
+def _resolve_auto_strategy(model: nn.Module, config: FSDP2Config) -> FSDP2Config:
+    """Let the memory planner pick the strategy (the same choice on every rank: the estimate is
+    deterministic and uses only the model's shapes and the config)."""
+    import torch.distributed as dist
+
+    from .mesh import detect_num_nodes
+    from .planner import resolve_auto
+
+    if not dist.is_initialized():
+        raise RuntimeError("shard_model needs an initialised process group (sharding_strategy='auto' plans for its world size).")
+    world = dist.get_world_size()
+    nodes = config.mesh_shape[0] if config.mesh_shape and len(config.mesh_shape) == 2 else detect_num_nodes(world)
+    resolved, reason = resolve_auto(model, config, world, nodes)
+    log_rank_zero("%s", reason)
+    return resolved
 
 
 def _plan_groups(model, config, groups, root_settings, root_mesh, meshes):

@@ -1,0 +1,232 @@
+"""`estimate_memory`: per-rank memory and communication of one FSDP2 setting, before running.
+
+Nothing is materialised and no process group is needed. The model is copied onto the meta
+device (parameters in the compute dtype) and one training step of `example_batch` runs there
+under a live-storage counter (`memsim.LiveBytes`). Hooks on the would-be FSDP groups add what
+FSDP2 itself holds at each moment - sharded parameters, gradients and optimizer state, the
+gathered groups alive at once (reshard choice, prefetch depth), all-gather and reduce-scatter
+buffers - so the peak is found where it really happens, not as a sum of separate maxima.
+Activations are therefore measured, not modelled, and activation checkpointing is honoured by
+applying it to the meta copy. Optimizer state and the step's temporaries are measured by
+stepping the optimizer on meta tensors of the local shard sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from .config import ACCUMULATION_MODES, FSDP2Config
+from .groups import select_groups, settings_for
+from .memsim import GroupSizes, LiveBytes, group_sizes, meta_copy, run_step, states_without_batch
+from .optim_state import measure_optimizer
+from .policy import modules_matching
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-rank memory (bytes) and communication of one setting, for one optimizer step."""
+
+    strategy: str
+    """Sharding strategy of the root group."""
+    world_size: int
+    """Ranks in the job."""
+    shard_size: int
+    """Ranks one parameter is sharded over (1 for NO_SHARD)."""
+    cpu_offload: bool
+    """Whether sharded parameters, gradients and optimizer state live in host memory."""
+    activation_checkpointing: bool
+    """Whether activations are recomputed in backward."""
+    accumulation: str
+    """Gradient accumulation mode ("sync_each", "sync_last", "keep_gathered")."""
+    micro_batches: int
+    """Micro-batches per optimizer step."""
+    param_bytes: int
+    """Sharded parameters held by this rank (their own dtype; 0 on the device when offloaded)."""
+    gathered_param_bytes: int
+    """Most bytes of gathered (unsharded, compute-dtype) parameter groups alive at one moment."""
+    grad_bytes: int
+    """Gradients at the moment of the peak: sharded ones, plus unsharded ones that accumulation
+    keeps between micro-batches ("sync_last", "keep_gathered")."""
+    optimizer_bytes: int
+    """Optimizer state of this rank's shard (0 on the device when offloaded)."""
+    mixed_precision_bytes: int
+    """Low-precision copies of parameters held besides the fp32 shards (part of
+    `gathered_param_bytes`; 0 without mixed precision)."""
+    buffer_bytes: int
+    """Module buffers (not sharded by FSDP2: every rank holds all of them)."""
+    activation_bytes: int
+    """Activations and backward temporaries alive at the peak (measured on meta)."""
+    activation_peak_bytes: int
+    """Highest activation + temporary bytes at any moment of forward and backward."""
+    communication_buffer_bytes: int
+    """All-gather / reduce-scatter buffers alive for an instant at the peak."""
+    peak_bytes: int
+    """Peak live tensor bytes on the device of one rank."""
+    peak_phase: str
+    """Where the peak happens: "forward", "backward" or "optimizer step"."""
+    host_bytes: int = 0
+    """Host memory for offloaded state (sharded params, grads, optimizer state)."""
+    communication: dict = field(default_factory=dict)
+    """Bytes each rank sends per optimizer step, by collective ("all_gather", "reduce_scatter",
+    "all_reduce"), counted as ring algorithms move them."""
+
+    @property
+    def communication_bytes(self) -> int:
+        """All collectives together."""
+        return sum(self.communication.values())
+
+    def __str__(self) -> str:
+        lines = [f"{self.strategy} on {self.world_size} ranks (shard size {self.shard_size})"
+                 f"{', CPU offload' if self.cpu_offload else ''}"
+                 f"{', activation checkpointing' if self.activation_checkpointing else ''}:"]
+        for name in ("param_bytes", "gathered_param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes",
+                     "activation_bytes", "communication_buffer_bytes", "peak_bytes", "host_bytes"):
+            lines.append(f"  {name:27s} {human_bytes(getattr(self, name)):>12s}")
+        lines.append(f"  peak during {self.peak_phase}; communication {human_bytes(self.communication_bytes)}/step ("
+                     + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.communication.items()) + ")")
+        return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> "1.50 KiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def _shard_and_replicate(strategy: str, config: FSDP2Config, world_size: int, nodes: int) -> tuple[int, int]:
+    """(shard size, replicate size) of a strategy's mesh, as `mesh.strategy_mesh_shape` builds it."""
+    if strategy == "NO_SHARD":
+        return 1, world_size
+    if strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+        if config.mesh_shape is not None and len(config.mesh_shape) == 2:
+            return config.mesh_shape[1], config.mesh_shape[0]
+        return world_size // nodes, nodes
+    return world_size, 1
+
+
+def _check_args(world_size: Any, nodes: Any, accumulation: Any, micro_batches: Any) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"estimate_memory: world_size={world_size!r} is invalid; use a positive int (ranks in the job).")
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or world_size % nodes:
+        raise ValueError(f"estimate_memory: nodes={nodes!r} is invalid; use a positive int that divides world_size={world_size}.")
+    if accumulation not in ACCUMULATION_MODES:
+        raise ValueError(f"estimate_memory: accumulation={accumulation!r} is invalid; use one of {ACCUMULATION_MODES}.")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"estimate_memory: micro_batches={micro_batches!r} is invalid; use a positive int.")
+
+
+def estimate_memory(
+    model: nn.Module,
+    config: FSDP2Config | Mapping[str, Any] | str | None = None,
+    *,
+    world_size: int,
+    nodes: int = 1,
+    optimizer: Any = "adamw",
+    example_batch: Any = None,
+    loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
+    accumulation: str = "sync_last",
+    micro_batches: int = 1,
+) -> MemoryEstimate:
+    """Estimate per-rank memory and communication of training `model` with `config`.
+
+    `model` may live on any device (it is not modified, only copied onto meta). `example_batch`
+    is one rank's micro-batch: a tensor, a tuple of positional inputs, or a dict of keyword inputs
+    (tensors may be real, meta or fake); None estimates without activations. `loss_fn(model,
+    batch)` returns the loss (default: the output's `.loss`, else the first output tensor's mean).
+    `optimizer`: "adamw", "adam", "sgd" (with momentum), "sgd_plain", "none", an optimizer class,
+    or a callable `params -> optimizer`; its state is measured by stepping it on meta tensors.
+    `accumulation` and `micro_batches` describe gradient accumulation (`FSDP2Config.accumulation`).
+    """
+    config = FSDP2Config.coerce(config, log_plan=False)
+    if config.sharding_strategy == "auto":
+        raise ValueError("estimate_memory needs a concrete sharding_strategy; use compare_strategies to choose one.")
+    _check_args(world_size, nodes, accumulation, micro_batches)
+    root = settings_for("", config)
+    shard, replicate = _shard_and_replicate(root.strategy, config, world_size, nodes)
+    compute_dtype = root.mp_policy.param_dtype
+    sim_model, batch = meta_copy(model, example_batch, compute_dtype, root.mp_policy.cast_forward_inputs)
+    ignored = modules_matching(sim_model, config.ignored_modules, "FSDP2Config.ignored_modules") if config.ignored_modules else []
+    groups = select_groups(sim_model, config, ignored)
+    sizes = group_sizes(model, [""] + groups, ignored, config,
+                        lambda s: _shard_and_replicate(s, config, world_size, nodes))
+    if config.activation_checkpointing is not None:
+        from .sharding import _apply_activation_checkpointing
+
+        _apply_activation_checkpointing(sim_model, config, groups)
+    opt_bytes, step_temp = measure_optimizer(optimizer, sizes)
+    base = _resident_bytes(sizes, opt_bytes, config.cpu_offload)
+    tracker = LiveBytes()
+    if batch is not None:
+        run_step(sim_model, batch, loss_fn, sizes, tracker, base, config, accumulation, micro_batches)
+    else:
+        states_without_batch(sizes, tracker, base, config.backward_prefetch or 1, config.cpu_offload)
+    return _result(root.strategy, world_size, shard, replicate, config, accumulation, micro_batches,
+                   sizes, opt_bytes, step_temp, tracker)
+
+
+def _resident_bytes(sizes: dict[str, GroupSizes], opt_bytes: int, offload: bool) -> int:
+    """Bytes alive on the device for the whole step: shards, replicated leftovers, buffers, optimizer state."""
+    shards = sum(g.sharded for g in sizes.values())
+    fixed = sum(g.replicated + g.buffers for g in sizes.values())
+    return fixed + (0 if offload else shards + opt_bytes)
+
+
+def _result(strategy, world_size, shard, replicate, config, accumulation, micro_batches, sizes, opt_bytes,
+            step_temp, tracker: LiveBytes) -> MemoryEstimate:
+    shards = sum(g.sharded for g in sizes.values())
+    replicated = sum(g.replicated for g in sizes.values())
+    buffers = sum(g.buffers for g in sizes.values())
+    offload = config.cpu_offload
+    # Optimizer step: shards, their gradients, the state and the step's temporaries.
+    step_device = 0 if offload else 2 * shards + opt_bytes + step_temp
+    step_peak = replicated * 3 + buffers + step_device
+    peak, phase = tracker.peak, tracker.peak_phase
+    at_peak = tracker.at_peak
+    if step_peak > peak:
+        peak, phase = step_peak, "optimizer step"
+        at_peak = {"gathered": 0, "grads": 0 if offload else shards, "activations": 0, "mp": 0}
+    mp = at_peak.get("mp", 0)
+    return MemoryEstimate(
+        strategy=strategy, world_size=world_size, shard_size=shard, cpu_offload=offload,
+        activation_checkpointing=config.activation_checkpointing is not None,
+        accumulation=accumulation, micro_batches=micro_batches,
+        param_bytes=(0 if offload else shards) + replicated, gathered_param_bytes=at_peak.get("gathered", 0),
+        grad_bytes=at_peak.get("grads", 0), optimizer_bytes=0 if offload else opt_bytes,
+        mixed_precision_bytes=mp, buffer_bytes=buffers,
+        activation_bytes=at_peak.get("activations", 0), activation_peak_bytes=tracker.activation_peak,
+        communication_buffer_bytes=at_peak.get("transient", 0),
+        peak_bytes=int(peak), peak_phase=phase,
+        host_bytes=(2 * shards + opt_bytes + step_temp) if offload else 0,
+        communication=communication_bytes(sizes, config, shard, replicate, accumulation, micro_batches),
+    )
+
+
+def communication_bytes(sizes: dict[str, GroupSizes], config: FSDP2Config, shard: int, replicate: int,
+                        accumulation: str, micro_batches: int) -> dict[str, int]:
+    """Bytes each rank sends per optimizer step, by collective (ring algorithms).
+
+    All-gather and reduce-scatter of N bytes over S ranks send N*(S-1)/S per rank; an all-reduce
+    sends twice that. Forward gathers every group once per micro-batch (once per step with
+    "keep_gathered"); backward gathers again the groups resharded after forward; gradients are
+    reduce-scattered on every micro-batch ("sync_each") or the last one only, then all-reduced
+    across replicas (HSDP, NO_SHARD).
+    """
+    gathers = 1 if accumulation == "keep_gathered" else micro_batches
+    syncs = micro_batches if accumulation == "sync_each" else 1
+    ag = rs = ar = 0.0
+    for g in sizes.values():
+        s = g.shard_size
+        ring = (s - 1) / s
+        ag += gathers * g.gathered * ring * (1 + (0 if g.keep_after_forward else 1))
+        rs += syncs * g.reduce_bytes * ring
+        if g.replicate_size > 1:
+            ar += syncs * 2 * (g.replicate_size - 1) / g.replicate_size * g.reduce_bytes / s
+    return {"all_gather": int(math.ceil(ag)), "reduce_scatter": int(math.ceil(rs)), "all_reduce": int(math.ceil(ar))}

@@ -1,0 +1,425 @@
+"""The meta-device simulation behind `estimate_memory`.
+
+`LiveBytes` counts the storages that ops create (a `TorchDispatchMode`; a weak-reference
+finaliser subtracts a storage when it dies) plus "virtual" bytes that FSDP2 would hold and the
+meta run does not (shards, gathered groups, communication buffers). `run_step` drives one
+training step of a meta copy with hooks that play FSDP2's schedule: all-gather before a
+group's forward and backward, reshard after forward by the group's choice, reduce-scatter and
+free the unsharded gradients when a group's backward is done, prefetch one group ahead in
+backward (torch's default) or as configured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from .config import FSDP2Config
+from .groups import settings_for
+from .mesh import default_reshard_after_forward
+
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak of live tensor bytes created under the mode, plus virtual bytes noted by hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.virtual: dict[str, int] = {}
+        self.peak = 0
+        self.peak_phase = "forward"
+        self.phase = "forward"
+        self.at_peak: dict[str, int] = {}
+        self.activation_peak = 0
+        self.unsharded_grads = 0
+        """Real (meta) gradient bytes alive: excluded from the activation figure."""
+        self._sizes: dict[int, int] = {}
+        self._preexisting: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        self.note_virtual(0, None)
+        return out
+
+    def ignore(self, tensors) -> None:
+        """Storages that exist before the step (parameters, buffers, inputs): views of them are free."""
+        for t in tensors:
+            self._preexisting.add(t.untyped_storage()._cdata)
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._sizes or key in self._preexisting:
+            return
+        self._sizes[key] = storage.nbytes()
+        self.live += storage.nbytes()
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def add(self, category: str, nbytes: int) -> None:
+        """Add (or with a negative value, remove) virtual bytes of one category."""
+        self.virtual[category] = self.virtual.get(category, 0) + nbytes
+
+    def note_virtual(self, transient: int, phase: Optional[str]) -> None:
+        """Update the peak with the current total plus `transient` bytes alive for an instant."""
+        total = self.live + sum(self.virtual.values()) + transient
+        activations = self.live - self.unsharded_grads
+        self.activation_peak = max(self.activation_peak, activations)
+        if total > self.peak:
+            self.peak = total
+            self.peak_phase = phase or self.phase
+            self.at_peak = {
+                "gathered": self.virtual.get("gathered", 0),
+                "mp": self.virtual.get("mp", 0),
+                "grads": self.virtual.get("grads", 0) + self.unsharded_grads,
+                "activations": activations,
+                "transient": transient,
+            }
+
+
+@dataclass
+class GroupSizes:
+    """Bytes one FSDP group holds per rank, by form."""
+
+    params: list = field(default_factory=list)
+    """Qualified names of the sharded parameters this group gathers."""
+    sharded: int = 0
+    """Padded shard of those parameters on one rank (their own dtype)."""
+    gathered: int = 0
+    """The unsharded parameters in the compute dtype."""
+    mp_copy: int = 0
+    """Part of `gathered` that is a low-precision copy (0 without mixed precision)."""
+    reduce_bytes: int = 0
+    """Unsharded gradients in the reduce dtype (what the reduce-scatter takes in)."""
+    replicated: int = 0
+    """Parameters FSDP does not shard here (scalars, ignored modules): every rank holds them."""
+    buffers: int = 0
+    """Module buffers owned by this group."""
+    shard_size: int = 1
+    """Ranks this group's parameters are sharded over."""
+    replicate_size: int = 1
+    """Replicas of each shard (HSDP / NO_SHARD)."""
+    keep_after_forward: bool = False
+    """The group stays gathered between forward and backward (reshard_after_forward False)."""
+    reshard_to: int = 0
+    """An int `reshard_after_forward`: after forward it holds 1/reshard_to of `gathered`."""
+
+
+def _nearest(name: str, groups: list[str]) -> str:
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in groups:
+            return prefix
+    return ""
+
+
+def _padded_shard_bytes(p: torch.Tensor, shard: int) -> int:
+    """FSDP2 shards dim 0 and pads it to a multiple of the shard size."""
+    rows = math.ceil(p.shape[0] / shard)
+    return rows * (p.numel() // max(p.shape[0], 1)) * p.element_size()
+
+
+def group_sizes(model: nn.Module, groups: list[str], ignored: list[str], config: FSDP2Config,
+                mesh_of: Callable[[str], tuple[int, int]]) -> dict[str, GroupSizes]:
+    """Sizes of every group ("" is the root), from parameter shapes and each group's settings."""
+    sizes = {g: GroupSizes() for g in groups}
+    last_block = groups[-1] if len(groups) > 1 else None
+    for name in groups:
+        settings = settings_for(name, config)
+        g = sizes[name]
+        g.shard_size, g.replicate_size = mesh_of(settings.strategy)
+        reshard = settings.reshard_after_forward
+        if name == last_block and reshard is None and settings.override is None:
+            reshard = False  # as shard_model: backward starts with the last block
+        if reshard is None:
+            reshard = default_reshard_after_forward(settings.strategy)
+        reshard = (name != "") if reshard is None else reshard
+        g.keep_after_forward = reshard is False or g.shard_size == 1
+        g.reshard_to = reshard if isinstance(reshard, int) and not isinstance(reshard, bool) else 0
+        g.mp_dtype, g.reduce_dtype = settings.mp_policy.param_dtype, settings.mp_policy.reduce_dtype  # type: ignore[attr-defined]
+    ignored_params = {id(p) for n in ignored for p in model.get_submodule(n).parameters()}
+    for pname, p in model.named_parameters():
+        owner = sizes[_nearest(pname.rsplit(".", 1)[0] if "." in pname else "", groups)]
+        if id(p) in ignored_params or p.ndim == 0:
+            owner.replicated += p.numel() * p.element_size()
+            continue
+        compute = owner.mp_dtype if owner.mp_dtype is not None and p.is_floating_point() else p.dtype
+        reduce = owner.reduce_dtype or compute
+        owner.params.append(pname)
+        owner.sharded += _padded_shard_bytes(p, owner.shard_size)
+        gathered = p.numel() * _itemsize(compute)
+        owner.gathered += gathered
+        owner.mp_copy += gathered if compute != p.dtype else 0
+        owner.reduce_bytes += p.numel() * _itemsize(reduce)
+    for bname, b in model.named_buffers():
+        sizes[_nearest(bname.rsplit(".", 1)[0] if "." in bname else "", groups)].buffers += b.numel() * b.element_size()
+    return sizes
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def meta_copy(model: nn.Module, batch: Any, compute_dtype: Optional[torch.dtype], cast_inputs: bool):
+    """A meta-device copy of `model` (floating parameters in `compute_dtype`) and of `batch`."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        dtype = compute_dtype if compute_dtype is not None and p.is_floating_point() else p.dtype
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    sim = copy.deepcopy(model, memo)
+    sim.train()
+
+    def to_meta(t: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype if cast_inputs and compute_dtype is not None and t.is_floating_point() else t.dtype
+        return torch.empty_like(t, device="meta", dtype=dtype)
+
+    return sim, (None if batch is None else tree_map_only(torch.Tensor, to_meta, batch))
+
+
+class _Schedule:
+    """FSDP2's gather / reshard / reduce schedule, played with hooks on the meta copy."""
+
+    def __init__(self, model: nn.Module, sizes: dict[str, GroupSizes], tracker: LiveBytes, config: FSDP2Config):
+        self.model, self.sizes, self.tracker = model, sizes, tracker
+        self.gathered: dict[str, int] = {}
+        self.sharded_grads: set[str] = set()
+        self.post_forward_order: list[str] = []
+        self.backward_prefetch = config.backward_prefetch or 1
+        self.forward_prefetch = config.forward_prefetch
+        self.sync = True
+        self.keep = False
+        self.pending: dict[str, int] = {}
+        self.upcast: dict[str, int] = {}
+        """Extra bytes of unsynced gradients held in the reduce dtype, per group."""
+        self.offload = config.cpu_offload
+        self.handles: list = []
+
+    # --- gathering -------------------------------------------------------------------
+    def gather(self, name: str) -> None:
+        g = self.sizes[name]
+        held = self.gathered.get(name, 0)
+        if held >= g.gathered or not g.gathered:
+            return
+        # All-gather output (flat, padded) alive while it is copied out into the parameters; an
+        # offloaded shard is first copied to the device.
+        transient = g.gathered + (g.sharded if self.offload else 0)
+        self.tracker.add("gathered", g.gathered - held)
+        self.tracker.add("mp", g.mp_copy - (g.mp_copy * held // g.gathered))
+        self.gathered[name] = g.gathered
+        self.tracker.note_virtual(transient, None)
+
+    def reshard(self, name: str, to: int = 0) -> None:
+        held = self.gathered.get(name, 0)
+        if not held:
+            return
+        g = self.sizes[name]
+        keep = g.gathered // to if to else 0
+        self.tracker.add("gathered", keep - held)
+        self.tracker.add("mp", (g.mp_copy // to if to else 0) - g.mp_copy * held // g.gathered)
+        self.gathered[name] = keep
+
+    # --- hooks -------------------------------------------------------------------------
+    def install(self) -> None:
+        for name, g in self.sizes.items():
+            module = self.model.get_submodule(name)
+            self.handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self.pre_forward(n)))
+            self.handles.append(module.register_forward_hook(lambda m, a, o, n=name: self.post_forward(n, o)))
+            for pname in g.params:
+                p = self.model.get_parameter(pname)
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(lambda p, n=name: self.grad_ready(n, p)))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def pre_forward(self, name: str) -> None:
+        if self.tracker.phase == "backward":
+            return  # activation-checkpoint recomputation: already gathered by pre_backward
+        self.gather(name)
+        if self.forward_prefetch:
+            blocks = [n for n in self.sizes if n]
+            if name in blocks:
+                i = blocks.index(name)
+                for nxt in blocks[i + 1 : i + 1 + self.forward_prefetch]:
+                    self.gather(nxt)
+
+    def post_forward(self, name: str, output: Any) -> None:
+        if self.tracker.phase == "backward":
+            return
+        g = self.sizes[name]
+        if name not in self.post_forward_order:
+            self.post_forward_order.append(name)
+        if not g.keep_after_forward and not self.keep:
+            self.reshard(name, g.reshard_to)
+        fired = []
+
+        def hook(grad, n=name):
+            if not fired:
+                fired.append(True)
+                self.pre_backward(n)
+            return grad
+
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(hook)
+
+    def pre_backward(self, name: str) -> None:
+        self.gather(name)
+        if name in self.post_forward_order:
+            i = self.post_forward_order.index(name)
+            for prev in reversed(self.post_forward_order[max(0, i - self.backward_prefetch) : i]):
+                self.gather(prev)
+
+    def grad_ready(self, name: str, p: torch.Tensor) -> None:
+        if self.pending.get(name) is None:
+            self.pending[name] = len([n for n in self.sizes[name].params if self.model.get_parameter(n).requires_grad])
+        if id(p) not in self._counted:
+            self._counted.add(id(p))
+            self.tracker.unsharded_grads += p.grad.untyped_storage().nbytes()
+        self.pending[name] -= 1
+        if self.pending[name] == 0:
+            self.post_backward(name)
+
+    def post_backward(self, name: str) -> None:
+        g = self.sizes[name]
+        # FSDP2 reshards a group before reducing its gradients.
+        if not self.keep:
+            self.reshard(name)
+        if self.sync:
+            new_shard = 0 if name in self.sharded_grads or self.offload else g.sharded
+            # Copy-in: the unsharded gradients and the flat reduce-scatter input are alive together;
+            # then the gradients are dropped and the output shard is allocated.
+            self.tracker.note_virtual(g.reduce_bytes, "backward")
+            for pname in g.params:
+                p = self.model.get_parameter(pname)
+                if p.grad is not None:
+                    self.tracker.unsharded_grads -= p.grad.untyped_storage().nbytes()
+                    p.grad = None
+            self.tracker.note_virtual(g.reduce_bytes + new_shard, "backward")
+            if new_shard:
+                self.tracker.add("grads", new_shard)
+                self.sharded_grads.add(name)
+            self.tracker.add("grads", -self.upcast.pop(name, 0))
+        elif name not in self.upcast:
+            # Without sync, FSDP2 accumulates a low-precision gradient in the reduce dtype.
+            held = sum(self.model.get_parameter(n).grad.untyped_storage().nbytes() for n in g.params
+                       if self.model.get_parameter(n).grad is not None)
+            self.upcast[name] = max(g.reduce_bytes - held, 0)
+            self.tracker.add("grads", self.upcast[name])
+        self.tracker.note_virtual(0, "backward")
+
+    def start_micro_batch(self, sync: bool, keep: bool) -> None:
+        self.sync, self.keep = sync, keep
+        self.pending = {}
+        self._counted: set[int] = set()
+
+    def flush(self) -> None:
+        """Groups whose parameters got no gradient still reshard at the end of backward."""
+        for name in self.sizes:
+            if self.pending.get(name) != 0:
+                self.post_backward(name)
+
+
+def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The output's `.loss` (Hugging Face models given labels), else the first output tensor's mean."""
+    out = call_model(model, batch)
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, Mapping):  # Hugging Face ModelOutput is an OrderedDict
+        out = list(out.values())
+    first = next(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+    return first.float().mean()
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    """`model(*batch)` for a tuple/list, `model(**batch)` for a dict, else `model(batch)`."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def _flash_attention(original):
+    """SDPA as the fused kernels run it: they keep O(sequence) statistics for backward, not the
+    attention matrix that the math fallback (the only one meta tensors get) saves."""
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if enable_gqa or query.dim() != 4:
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+    return sdpa
+
+
+@contextlib.contextmanager
+def fused_attention():
+    """Route `F.scaled_dot_product_attention` to a fused kernel's meta implementation."""
+    original = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _flash_attention(original)
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+def states_without_batch(sizes: dict[str, GroupSizes], tracker: LiveBytes, resident: int, prefetch: int,
+                         offload: bool) -> None:
+    """Without an example batch: the moment late in backward when the groups kept gathered, the
+    largest resharded group and its prefetched neighbours, an all-gather and a reduce-scatter buffer
+    and the sharded gradients are alive together (activations are not counted)."""
+    tracker.add("resident", resident)
+    kept = sum(g.gathered for g in sizes.values() if g.keep_after_forward)
+    moving = sorted((g.gathered for g in sizes.values() if not g.keep_after_forward), reverse=True)
+    tracker.add("gathered", kept + sum(moving[: 1 + prefetch]))
+    tracker.add("grads", 0 if offload else sum(g.sharded for g in sizes.values()))
+    # An all-gather (prefetch) and the previous group's reduce-scatter can be in flight together.
+    reduce = max((g.reduce_bytes + g.sharded for g in sizes.values()), default=0)
+    tracker.note_virtual(max(moving, default=0) + reduce, "backward")
+
+
+def run_step(model: nn.Module, batch: Any, loss_fn, sizes: dict[str, GroupSizes], tracker: LiveBytes,
+             resident: int, config: FSDP2Config, accumulation: str, micro_batches: int) -> None:
+    """Play forward and backward of up to two micro-batches (the second looks like every later one)."""
+    schedule = _Schedule(model, sizes, tracker, config)
+    schedule.install()
+    tracker.add("resident", resident)
+    tracker.ignore([*model.parameters(), *model.buffers(),
+                    *(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))])
+    loss_fn = loss_fn or default_loss
+    runs = min(micro_batches, 2)
+    try:
+        with fused_attention(), tracker:
+            for i in range(runs):
+                last = i == runs - 1
+                schedule.start_micro_batch(sync=last or accumulation == "sync_each",
+                                           keep=accumulation == "keep_gathered" and not last)
+                tracker.phase = "forward"
+                loss = loss_fn(model, batch)
+                tracker.phase = "backward"
+                loss.backward()
+                del loss
+                schedule.flush()
+    finally:
+        schedule.remove()

@@ -1,0 +1,60 @@
+"""Optimizer state and step temporaries, measured by stepping the optimizer on meta tensors."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from .memsim import GroupSizes, LiveBytes
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps),
+    "adam": lambda ps: torch.optim.Adam(ps),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "sgd_plain": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps),
+}
+
+
+def optimizer_factory(spec: Any) -> Optional[Callable[[list], torch.optim.Optimizer]]:
+    """Turn an optimizer name, class or factory into `params -> optimizer` (None: no optimizer)."""
+    if spec is None or spec == "none":
+        return None
+    if isinstance(spec, str):
+        if spec.lower() not in OPTIMIZERS:
+            raise ValueError(f"optimizer={spec!r} is unknown; use one of {sorted(OPTIMIZERS) + ['none']}, "
+                             "an optimizer class or a callable params -> optimizer.")
+        return OPTIMIZERS[spec.lower()]
+    if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
+        return lambda ps: spec(ps, lr=0.1) if spec is torch.optim.SGD else spec(ps)
+    if callable(spec):
+        return spec
+    raise ValueError(f"optimizer={spec!r} is invalid; use a name, an optimizer class or a callable params -> optimizer.")
+
+
+def measure_optimizer(spec: Any, sizes: dict[str, GroupSizes]) -> tuple[int, int]:
+    """(state bytes, step temporaries) of the optimizer on this rank's shards, stepped on meta.
+
+    The shards are stood in for by one flat meta tensor per group and dtype-size (the state is
+    elementwise for the optimizers named here; a factory given by the user is measured the same way).
+    """
+    factory = optimizer_factory(spec)
+    if factory is None:
+        return 0, 0
+    params = [nn.Parameter(torch.empty(g.sharded // 4, device="meta")) for g in sizes.values() if g.sharded]
+    for p in params:
+        p.grad = torch.empty_like(p)
+    opt = factory(params)
+    opt.step()  # creates the state
+    state = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor) and t.device.type == "meta")
+    tracker = LiveBytes()
+    tracker.ignore([*params, *(p.grad for p in params),
+                    *(t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))])
+    with tracker:
+        opt.step()
+    return state, tracker.peak

@@ -1,0 +1,72 @@
+"""`fsdp2-strategy plan MODEL`: load a model on meta and print `compare_strategies` for it.
+
+MODEL is a Hugging Face config folder (the model is built with `from_config` on the meta
+device: no weights are read) or `package.module:factory`, a callable returning a model or a
+`(model, example_batch)` pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .planner import compare_strategies
+
+
+def add_parser(sub: Any) -> None:
+    plan = sub.add_parser("plan", help="per-rank memory and communication of every sharding strategy, "
+                                       "and the one to use")
+    plan.add_argument("model", help="a Hugging Face config folder, or package.module:factory")
+    plan.add_argument("--world-size", type=int, required=True)
+    plan.add_argument("--nodes", type=int, default=1)
+    plan.add_argument("--device-memory", default=None, help="budget per rank, e.g. 80GiB (default: no verdict)")
+    plan.add_argument("--batch-size", type=int, default=None, help="micro-batch per rank (activations)")
+    plan.add_argument("--seq-len", type=int, default=None, help="sequence length of a Hugging Face model's batch")
+    plan.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None)
+    plan.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd_plain, adagrad, rmsprop or none")
+    plan.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
+
+
+def load_model(spec: str, batch_size: int | None, seq_len: int | None) -> tuple[nn.Module, Any]:
+    """The model on meta and an example batch (None when the size is not given)."""
+    if Path(spec).is_dir():
+        return _hugging_face(Path(spec), batch_size, seq_len)
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        raise ValueError(f"MODEL={spec!r} is neither a folder nor package.module:factory.")
+    factory = getattr(importlib.import_module(module_name), attr)
+    with torch.device("meta"):
+        made = factory()
+    return made if isinstance(made, tuple) else (made, None)
+
+
+def _hugging_face(folder: Path, batch_size: int | None, seq_len: int | None) -> tuple[nn.Module, Any]:
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
+    with torch.device("meta"):
+        model = (AutoModelForCausalLM if causal else AutoModel).from_config(config)
+    if batch_size is None:
+        return model, None
+    seq = seq_len or getattr(config, "max_position_embeddings", 512)
+    ids = torch.zeros(batch_size, seq, dtype=torch.long, device="meta")
+    return model, ({"input_ids": ids, "labels": ids} if causal else {"input_ids": ids})
+
+
+def run(args: argparse.Namespace) -> int:
+    model, batch = load_model(args.model, args.batch_size, args.seq_len)
+    config = {"mixed_precision": args.precision} if args.precision else {}
+    comparison = compare_strategies(model, config, world_size=args.world_size, nodes=args.nodes,
+                                    device_memory=args.device_memory, optimizer=args.optimizer,
+                                    example_batch=batch, micro_batches=args.micro_batches)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{type(model).__name__}: {params:,} parameters; {args.world_size} ranks on {args.nodes} node(s)"
+          + ("" if batch is not None else "; no --batch-size: activations not counted"))
+    print(comparison)
+    return 0 if comparison.budget is None or comparison.recommended is not None else 1

@@ -1,0 +1,204 @@
+"""Compare sharding strategies, recommend one, and resolve `sharding_strategy="auto"`.
+
+Every row is one `estimate_memory` call on a meta copy; the recommendation is the setting with
+the least communication per step that fits the memory budget (ties: no offload, no activation
+checkpointing, then the smaller peak), since offload and recomputation cost time too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .config import SHARDING_STRATEGIES, FSDP2Config, parse_bytes
+from .estimate import MemoryEstimate, estimate_memory, human_bytes
+
+BUDGET_MARGIN = 0.10
+"""Share of the device (or of this rank's part of the RAM) kept free when `memory_budget` is not
+given: allocator fragmentation, the CUDA context, communication library buffers, and - when no
+example batch is known, as inside `shard_model` - the activations."""
+
+
+@dataclass
+class PlanRow:
+    """One setting of the comparison."""
+
+    strategy: str
+    """Sharding strategy."""
+    cpu_offload: bool
+    """CPU offload of sharded state."""
+    activation_checkpointing: bool
+    """Activation checkpointing of the wrapped blocks."""
+    estimate: MemoryEstimate
+    """Per-rank memory and communication of this setting."""
+    fits: Optional[bool]
+    """Whether the peak fits the budget (None when no budget was given)."""
+
+    @property
+    def label(self) -> str:
+        extras = [x for x, on in (("offload", self.cpu_offload), ("AC", self.activation_checkpointing)) if on]
+        return self.strategy + ("+" + "+".join(extras) if extras else "")
+
+
+@dataclass
+class StrategyComparison:
+    """Rows per setting, the budget they were checked against, and the recommendation."""
+
+    rows: list[PlanRow] = field(default_factory=list)
+    """Every setting estimated, in the order tried."""
+    budget: Optional[int] = None
+    """Bytes per rank available (None: no budget, nothing is judged)."""
+    recommended: Optional[PlanRow] = None
+    """The fitting row with the least communication (None when nothing fits or no budget)."""
+    reason: str = ""
+    """Why the recommendation was chosen, or why nothing fits."""
+
+    def __str__(self) -> str:
+        gib = 2**30
+        header = ("setting", "peak GiB/rank", "host GiB", "comm GiB/step", "peak in", "fits")
+        lines = [header]
+        for r in self.rows:
+            e = r.estimate
+            fits = "-" if r.fits is None else ("yes" if r.fits else "no")
+            mark = " <-" if r is self.recommended else ""
+            lines.append((r.label, f"{e.peak_bytes / gib:.3f}", f"{e.host_bytes / gib:.3f}",
+                          f"{e.communication_bytes / gib:.3f}", e.peak_phase, fits + mark))
+        widths = [max(len(str(row[i])) for row in lines) for i in range(len(header))]
+        text = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in lines]
+        if self.budget is not None:
+            text.append(f"budget {human_bytes(self.budget)} per rank. {self.reason}")
+        return "\n".join(text)
+
+
+def default_budget(local_ranks: int = 1) -> int:
+    """The accelerator's total memory, or on CPU the available RAM divided by the local ranks,
+    minus `BUDGET_MARGIN`."""
+    if torch.accelerator.is_available():
+        device = torch.accelerator.current_accelerator()
+        module = getattr(torch, device.type)
+        total = module.get_device_properties(torch.accelerator.current_device_index()).total_memory
+    else:
+        total = _available_ram() // max(local_ranks, 1)
+    return int(total * (1 - BUDGET_MARGIN))
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def compare_strategies(
+    model: nn.Module,
+    config: FSDP2Config | dict | str | None = None,
+    *,
+    world_size: int,
+    nodes: int = 1,
+    device_memory: Any = None,
+    strategies: tuple[str, ...] = SHARDING_STRATEGIES,
+    offload: tuple[bool, ...] = (False, True),
+    checkpointing: tuple[bool, ...] = (False, True),
+    **estimate_kwargs: Any,
+) -> StrategyComparison:
+    """Estimate every strategy x CPU offload x activation checkpointing and recommend one.
+
+    `device_memory` (bytes or text like "80GiB") is the budget per rank; None judges nothing.
+    Other keywords (`optimizer`, `example_batch`, `loss_fn`, `accumulation`, `micro_batches`)
+    go to `estimate_memory`. Activation checkpointing rows need wrapped blocks; a model whose
+    wrap policy selects none gets no such rows.
+    """
+    base = FSDP2Config.coerce(config, log_plan=False)
+    budget = parse_bytes(device_memory, "device_memory")
+    rows = []
+    for strategy in strategies:
+        for off in offload:
+            for ac in checkpointing:
+                cfg = dataclasses.replace(base, sharding_strategy=strategy, cpu_offload=off,
+                                          activation_checkpointing=(base.activation_checkpointing or "auto") if ac else None)
+                try:
+                    est = estimate_memory(model, cfg, world_size=world_size, nodes=nodes, **estimate_kwargs)
+                except ValueError as exc:
+                    if ac and "activation_checkpointing" in str(exc):
+                        continue  # no blocks to checkpoint in this model
+                    raise
+                rows.append(PlanRow(strategy, off, ac, est, None if budget is None else est.peak_bytes <= budget))
+    return _recommend(StrategyComparison(rows=rows, budget=budget), world_size)
+
+
+def _cost(row: PlanRow) -> tuple:
+    return (row.estimate.communication_bytes, row.cpu_offload, row.activation_checkpointing, row.estimate.peak_bytes)
+
+
+def _recommend(comparison: StrategyComparison, world_size: int) -> StrategyComparison:
+    if comparison.budget is None or not comparison.rows:
+        return comparison
+    fitting = [r for r in comparison.rows if r.fits]
+    if fitting:
+        best = min(fitting, key=_cost)
+        comparison.recommended = best
+        comparison.reason = (f"Recommended {best.label}: the least communication "
+                             f"({best.estimate.communication_bytes / 2**30:.3f} GiB/step) of the "
+                             f"{len(fitting)} settings that fit.")
+    else:
+        comparison.reason = nothing_fits_message(comparison.rows, comparison.budget, world_size)
+    return comparison
+
+
+def nothing_fits_message(rows: list[PlanRow], budget: int, world_size: int) -> str:
+    """What to change when no setting fits: the smallest peak found and the levers left."""
+    smallest = min(rows, key=lambda r: r.estimate.peak_bytes)
+    more = ""
+    for row in sorted(rows, key=lambda r: r.estimate.peak_bytes):
+        est = row.estimate
+        # Sharded state shrinks with more ranks; gathered groups, buffers and activations do not.
+        states = est.param_bytes + est.grad_bytes + est.optimizer_bytes
+        fixed = est.peak_bytes - states
+        if row.estimate.shard_size > 1 and states and fixed < budget:
+            ranks = world_size
+            while fixed + states * world_size / ranks > budget:
+                ranks *= 2
+            more = f" about {ranks} ranks with {row.label} (its sharded state shrinks with the rank count);"
+            break
+    return (f"No setting fits {human_bytes(budget)} per rank: the smallest peak is "
+            f"{human_bytes(smallest.estimate.peak_bytes)} ({smallest.label}). Options:{more} CPU offload and "
+            "activation checkpointing (if not tried), a smaller micro-batch or sequence, mixed_precision='bf16', "
+            "or a larger memory_budget.")
+
+
+def resolve_auto(model: nn.Module, config: FSDP2Config, world_size: int, nodes: int) -> tuple[FSDP2Config, str]:
+    """The config with `sharding_strategy="auto"` replaced by the chosen strategy, and the reason.
+
+    The user's offload and checkpointing choices are kept; only the strategy is chosen. Without
+    an example batch the activations are not estimated (they are left to `BUDGET_MARGIN`); the
+    optimizer is assumed to be AdamW (two states per parameter, the common worst case).
+    """
+    budget = parse_bytes(config.memory_budget) or default_budget(world_size // nodes)
+    strategies = tuple(s for s in SHARDING_STRATEGIES if nodes > 1 or not s.startswith("HYBRID"))
+    comparison = compare_strategies(
+        model, dataclasses.replace(config, sharding_strategy="FULL_SHARD"), world_size=world_size, nodes=nodes,
+        device_memory=budget, strategies=strategies, offload=(config.cpu_offload,),
+        checkpointing=(config.activation_checkpointing is not None,), optimizer="adamw",
+        accumulation=config.accumulation,
+    )
+    if comparison.recommended is None:
+        extra = compare_strategies(
+            model, dataclasses.replace(config, sharding_strategy="FULL_SHARD"), world_size=world_size, nodes=nodes,
+            device_memory=budget, strategies=("FULL_SHARD",), offload=(True,), checkpointing=(False, True),
+            optimizer="adamw")
+        raise ValueError("FSDP2Config(sharding_strategy='auto'): "
+                         + nothing_fits_message(comparison.rows + extra.rows, budget, world_size))
+    best = comparison.recommended
+    reason = (f"sharding_strategy='auto' chose {best.strategy} for a budget of {human_bytes(budget)} per rank "
+              f"(estimated peak {human_bytes(best.estimate.peak_bytes)} without activations, AdamW): "
+              + comparison.reason + "\n" + str(comparison))
+    return dataclasses.replace(config, sharding_strategy=best.strategy), reason

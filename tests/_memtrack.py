@@ -1,0 +1,138 @@
+"""Measured per-rank peaks of real FSDP2 training steps, to check `f2.estimate_memory` against.
+
+`measure_peak` runs inside a spawned rank: it shards a fresh model, takes one warm-up step (so the
+optimizer state exists, as in every later step), then measures one more optimizer step with
+torch's `MemTracker` (live tensor bytes, counting FSDP2's storage resizes). The models cover
+tied weights (TinyGPT), buffers and BatchNorm (ConvNet) and a Hugging Face encoder (MiniLM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fsdp2_strategy as f2
+from fsdp2_strategy.optim_state import optimizer_factory
+
+from _models import TinyGPT, make_batch
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, ch: int):
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1)
+        self.bn = nn.BatchNorm2d(ch)
+
+    def forward(self, x):
+        return x + F.relu(self.bn(self.conv(x)))
+
+
+class ConvNet(nn.Module):
+    """Blocks with BatchNorm buffers (running stats are not sharded)."""
+
+    def __init__(self, ch: int = 16, blocks: int = 3, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, ch, 3, padding=1)
+        self.blocks = nn.Sequential(*[ConvBlock(ch) for _ in range(blocks)])
+        self.head = nn.Linear(ch, classes)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+def gpt_model():
+    torch.manual_seed(0)
+    return TinyGPT(vocab=512, dim=128, heads=4, layers=4, seq=64)
+
+
+def gpt_batch(n=8):
+    idx, tgt = make_batch(n, seq=64, vocab=512)
+    return {"idx": idx, "target": tgt}
+
+
+def gpt_loss(model, batch):
+    logits = model(batch["idx"])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["target"].reshape(-1))
+
+
+def conv_model():
+    torch.manual_seed(0)
+    return ConvNet(ch=32, blocks=4)
+
+
+def conv_batch(n=8):
+    g = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(n, 3, 32, 32, generator=g), "y": torch.randint(0, 10, (n,), generator=g)}
+
+
+def conv_loss(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def minilm_model():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from reviews import pretrained_dir
+    from transformers import AutoConfig, AutoModel
+
+    torch.manual_seed(0)
+    return AutoModel.from_config(AutoConfig.from_pretrained(pretrained_dir()))
+
+
+def minilm_batch(n=8, seq=64):
+    g = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(0, 30000, (n, seq), generator=g)}
+
+
+def minilm_loss(model, batch):
+    return model(input_ids=batch["input_ids"]).last_hidden_state.float().pow(2).mean()
+
+
+MODELS = {
+    "gpt": (gpt_model, gpt_batch, gpt_loss),
+    "convnet": (conv_model, conv_batch, conv_loss),
+    "minilm": (minilm_model, minilm_batch, minilm_loss),
+}
+
+
+def train_step(model, opt, batch, loss_fn, micro_batches: int, accumulation: str, tracker=None) -> None:
+    for i in range(micro_batches):
+        if tracker is not None and i:
+            tracker.reset_mod_stats()  # MemTracker refuses a second forward otherwise; totals are kept
+        last = i == micro_batches - 1
+        skip_sync = not last and accumulation != "sync_each"
+        with f2.no_sync(model) if skip_sync else contextlib.nullcontext():
+            loss_fn(model, batch).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def measure_peak(model_name: str, config: dict, optimizer="adamw", micro_batches: int = 1,
+                 accumulation: str = "sync_last", batch_size: int = 8) -> int:
+    """Peak live tensor bytes of this rank during one steady-state optimizer step."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    make_model, make_batch_, loss_fn = MODELS[model_name]
+    model = f2.shard_model(make_model(), {**config, "log_plan": False})
+    opt = optimizer_factory(optimizer)(list(model.parameters()))
+    batch = make_batch_(batch_size)
+    train_step(model, opt, batch, loss_fn, micro_batches, accumulation)  # warm-up: optimizer state exists
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        train_step(model, opt, batch, loss_fn, micro_batches, accumulation, tracker)
+    snapshot = tracker.get_tracker_snapshot("peak")
+    return max(s["Total"] for s in snapshot.values())
+
+
+def estimate_peak(model_name: str, config: dict, world_size: int, optimizer="adamw", micro_batches: int = 1,
+                  accumulation: str = "sync_last", batch_size: int = 8, nodes: int = 1):
+    make_model, make_batch_, loss_fn = MODELS[model_name]
+    return f2.estimate_memory(make_model(), config, world_size=world_size, nodes=nodes, optimizer=optimizer,
+                              example_batch=make_batch_(batch_size), loss_fn=loss_fn,
+                              accumulation=accumulation, micro_batches=micro_batches)

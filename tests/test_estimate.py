@@ -1,0 +1,86 @@
+"""`f2.estimate_memory` against the measured peaks of real 2-rank runs, and its bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fsdp2_strategy as f2
+from _harness import run_distributed
+from _memtrack import estimate_peak, measure_peak
+from _models import TinyGPT
+
+SETTINGS = {
+    "FULL_SHARD": {"sharding_strategy": "FULL_SHARD"},
+    "SHARD_GRAD_OP": {"sharding_strategy": "SHARD_GRAD_OP"},
+    "NO_SHARD": {"sharding_strategy": "NO_SHARD"},
+    "FULL_SHARD+AC": {"sharding_strategy": "FULL_SHARD", "activation_checkpointing": "auto"},
+}
+
+
+def _measure_all():
+    peaks = {("gpt", name, 1): measure_peak("gpt", cfg) for name, cfg in SETTINGS.items() if name != "NO_SHARD"}
+    peaks[("convnet", "FULL_SHARD", 1)] = measure_peak("convnet", SETTINGS["FULL_SHARD"])
+    peaks[("gpt", "FULL_SHARD", 4)] = measure_peak("gpt", SETTINGS["FULL_SHARD"], micro_batches=4)
+    peaks[("gpt", "FULL_SHARD+bf16", 1)] = measure_peak("gpt", {"sharding_strategy": "FULL_SHARD", "mixed_precision": "bf16"})
+    return peaks
+
+
+def test_estimates_match_measured_peaks_of_two_rank_runs():
+    measured = run_distributed(_measure_all, 2)
+    for key in measured[0]:
+        model, name, k = key
+        config = SETTINGS.get(name) or {"sharding_strategy": "FULL_SHARD", "mixed_precision": "bf16"}
+        estimate = estimate_peak(model, config, 2, micro_batches=k)
+        peak = max(r[key] for r in measured)
+        assert abs(estimate.peak_bytes - peak) / peak < 0.10, (key, estimate.peak_bytes, peak)
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return TinyGPT(vocab=512, dim=128, heads=4, layers=4, seq=64)
+
+
+def test_strategies_order_memory_and_communication_as_sharding_implies():
+    batch = torch.randint(0, 512, (4, 64))
+    est = {s: f2.estimate_memory(_gpt(), {"sharding_strategy": s}, world_size=4, example_batch=batch)
+           for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")}
+    assert est["FULL_SHARD"].peak_bytes < est["SHARD_GRAD_OP"].peak_bytes < est["NO_SHARD"].peak_bytes
+    # NO_SHARD all-reduces full gradients and gathers nothing; FULL_SHARD gathers again in backward.
+    assert est["NO_SHARD"].communication["all_gather"] == 0 and est["NO_SHARD"].communication["all_reduce"] > 0
+    assert est["FULL_SHARD"].communication["all_gather"] > est["SHARD_GRAD_OP"].communication["all_gather"]
+    full = sum(p.numel() * 4 for p in _gpt().parameters())
+    # Ring reduce-scatter of fp32 gradients over 4 ranks sends 3/4 of them.
+    assert est["FULL_SHARD"].communication["reduce_scatter"] == pytest.approx(full * 3 / 4, rel=1e-6)
+
+
+def test_optimizer_state_follows_the_optimizer():
+    shard = f2.estimate_memory(_gpt(), world_size=2, optimizer="none").param_bytes
+    adamw = f2.estimate_memory(_gpt(), world_size=2, optimizer="adamw").optimizer_bytes
+    sgd = f2.estimate_memory(_gpt(), world_size=2, optimizer="sgd").optimizer_bytes
+    assert adamw == 2 * shard and sgd == shard
+    assert f2.estimate_memory(_gpt(), world_size=2, optimizer="sgd_plain").optimizer_bytes == 0
+
+
+def test_meta_model_is_estimated_without_materialising_and_left_unchanged():
+    with torch.device("meta"):
+        model = TinyGPT(vocab=512, dim=128, heads=4, layers=4, seq=64)
+    est = f2.estimate_memory(model, world_size=2, example_batch=torch.randint(0, 512, (4, 64)))
+    assert est.activation_bytes > 0 and est.peak_bytes > est.param_bytes
+    assert all(p.is_meta and p.grad is None for p in model.parameters())
+
+
+def test_hybrid_shards_inside_a_node_and_all_reduces_across_nodes():
+    est = f2.estimate_memory(_gpt(), {"sharding_strategy": "HYBRID_SHARD"}, world_size=4, nodes=2)
+    assert est.shard_size == 2 and est.communication["all_reduce"] > 0
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"world_size": 0}, "world_size"),
+    ({"world_size": 4, "nodes": 3}, "nodes"),
+    ({"world_size": 2, "accumulation": "sometimes"}, "accumulation"),
+    ({"world_size": 2, "optimizer": "lion"}, "optimizer"),
+])
+def test_bad_arguments_name_the_keyword(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        f2.estimate_memory(_gpt(), **kwargs)

@@ -1,0 +1,84 @@
+"""`f2.compare_strategies`, `fsdp2-strategy plan` and `FSDP2Config(sharding_strategy="auto")`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fsdp2_strategy as f2
+from _harness import run_distributed
+from _models import TinyGPT
+from fsdp2_strategy.cli import main
+from fsdp2_strategy.estimate import human_bytes
+
+
+def gpt(layers: int = 4):
+    torch.manual_seed(0)
+    return TinyGPT(vocab=512, dim=128, heads=4, layers=layers, seq=64)
+
+
+def gpt_with_batch():
+    """A `plan` factory: the model and one rank's micro-batch."""
+    return gpt(), torch.zeros(8, 64, dtype=torch.long)
+
+
+def test_comparison_has_every_setting_and_recommends_the_cheapest_that_fits():
+    batch = torch.randint(0, 512, (8, 64))
+    free = f2.compare_strategies(gpt(), world_size=4, example_batch=batch)
+    assert len(free.rows) == 20 and free.recommended is None  # 5 strategies x offload x AC, no budget
+    peaks = sorted(r.estimate.peak_bytes for r in free.rows)
+    budget = peaks[len(peaks) // 2]
+    judged = f2.compare_strategies(gpt(), world_size=4, example_batch=batch, device_memory=budget)
+    fitting = [r for r in judged.rows if r.estimate.peak_bytes <= budget]
+    assert [r.fits for r in judged.rows] == [r.estimate.peak_bytes <= budget for r in judged.rows]
+    best = judged.recommended
+    assert best in fitting
+    assert best.estimate.communication_bytes == min(r.estimate.communication_bytes for r in fitting)
+    assert best.label in str(judged) and "<-" in str(judged)
+
+
+def test_nothing_fits_names_the_smallest_peak_and_the_levers():
+    result = f2.compare_strategies(gpt(), world_size=2, device_memory=1000)
+    assert result.recommended is None
+    smallest = min(r.estimate.peak_bytes for r in result.rows)
+    assert f"smallest peak is {human_bytes(smallest)}" in result.reason and "offload" in result.reason
+
+
+def test_plan_command_prints_one_row_per_setting(capsys):
+    code = main(["plan", "test_planner:gpt_with_batch", "--world-size", "2", "--device-memory", "1GiB"])
+    out = capsys.readouterr().out
+    assert code == 0 and "<-" in out
+    for name in ("FULL_SHARD+offload+AC", "HYBRID_SHARD_ZERO2", "NO_SHARD+AC"):
+        assert name in out
+    assert main(["plan", "test_planner:gpt_with_batch", "--world-size", "2", "--device-memory", "1KiB"]) == 1
+
+
+def test_memory_budget_is_validated():
+    assert f2.FSDP2Config(sharding_strategy="auto", memory_budget="2GiB").memory_budget == 2 * 2**30
+    with pytest.raises(ValueError, match="FSDP2Config.memory_budget"):
+        f2.FSDP2Config(memory_budget="lots")
+    with pytest.raises(ValueError, match="auto"):
+        f2.FSDP2Config(sharding_strategy="fastest")
+
+
+def _auto_world(budget_fits_full_only, budget_nothing):
+    from torch.distributed.fsdp import FSDPModule
+
+    model = f2.shard_model(gpt(8), sharding_strategy="auto", memory_budget=budget_fits_full_only, log_plan=False)
+    chosen = model.blocks[0]._fsdp2_group.strategy
+    assert isinstance(model, FSDPModule)
+    try:
+        f2.shard_model(gpt(8), sharding_strategy="auto", memory_budget=budget_nothing)
+    except ValueError as exc:
+        return chosen, str(exc)
+    return chosen, None
+
+
+def test_auto_picks_the_least_communication_that_fits_and_explains_when_nothing_does():
+    est = {s: f2.estimate_memory(gpt(8), {"sharding_strategy": s}, world_size=2).peak_bytes
+           for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")}
+    assert est["FULL_SHARD"] < est["SHARD_GRAD_OP"] < est["NO_SHARD"]
+    budget = (est["FULL_SHARD"] + est["SHARD_GRAD_OP"]) // 2  # SHARD_GRAD_OP communicates less but does not fit
+    chosen, error = run_distributed(_auto_world, 2, budget, int(est["FULL_SHARD"] * 0.9))[0]
+    assert chosen == "FULL_SHARD"
+    assert error is not None and "smallest peak" in error and "ranks" in error and "memory_budget" in error
