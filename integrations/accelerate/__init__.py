@@ -6,7 +6,7 @@
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
 Run it with `accelerate launch --config_file fsdp2.yaml train.py`, where `fsdp2.yaml` is an
-ordinary accelerate FSDP config with `fsdp_version: 2` (see examples/accelerate/).
+ordinary accelerate FSDP config with `fsdp_version: 2` (see examples/accelerate_fsdp2.yaml).
 
 What changes against the stock `Accelerator` (same arguments, same methods):
 - `prepare` shards every model with `fsdp2_strategy.shard_model` (several models per call,

@@ -250,7 +250,7 @@ class FSDP2Accelerator(Accelerator):
     def save_state(self, output_dir: Optional[Union[str, os.PathLike]] = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> str:
         """Save models, optimizers, schedulers, samplers, RNG, step and registered objects as one
-        atomic, checksummed DCP directory (see `_accelerate_checkpoint`). Returns its path."""
+        atomic, checksummed DCP directory (see `checkpoint`). Returns its path."""
         if save_model_func_kwargs:
             raise TypeError(f"FSDP2Accelerator.save_state does not take {sorted(save_model_func_kwargs)} (DeepSpeed options).")
         return checkpoint.save_state(self, output_dir, safe_serialization)
