@@ -9,7 +9,6 @@ norm, and checkpoints committed atomically with checksums.
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -32,8 +31,8 @@ import fsdp2_strategy as f2
 from fsdp2_strategy import checkpoint_dir as cdir
 from fsdp2_strategy.checkpoint_state import optimizer_state_dict, unstepped_kept
 from fsdp2_strategy.step_methods import register_step_method
-from fsdp2_strategy.strategies import strategy
 
+from .._lightning_shared import check_start_method, core_mesh, effective_config, register_all
 from ._compat import META_FILE, FullStateMultiProcessingLauncher, is_sharded_checkpoint
 from .precision import FSDP2Precision, to_fsdp2_precision
 
@@ -42,7 +41,6 @@ __all__ = ["FSDP2Strategy", "STEP_METHODS"]
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 """LightningModule methods Lightning calls instead of `forward`; FSDP gathers the root around them."""
 
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _MODEL_KEY = "state_dict"  # Lightning's key for the model; optimizers are "optimizer_<i>"
 
 
@@ -74,8 +72,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     ) -> None:
         if state_dict_type not in ("sharded", "full"):
             raise ValueError(f"FSDP2Strategy.state_dict_type={state_dict_type!r} is invalid; use 'sharded' or 'full'.")
-        if start_method not in _START_METHODS:
-            raise ValueError(f"FSDP2Strategy.start_method={start_method!r} is invalid; use one of {_START_METHODS}.")
+        check_start_method("FSDP2Strategy", start_method)
         # `FSDP2Config(**fields)` spelled out (not only via `coerce`) lets LightningCLI's parser
         # see the config fields as this class's own `init_args`.
         self.fsdp2_config = f2.FSDP2Config(**fields) if config is None else f2.FSDP2Config.coerce(config, **fields)
@@ -149,24 +146,14 @@ class FSDP2Strategy(ModelParallelStrategy):
                 register_step_method(module, name)
 
     def _effective_config(self) -> f2.FSDP2Config:
-        """The config plus what Lightning knows: the precision string's FSDP2 policy (unless
-        `mixed_precision` is set) and, for hybrid sharding, the (nodes, devices per node) mesh."""
-        changes: dict[str, Any] = {}
+        """The config plus the precision string's policy and, for hybrid sharding, the
+        (nodes, devices per node) mesh (see `integrations._lightning_shared.effective_config`)."""
         policy = getattr(self.precision_plugin, "fsdp2_mixed_precision", None)
-        if policy is not None and self.fsdp2_config.mixed_precision is None:
-            changes["mixed_precision"] = policy
-        if strategy(self.fsdp2_config.sharding_strategy).layout == "hybrid" and self.fsdp2_config.mesh_shape is None:
-            # Replicate across nodes, shard within one: Lightning's launcher may not set the
-            # LOCAL_WORLD_SIZE the core would otherwise read.
-            changes["mesh_shape"] = (self.num_nodes, self.num_processes)
-        return dataclasses.replace(self.fsdp2_config, **changes) if changes else self.fsdp2_config
+        return effective_config(self.fsdp2_config, policy, self.num_nodes, self.num_processes)
 
     def _core_mesh(self):
         """The 1-D data-parallel sub-mesh for 1-D strategies; None lets the core build hybrid meshes."""
-        cfg = self.fsdp2_config
-        if not strategy(cfg.sharding_strategy).two_dim and cfg.mesh_shape is None:
-            return self.device_mesh["data_parallel"]
-        return None
+        return core_mesh(self.fsdp2_config, self.device_mesh)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -223,11 +210,4 @@ class FSDP2Strategy(ModelParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register "fsdp2", "fsdp2_hybrid", "fsdp2_cpu_offload" and "fsdp2_spawn"."""
-        entries = {
-            "fsdp2": ("FSDP2 (fully_shard) via fsdp2_strategy", {}),
-            "fsdp2_hybrid": ("FSDP2 hybrid sharding via fsdp2_strategy", {"sharding_strategy": "HYBRID_SHARD"}),
-            "fsdp2_cpu_offload": ("FSDP2 with CPU offload via fsdp2_strategy", {"cpu_offload": True}),
-            "fsdp2_spawn": ("FSDP2 via fsdp2_strategy, processes spawned (notebooks)", {"start_method": "spawn"}),
-        }
-        for name, (description, params) in entries.items():
-            strategy_registry.register(name, cls, description=description, override=True, **params)
+        register_all(cls, strategy_registry)
