@@ -2,13 +2,17 @@
 share: precision strings -> core policies, the registered strategy names, and the choice of mesh
 and config from what Lightning knows (nodes, processes per node, device mesh).
 
-Imports no Lightning module: both adapters pass in what they read from their own strategy objects.
+Both adapters pass in what they read from their own strategy objects; of Lightning only Fabric's
+default-backend helper (which both Lightning packages use) is imported.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Optional
+
+import torch
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.strategies import strategy
@@ -62,3 +66,10 @@ def core_mesh(config: f2.FSDP2Config, device_mesh: Any) -> Any:
     if not strategy(config.sharding_strategy).two_dim and config.mesh_shape is None:
         return device_mesh["data_parallel"]
     return None
+
+
+def process_group_backend(device: torch.device) -> str:
+    """gloo on CPU; on an accelerator "cpu:gloo,<device>:<nccl...>" so that CPU collectives
+    (asynchronous checkpoints, CPU offload) have a backend too."""
+    backend = _get_default_process_group_backend_for_device(device)
+    return backend if device.type == "cpu" else f"cpu:gloo,{device.type}:{backend}"

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Generator, Literal, Optional, Union
 
 import torch
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -32,7 +31,7 @@ from fsdp2_strategy import checkpoint_dir as cdir
 from fsdp2_strategy.checkpoint_state import optimizer_state_dict, unstepped_kept
 from fsdp2_strategy.step_methods import register_step_method
 
-from .._lightning_shared import check_start_method, core_mesh, effective_config, register_all
+from .._lightning_shared import check_start_method, core_mesh, effective_config, process_group_backend, register_all
 from ._compat import META_FILE, FullStateMultiProcessingLauncher, is_sharded_checkpoint
 from .precision import FSDP2Precision, to_fsdp2_precision
 
@@ -102,11 +101,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _get_process_group_backend(self) -> str:
-        if self._process_group_backend:
-            return self._process_group_backend
-        device = self.root_device
-        backend = _get_default_process_group_backend_for_device(device)
-        return backend if device.type == "cpu" else f"cpu:gloo,{device.type}:{backend}"
+        return self._process_group_backend or process_group_backend(self.root_device)
 
     def setup_environment(self) -> None:
         """Set up the process group and a ("data_parallel"=world size, "tensor_parallel"=1) mesh."""
