@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import fsdp2_strategy as f2
 import fsdp2_strategy.integrations.fabric  # noqa: F401  (registers strategy="fsdp2" in Fabric)
@@ -48,6 +48,7 @@ def build(fabric: Fabric, model_dir: Path, lr: float):
 
     fabric.seed_everything(0, verbose=False)
     model = BertForSequenceClassification.from_pretrained(model_dir, num_labels=len(LABELS))
+    model.train()  # from_pretrained returns eval mode (no dropout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)  # before setup: Fabric style
     return fabric.setup(model, optimizer)
 

@@ -22,7 +22,6 @@ from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.plugins.precision import DoublePrecision  # noqa: E402
 from lightning.fabric.strategies import STRATEGY_REGISTRY  # noqa: E402
 
-import fsdp2_strategy as f2  # noqa: E402
 from fsdp2_strategy.integrations.fabric import (  # noqa: E402
     FSDP2FabricHalfPrecision,
     FSDP2FabricMixedPrecision,

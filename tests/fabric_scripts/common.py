@@ -11,7 +11,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _comm and _collect
 
-from _collect import full_params, gather, max_rel_diff, write_json  # noqa: E402,F401
+from _collect import full_params, max_rel_diff, write_json  # noqa: E402,F401  (re-exported to the scripts)
 
 import fsdp2_strategy.integrations.fabric  # noqa: E402,F401  registers "fsdp2" in Fabric
 
