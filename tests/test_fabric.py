@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("lightning")
 
@@ -188,3 +189,12 @@ def test_spawn_launch_trains_like_one_process(runs):
     s = runs["spawn"]
     assert s["world"] == 2 and s["strategy"] == "FSDP2FabricStrategy" and not s["parent_has_process_group"]
     assert s["max_rel_diff"] < TOL and s["committed"]
+
+
+def test_what_fabric_allows_but_sharded_checkpoints_cannot_do_is_refused():
+    strategy = FSDP2FabricStrategy()
+    with pytest.raises(TypeError, match=r"storage_options=.*not supported with strategy='fsdp2'"):
+        strategy.save_checkpoint("ckpt", {}, storage_options={"bucket": "x"})
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(NotImplementedError, match=r"load_raw\(path, optimizer\).*fabric.save"):
+        strategy.load_checkpoint("ckpt", optimizer)
