@@ -22,10 +22,11 @@ from torch.optim import Optimizer
 
 import fsdp2_strategy as f2
 
+from .._lightning_shared import MIXED_POLICY, SUPPORTED_PRECISION
+
 __all__ = ["SUPPORTED_PRECISION", "FSDP2Precision", "FSDP2MixedPrecision", "FSDP2HalfPrecision", "to_fsdp2_precision"]
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-_POLICY = {"bf16-mixed": "bf16", "16-mixed": "fp16"}  # core `FSDP2Config.mixed_precision` names
+_POLICY = MIXED_POLICY  # core `FSDP2Config.mixed_precision` names
 
 
 class _ShardedClipping:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Generator, Literal, Optional, Union
 
 import torch
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -32,8 +31,8 @@ import fsdp2_strategy as f2
 from fsdp2_strategy import checkpoint_dir as cdir
 from fsdp2_strategy.checkpoint_state import optimizer_state_dict, unstepped_kept
 from fsdp2_strategy.step_methods import register_step_method
-from fsdp2_strategy.strategies import strategy
 
+from .._lightning_shared import check_start_method, core_mesh, effective_config, process_group_backend, register_all
 from ._compat import META_FILE, FullStateMultiProcessingLauncher, is_sharded_checkpoint
 from .precision import FSDP2Precision, to_fsdp2_precision
 
@@ -42,9 +41,8 @@ __all__ = ["FSDP2Strategy", "STEP_METHODS"]
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 """LightningModule methods Lightning calls instead of `forward`; FSDP gathers the root around them."""
 
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-_MODEL_KEY = "state_dict"
-_AUTO = object()  # tensor_parallel_size="auto": the devices of one node, known once launched  # Lightning's key for the model; optimizers are "optimizer_<i>"
+_MODEL_KEY = "state_dict"  # Lightning's key for the model; optimizers are "optimizer_<i>"
+_AUTO = object()  # tensor_parallel_size="auto": the devices of one node, known once launched
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -88,8 +86,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                 save_distributed_checkpoint != (state_dict_type == "sharded"):
             raise ValueError(f"FSDP2Strategy(state_dict_type={state_dict_type!r}, save_distributed_checkpoint="
                              f"{save_distributed_checkpoint}) disagree; give one of them.")
-        if start_method not in _START_METHODS:
-            raise ValueError(f"FSDP2Strategy.start_method={start_method!r} is invalid; use one of {_START_METHODS}.")
+        check_start_method("FSDP2Strategy", start_method)
         if fields.get("tensor_parallel_size") == "auto":
             # ModelParallelStrategy's default: every device of a node in one TP group.
             fields["tensor_parallel_size"] = _AUTO
@@ -132,11 +129,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _get_process_group_backend(self) -> str:
-        if self._process_group_backend:
-            return self._process_group_backend
-        device = self.root_device
-        backend = _get_default_process_group_backend_for_device(device)
-        return backend if device.type == "cpu" else f"cpu:gloo,{device.type}:{backend}"
+        return self._process_group_backend or process_group_backend(self.root_device)
 
     def setup_environment(self) -> None:
         """Set up the process group and Lightning's ("data_parallel", "tensor_parallel") mesh.
@@ -190,25 +183,14 @@ class FSDP2Strategy(ModelParallelStrategy):
                 register_step_method(module, name)
 
     def _effective_config(self) -> f2.FSDP2Config:
-        """The config plus what Lightning knows: the precision string's FSDP2 policy (unless
-        `mixed_precision` is set) and, for hybrid sharding, the (nodes, devices per node) mesh."""
-        changes: dict[str, Any] = {}
+        """The config plus the precision string's policy and, for hybrid sharding, the
+        (nodes, devices per node) mesh (see `integrations._lightning_shared.effective_config`)."""
         policy = getattr(self.precision_plugin, "fsdp2_mixed_precision", None)
-        if policy is not None and self.fsdp2_config.mixed_precision is None:
-            changes["mixed_precision"] = policy
-        if strategy(self.fsdp2_config.sharding_strategy).layout == "hybrid" and self.fsdp2_config.mesh_shape is None:
-            # Replicate across nodes, shard within one: Lightning's launcher may not set the
-            # LOCAL_WORLD_SIZE the core would otherwise read.
-            changes["mesh_shape"] = (self.num_nodes, self.num_processes)
-        return dataclasses.replace(self.fsdp2_config, **changes) if changes else self.fsdp2_config
+        return effective_config(self.fsdp2_config, policy, self.num_nodes, self.num_processes)
 
     def _core_mesh(self):
-        """What `shard_model` shards on: Lightning's whole mesh with tensor parallelism (its last
-        dim is the TP one), else the 1-D data-parallel sub-mesh; None lets the core build hybrid meshes."""
-        cfg = self.fsdp2_config
-        if strategy(cfg.sharding_strategy).two_dim or cfg.mesh_shape is not None:
-            return None
-        return self.device_mesh if cfg.tensor_parallel_size > 1 else self.device_mesh["data_parallel"]
+        """What `shard_model` shards on (see `_lightning_shared.core_mesh`)."""
+        return core_mesh(self.fsdp2_config, self.device_mesh)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -267,11 +249,4 @@ class FSDP2Strategy(ModelParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register "fsdp2", "fsdp2_hybrid", "fsdp2_cpu_offload" and "fsdp2_spawn"."""
-        entries = {
-            "fsdp2": ("FSDP2 (fully_shard) via fsdp2_strategy", {}),
-            "fsdp2_hybrid": ("FSDP2 hybrid sharding via fsdp2_strategy", {"sharding_strategy": "HYBRID_SHARD"}),
-            "fsdp2_cpu_offload": ("FSDP2 with CPU offload via fsdp2_strategy", {"cpu_offload": True}),
-            "fsdp2_spawn": ("FSDP2 via fsdp2_strategy, processes spawned (notebooks)", {"start_method": "spawn"}),
-        }
-        for name, (description, params) in entries.items():
-            strategy_registry.register(name, cls, description=description, override=True, **params)
+        register_all(cls, strategy_registry)

@@ -1,0 +1,77 @@
+"""What the two Lightning adapters (Trainer: `integrations/lightning`, Fabric: `integrations/fabric`)
+share: precision strings -> core policies, the registered strategy names, and the choice of mesh
+and config from what Lightning knows (nodes, processes per node, device mesh).
+
+Both adapters pass in what they read from their own strategy objects; of Lightning only Fabric's
+default-backend helper (which both Lightning packages use) is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+
+import fsdp2_strategy as f2
+from fsdp2_strategy.strategies import strategy
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+"""The precision strings `strategy="fsdp2"` honours, in the Trainer and in Fabric."""
+
+MIXED_POLICY = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
+"""Precision string -> core `FSDP2Config.mixed_precision` name (the "-mixed" strings only)."""
+
+REGISTERED = {
+    "fsdp2": ("FSDP2 (fully_shard) via fsdp2_strategy", {}),
+    "fsdp2_hybrid": ("FSDP2 hybrid sharding via fsdp2_strategy", {"sharding_strategy": "HYBRID_SHARD"}),
+    "fsdp2_cpu_offload": ("FSDP2 with CPU offload via fsdp2_strategy", {"cpu_offload": True}),
+    "fsdp2_spawn": ("FSDP2 via fsdp2_strategy, processes spawned (notebooks)", {"start_method": "spawn"}),
+}
+"""Strategy name -> (description, constructor keywords): the same names in both registries."""
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+def register_all(cls: type, registry: Any) -> None:
+    """Register every name of `REGISTERED` for strategy class `cls` in a Lightning strategy registry."""
+    for name, (description, params) in REGISTERED.items():
+        registry.register(name, cls, description=description, override=True, **params)
+
+
+def check_start_method(owner: str, start_method: str) -> None:
+    """Raise ValueError naming the accepted launch methods."""
+    if start_method not in START_METHODS:
+        raise ValueError(f"{owner}.start_method={start_method!r} is invalid; use one of {START_METHODS}.")
+
+
+def effective_config(config: f2.FSDP2Config, mixed_policy: Optional[str], num_nodes: int,
+                     num_processes: int) -> f2.FSDP2Config:
+    """`config` plus what Lightning knows: the precision string's FSDP2 policy (unless
+    `mixed_precision` is set) and, for hybrid sharding, the (nodes, devices per node) mesh."""
+    changes: dict[str, Any] = {}
+    if mixed_policy is not None and config.mixed_precision is None:
+        changes["mixed_precision"] = mixed_policy
+    if strategy(config.sharding_strategy).layout == "hybrid" and config.mesh_shape is None:
+        # Replicate across nodes, shard within one: Lightning's launcher may not set the
+        # LOCAL_WORLD_SIZE the core would otherwise read.
+        changes["mesh_shape"] = (num_nodes, num_processes)
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def core_mesh(config: f2.FSDP2Config, device_mesh: Any) -> Any:
+    """What `shard_model` shards on: Lightning's whole ("data_parallel", "tensor_parallel") mesh
+    with tensor parallelism (its last dim is the TP one), else its 1-D "data_parallel" sub-mesh
+    for 1-D strategies; None lets the core build hybrid (2-D) meshes and meshes of an explicit
+    `mesh_shape`."""
+    if strategy(config.sharding_strategy).two_dim or config.mesh_shape is not None:
+        return None
+    return device_mesh if config.tensor_parallel_size > 1 else device_mesh["data_parallel"]
+
+
+def process_group_backend(device: torch.device) -> str:
+    """gloo on CPU; on an accelerator "cpu:gloo,<device>:<nccl...>" so that CPU collectives
+    (asynchronous checkpoints, CPU offload) have a backend too."""
+    backend = _get_default_process_group_backend_for_device(device)
+    return backend if device.type == "cpu" else f"cpu:gloo,{device.type}:{backend}"

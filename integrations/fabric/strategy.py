@@ -1,0 +1,160 @@
+"""`FSDP2FabricStrategy`: Lightning Fabric's strategy hooks translated into fsdp2_strategy core calls.
+
+It subclasses Fabric's `ModelParallelStrategy` and keeps its device mesh (dimensions
+"data_parallel" and "tensor_parallel"), with a `parallelize_fn` that is the core's `shard_model`.
+What it adds is the core's: sharding by policy in `fabric.setup`, precision strings as FSDP2
+policies, `fabric.no_backward_sync` through `f2.no_sync`, clipping by a global norm, and
+`fabric.save`/`fabric.load` as one atomic, checksummed DCP directory.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.optim import Optimizer
+
+import fsdp2_strategy as f2
+from fsdp2_strategy.rebind import parameters_by_name, rebind_optimizer
+
+from .._lightning_shared import check_start_method, core_mesh, effective_config, process_group_backend, register_all
+from . import checkpoint as ckpt
+from ._compat import ShutdownMultiProcessingLauncher
+from .precision import FSDP2FabricPrecision, to_fsdp2_precision
+
+__all__ = ["FSDP2FabricStrategy"]
+
+
+class FSDP2FabricStrategy(ModelParallelStrategy):
+    """Fabric strategy that shards each module set up with `fabric.setup` by `fsdp2_strategy.shard_model`.
+
+    Args:
+        config: an `FSDP2Config`, a dict of its fields, or the path of its YAML file.
+        start_method: "popen" (Fabric re-runs the script per rank, or `fabric run`/torchrun did),
+            or "spawn"/"fork"/"forkserver" (`fabric.launch(fn)` in processes: notebooks, tests).
+        process_group_backend: torch.distributed backend; default gloo on CPU, and on an
+            accelerator "cpu:gloo,<device>:<nccl...>" so CPU collectives have a backend too.
+        timeout: process-group timeout; a rank that fails then ends the others.
+        **fields: `FSDP2Config` fields (`wrap_policy`, `sharding_strategy`, ...), overriding `config`.
+    """
+
+    def __init__(
+        self,
+        config: Union[f2.FSDP2Config, dict, str, Path, None] = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        **fields: Any,
+    ) -> None:
+        check_start_method("FSDP2FabricStrategy", start_method)
+        self.fsdp2_config = f2.FSDP2Config(**fields) if config is None else f2.FSDP2Config.coerce(config, **fields)
+        self._start_method = start_method
+        super().__init__(parallelize_fn=self._parallelize, save_distributed_checkpoint=True,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self._backward_sync_control = _CoreNoSync()
+
+    # ------------------------------------------------------------------ plugins and launch
+    @property
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else FSDP2FabricPrecision()
+
+    @precision.setter
+    def precision(self, plugin: Optional[Precision]) -> None:
+        # A plugin given with `plugins=` reaches us as is: swap in the FSDP2 one or refuse it.
+        self._precision = to_fsdp2_precision(plugin)
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method != "popen":
+            self._launcher = ShutdownMultiProcessingLauncher(self, start_method=self._start_method)
+        else:
+            super()._configure_launcher()
+
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or process_group_backend(self.root_device)
+
+    def setup_environment(self) -> None:
+        """Set up the process group and a ("data_parallel"=world size, "tensor_parallel"=1) mesh."""
+        # ModelParallelStrategy's "auto" sizes shard nothing on one node (data_parallel = nodes).
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    # ------------------------------------------------------------------ model and optimizers
+    def _parallelize(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        """`parallelize_fn`: the core's `shard_model` (a module already `fully_shard`-ed is kept)."""
+        if isinstance(module, FSDPModule):
+            return module
+        config = effective_config(self.fsdp2_config, getattr(self.precision, "fsdp2_mixed_precision", None),
+                                  self.num_nodes, self.num_processes)
+        return f2.shard_model(module, config, mesh=core_mesh(config, device_mesh))
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
+                                    scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
+        """`fabric.setup(model, *optimizers)`: shard, then point the optimizers (built on the
+        unsharded parameters, as Fabric users write it) at the shards, matched by name."""
+        before = parameters_by_name(module)
+        module = self.setup_module(module)
+        for optimizer in optimizers:
+            rebind_optimizer(optimizer, before, module)
+        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        """The global norm over every shard and mesh (equal to the single-process norm), clipped."""
+        self.precision.unscale_gradients(optimizer)
+        parameters = list(self.precision.main_params(optimizer))
+        return f2.clip_grad_norm_(parameters, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        self.precision.unscale_gradients(optimizer)
+        f2.clip_grad_value_(list(self.precision.main_params(optimizer)), clip_val)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """`fabric.save(path, state)`: one atomic, checksummed DCP directory (see `checkpoint.save`)."""
+        if storage_options is not None:
+            raise TypeError("fabric.save(..., storage_options=...) is not supported with strategy='fsdp2': "
+                            "sharded checkpoints are written by torch.distributed.checkpoint, not a CheckpointIO.")
+        if filter is not None:
+            raise ValueError("fabric.save(..., filter=...) is not supported with strategy='fsdp2': a filtered "
+                             "sharded checkpoint could not be loaded back. Save without filter; take a subset of the "
+                             "full weights later with fsdp2_strategy.export_full.")
+        ckpt.save(Path(self.broadcast(path)), state)
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """`fabric.load(path, state)` (a committed directory, any world size: DCP reshards) and
+        `fabric.load_raw(path, model)` (full weights: `f2.load_full_weights`)."""
+        if isinstance(state, nn.Module):  # fabric.load_raw
+            f2.load_full_weights(state, Path(self.broadcast(path)), strict=strict)
+            return {}
+        if isinstance(state, Optimizer):
+            raise NotImplementedError("fabric.load_raw(path, optimizer) is not supported with strategy='fsdp2': "
+                                      "save the optimizer with fabric.save(path, {'model': ..., 'optimizer': ...}).")
+        if not state:
+            return super().load_checkpoint(path, state, strict, weights_only)  # Fabric's error: a model is needed
+        return ckpt.load(Path(self.broadcast(path)), state, strict=strict, weights_only=weights_only)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register "fsdp2", "fsdp2_hybrid", "fsdp2_cpu_offload" and "fsdp2_spawn" (as the Trainer's)."""
+        register_all(cls, strategy_registry)
+
+
+class _CoreNoSync(_BackwardSyncControl):
+    """`fabric.no_backward_sync(model)`: the core's `f2.no_sync` (gradient reduction skipped on
+    every FSDP group and replicated parameter until the last micro-batch)."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return f2.no_sync(module) if enabled else nullcontext()

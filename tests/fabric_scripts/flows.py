@@ -1,0 +1,232 @@
+"""Fabric flows on 2 ranks in one world (launched by `fabric run`); writes what it measured to JSON.
+
+Usage: fabric run --accelerator cpu --devices 2 flows.py OUT.json WORKDIR [FLOW ...]   (default: every flow)
+
+Each flow records its numbers under its own key; an exception is recorded as "error" for that
+flow (the test fails on it) and the next flow runs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from common import LR, MLP, fresh, full_params, loss_on, max_rel_diff, params, rank_slice, reference_steps, write_json
+from _comm import count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
+from lightning.fabric import Fabric
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
+
+import fsdp2_strategy as f2
+
+BATCHES = [slice(0, 8), slice(8, 16)]  # two global batches of 8 (4 per rank)
+
+
+def _train(fabric: Fabric, model, optimizer, batches=BATCHES, clip: tuple | None = None) -> list[float]:
+    """One step per global batch on this rank's part; returns the losses and (norm clipping) norms."""
+    losses, norms = [], []
+    for batch in batches:
+        loss = loss_on(model, rank_slice(fabric.global_rank, fabric.world_size, batch))
+        fabric.backward(loss)
+        if clip and clip[0] == "norm":
+            norms.append(fabric.clip_gradients(model, optimizer, max_norm=clip[1]).item())
+        elif clip:
+            fabric.clip_gradients(model, optimizer, clip_val=clip[1])
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())  # the global batch's loss
+    return losses if not norms else norms
+
+
+def parity(out: dict, work: Path) -> None:
+    """`Fabric(strategy="fsdp2")`, `setup(model, optimizer)` with the optimizer built first."""
+    fabric = Fabric(strategy="fsdp2")
+    raw, ref = fresh(0)
+    model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR))
+    _train(fabric, model, optimizer)
+    reference_steps(ref, torch.optim.SGD(ref.parameters(), lr=LR), BATCHES)
+    out.update(
+        strategy=type(fabric.strategy).__name__, root_is_fsdp=isinstance(raw, FSDPModule),
+        plan_groups=[g.name for g in f2.sharding_plan(raw).groups],
+        optimizer_params_dtensor=[isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]],
+        mesh_dims=list(fabric.strategy.device_mesh.mesh_dim_names), mesh_shape=list(fabric.strategy.device_mesh.shape),
+        max_rel_diff=max_rel_diff(full_params(raw), params(ref)),
+    )
+
+
+def accumulation(out: dict, work: Path) -> None:
+    """`no_backward_sync` on the first of two micro-batches: one reduce-scatter per group per step."""
+    fabric = Fabric(strategy="fsdp2")
+    raw, ref = fresh(1)
+    model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR))
+    part = rank_slice(fabric.global_rank, fabric.world_size, BATCHES[0])
+    micros = [slice(part.start, part.start + 2), slice(part.start + 2, part.stop)]
+    with count_collectives() as counts:
+        for i, micro in enumerate(micros):
+            with fabric.no_backward_sync(model, enabled=i < len(micros) - 1):
+                fabric.backward(loss_on(model, micro) / len(micros))
+        optimizer.step()
+        optimizer.zero_grad()
+    with count_collectives() as plain:  # the same two micro-batches without no_backward_sync
+        for micro in micros:
+            fabric.backward(loss_on(model, micro) / len(micros))
+        optimizer.zero_grad()
+    reference_steps(ref, torch.optim.SGD(ref.parameters(), lr=LR), BATCHES[:1])
+    rs = lambda c: sum(v for k, v in c.items() if k.startswith("reduce_scatter"))  # noqa: E731
+    out.update(groups=len(f2.sharding_plan(raw).groups), reduce_scatters=rs(counts), reduce_scatters_plain=rs(plain),
+               max_rel_diff=max_rel_diff(full_params(raw), params(ref)))
+
+
+def clipping(out: dict, work: Path) -> None:
+    """`fabric.clip_gradients` by norm (the global norm is returned) and by value, vs one process."""
+    for algorithm, value in (("norm", 0.05), ("value", 0.01)):
+        fabric = Fabric(strategy="fsdp2")
+        raw, ref = fresh(2)
+        unclipped = MLP()
+        unclipped.load_state_dict(ref.state_dict())
+        model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR))
+        norms = _train(fabric, model, optimizer, clip=(algorithm, value))
+        ref_norms = reference_steps(ref, torch.optim.SGD(ref.parameters(), lr=LR), BATCHES, clip=(algorithm, value))
+        reference_steps(unclipped, torch.optim.SGD(unclipped.parameters(), lr=LR), BATCHES)
+        out[algorithm] = dict(max_rel_diff=max_rel_diff(full_params(raw), params(ref)),
+                              unclipped_diff=max_rel_diff(params(unclipped), params(ref)),
+                              norms=norms if algorithm == "norm" else None,
+                              ref_norms=ref_norms if algorithm == "norm" else None)
+
+
+def precision(out: dict, work: Path) -> None:
+    """Precision strings -> FSDP2 policies: compute dtype inside a block, stored dtype, scaler."""
+    for name in ("bf16-mixed", "16-mixed", "bf16-true", "32-true"):
+        fabric = Fabric(strategy="fsdp2", precision=name)
+        raw, _ = fresh(4)
+        seen = {}
+        raw.blocks[0].fc.register_forward_pre_hook(
+            lambda mod, args: seen.setdefault("compute", str(mod.weight.dtype)) and None)  # None: args unchanged
+        model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR))
+        # fp16: the first steps overflow at the initial loss scale (2**16) and are skipped, as designed.
+        losses = _train(fabric, model, optimizer, batches=[BATCHES[0]] * 4)
+        scaler = getattr(fabric.strategy.precision, "scaler", None)
+        out[name] = dict(plugin=type(fabric.strategy.precision).__name__,
+                         plan_precision=sorted({g.precision for g in f2.sharding_plan(raw).groups}),
+                         compute_dtype=seen["compute"],
+                         stored_dtypes=sorted({str(p.dtype) for p in raw.parameters()}),
+                         sharded_scaler=isinstance(scaler, ShardedGradScaler), losses=losses,
+                         scale=scaler.get_scale() if scaler is not None else None)
+
+
+def meta_init(out: dict, work: Path) -> None:
+    """`fabric.init_module(empty_init=True)` builds on meta; `setup` shards and materialises."""
+    fabric = Fabric(strategy="fsdp2")
+    with fabric.init_module(empty_init=True):
+        raw = MLP()
+    meta_before = all(p.is_meta for p in raw.parameters())
+    model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR))
+    full = full_params(raw)
+    losses = _train(fabric, model, optimizer)
+    out.update(meta_before=meta_before, meta_after=any(p.is_meta for p in raw.parameters()),
+               finite=all(bool(t.isfinite().all()) for t in full.values()),
+               nonzero=all(bool(t.abs().sum() > 0) for n, t in full.items() if n.endswith("weight")),
+               losses=losses)
+
+
+class Counter:
+    """A stateful object in `state` (has state_dict/load_state_dict), as Fabric allows."""
+
+    def __init__(self, n: int = 0):
+        self.n = n
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+def _expect_error(fn) -> str | None:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def checkpoints(out: dict, work: Path) -> None:
+    """save -> continue vs load -> continue (exact); damaged, partial, filtered, missing key; load_raw."""
+    fabric = Fabric(strategy="fsdp2")
+    ck = work / "fabric_ckpt"
+    raw, _ = fresh(5)
+    model, optimizer = fabric.setup(raw, torch.optim.Adam(raw.parameters(), lr=0.01))
+    _train(fabric, model, optimizer, batches=BATCHES[:1])
+    fabric.save(ck, {"model": model, "optimizer": optimizer, "step": 1, "counter": Counter(7), "note": "hello"})
+    files = sorted(p.name for p in ck.iterdir())
+    continued_losses = _train(fabric, model, optimizer, batches=BATCHES[1:])
+    continuing = full_params(raw)
+    if fabric.global_rank == 0:
+        torch.save({"params": continuing, "losses": continued_losses}, work / "continuing.pt")
+
+    # Resume in a new model and optimizer, same world.
+    raw2, _ = fresh(6)
+    model2, optimizer2 = fabric.setup(raw2, torch.optim.Adam(raw2.parameters(), lr=0.01))
+    counter = Counter()
+    state = {"model": model2, "optimizer": optimizer2, "step": 0, "counter": counter}
+    remainder = fabric.load(ck, state)
+    resumed_losses = _train(fabric, model2, optimizer2, batches=BATCHES[1:])
+    out.update(files=files, step=state["step"], counter=counter.n, remainder=remainder,
+               resumed_losses=resumed_losses, continued_losses=continued_losses,
+               resume_diff=max_rel_diff(full_params(raw2), continuing))
+
+    # Damaged (one byte of rank 0's shard file flipped) and partial (.metadata gone) copies.
+    bad, partial = work / "damaged_ckpt", work / "partial_ckpt"
+    if fabric.global_rank == 0:
+        shutil.copytree(ck, bad)
+        shard = bad / "__0_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        shutil.copytree(ck, partial)
+        (partial / ".metadata").unlink()
+    fabric.barrier()
+    raw3, _ = fresh(7)
+    model3, optimizer3 = fabric.setup(raw3, torch.optim.Adam(raw3.parameters(), lr=0.01))
+    before = full_params(raw3)
+    out["damaged_error"] = _expect_error(lambda: fabric.load(bad, {"model": model3, "optimizer": optimizer3}))
+    out["partial_error"] = _expect_error(lambda: fabric.load(partial, {"model": model3}))
+    out["unchanged_after_refusals"] = max_rel_diff(full_params(raw3), before)
+    out["missing_key_error"] = _expect_error(lambda: fabric.load(ck, {"model": model3, "absent": 0}))
+    out["filter_error"] = _expect_error(
+        lambda: fabric.save(work / "filtered", {"model": model3}, filter={"model": lambda k, v: "bias" not in k}))
+    out["no_model_error"] = _expect_error(lambda: fabric.save(work / "nomodel", {"step": 1}))
+
+    # load_raw: a plain torch file of full weights into a sharded model.
+    source, _ = fresh(8)
+    if fabric.global_rank == 0:
+        torch.save(source.state_dict(), work / "full.pt")
+    fabric.barrier()
+    raw4, _ = fresh(9)
+    model4 = fabric.setup_module(raw4)
+    fabric.load_raw(work / "full.pt", model4)
+    out["load_raw_diff"] = max_rel_diff(full_params(raw4), params(source))
+
+
+FLOWS = [parity, accumulation, clipping, precision, meta_init, checkpoints]
+
+
+def main(out_path: str, work: str, *names: str) -> None:
+    results = {}
+    for flow in [f for f in FLOWS if not names or f.__name__ in names]:
+        entry: dict = {}
+        try:
+            flow(entry, Path(work))
+        except Exception:
+            entry["error"] = traceback.format_exc()
+        results[flow.__name__] = entry
+    write_json(out_path, results)
+    f2.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

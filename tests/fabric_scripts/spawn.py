@@ -1,0 +1,43 @@
+"""`Fabric(strategy="fsdp2_spawn").launch(fn)`: ranks are spawned; rank 0's result comes back.
+
+Usage: python spawn.py OUT.json WORKDIR
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from common import LR, fresh, full_params, max_rel_diff, params, reference_steps
+from flows import BATCHES, _train
+from lightning.fabric import Fabric
+
+from _collect import write_json  # noqa: E402  (tests/ is on the path once `common` is imported)
+
+
+def train(fabric: Fabric, work: str) -> dict:
+    raw, _ = fresh(0)
+    model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR))
+    _train(fabric, model, optimizer)
+    # A DCP save in the worker: it must still exit cleanly (the launcher ends it with f2.shutdown).
+    fabric.save(Path(work) / "spawn_ckpt", {"model": model, "optimizer": optimizer})
+    # Plain lists: Fabric's spawn launcher reads the queue after the workers exited, so tensors (shared
+    # through the worker's file descriptors) cannot come back; stock "ddp_spawn" fails the same way.
+    return {"params": {n: t.tolist() for n, t in full_params(raw).items()}, "world": fabric.world_size,
+            "strategy": type(fabric.strategy).__name__}
+
+
+def main(out_path: str, work: str) -> None:
+    fabric = Fabric(strategy="fsdp2_spawn", accelerator="cpu", devices=2)
+    result = fabric.launch(train, work)
+    _, ref = fresh(0)
+    reference_steps(ref, torch.optim.SGD(ref.parameters(), lr=LR), BATCHES)
+    write_json(out_path, dict(world=result["world"], strategy=result["strategy"],
+                              parent_has_process_group=torch.distributed.is_initialized(),
+                              max_rel_diff=max_rel_diff({n: torch.tensor(v) for n, v in result["params"].items()}, params(ref)),
+                              committed=(Path(work) / "spawn_ckpt" / ".metadata").is_file()))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

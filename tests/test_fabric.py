@@ -1,0 +1,200 @@
+"""Fabric adapter end to end: real `Fabric(strategy="fsdp2")` runs on 2 CPU processes (`fabric run`,
+and spawn through `fabric.launch(fn)`) and on 1 (2 -> 1 resume), each in a subprocess with a timeout;
+plus the checks that need no processes (registry, precision choice, constructor errors).
+
+The scripts in tests/fabric_scripts/ measure and write JSON; the assertions live here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from _harness import free_port  # noqa: E402
+from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric.plugins.precision import DoublePrecision  # noqa: E402
+from lightning.fabric.strategies import STRATEGY_REGISTRY  # noqa: E402
+
+from fsdp2_strategy.integrations.fabric import (  # noqa: E402
+    FSDP2FabricHalfPrecision,
+    FSDP2FabricMixedPrecision,
+    FSDP2FabricPrecision,
+    FSDP2FabricStrategy,
+)
+
+SCRIPTS = Path(__file__).parent / "fabric_scripts"
+TOL = 1e-5  # fp32 parity, relative
+
+
+def _run(args: list[str], timeout: int) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *args], env=env, cwd=SCRIPTS, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """`fabric run` x2 (every flow, a checkpoint) -> 1 process resuming it -> spawn x2."""
+    work = tmp_path_factory.mktemp("fabric")
+    _run(["-m", "lightning.fabric.cli", "--accelerator", "cpu", "--devices", "2", "--main-port", str(free_port()),
+          "flows.py", str(work / "flows.json"), str(work)], timeout=300)
+    _run(["single.py", str(work / "single.json"), str(work)], timeout=180)
+    _run(["spawn.py", str(work / "spawn.json"), str(work)], timeout=300)
+    out = {name: json.loads((work / f"{name}.json").read_text()) for name in ("flows", "single", "spawn")}
+    errors = {flow: entry["error"] for flow, entry in out["flows"].items() if "error" in entry}
+    assert not errors, "\n".join(f"{flow}:\n{tb}" for flow, tb in errors.items())
+    return out
+
+
+@pytest.fixture
+def flows(runs) -> dict:
+    return runs["flows"]
+
+
+# ---------------------------------------------------------------------- no processes needed
+def test_import_registers_the_trainer_adapters_names():
+    assert {"fsdp2", "fsdp2_hybrid", "fsdp2_cpu_offload", "fsdp2_spawn"} <= set(STRATEGY_REGISTRY.available_strategies())
+    assert isinstance(Fabric(strategy="fsdp2", accelerator="cpu", devices=2).strategy, FSDP2FabricStrategy)
+    assert Fabric(strategy="fsdp2_hybrid", accelerator="cpu", devices=2).strategy.fsdp2_config.sharding_strategy == "HYBRID_SHARD"
+    assert Fabric(strategy="fsdp2_cpu_offload", accelerator="cpu", devices=2).strategy.fsdp2_config.cpu_offload is True
+    assert Fabric(strategy="fsdp2_spawn", accelerator="cpu", devices=2).strategy._start_method == "spawn"
+
+
+def test_strategy_takes_every_config_field_and_refuses_bad_ones():
+    fields = dict(wrap_policy=["Block"], reshard_after_forward=False, forward_prefetch=1, mixed_precision="bf16")
+    strategy = FSDP2FabricStrategy(**fields)
+    assert all(getattr(strategy.fsdp2_config, k) == v for k, v in fields.items())
+    assert FSDP2FabricStrategy(config={"cpu_offload": True}).fsdp2_config.cpu_offload
+    with pytest.raises(ValueError, match="sharding_strategy"):
+        FSDP2FabricStrategy(sharding_strategy="FULLY")
+    with pytest.raises(ValueError, match="start_method='threads' is invalid"):
+        FSDP2FabricStrategy(start_method="threads")
+
+
+def test_precision_strings_choose_fsdp2_plugins():
+    def plugin(precision):
+        return Fabric(strategy="fsdp2", accelerator="cpu", devices=2, precision=precision).strategy.precision
+
+    assert type(plugin("32-true")) is FSDP2FabricPrecision
+    assert type(plugin("bf16-true")) is FSDP2FabricHalfPrecision
+    bf16 = plugin("bf16-mixed")
+    assert type(bf16) is FSDP2FabricMixedPrecision and bf16.fsdp2_mixed_precision == "bf16"
+    # Fabric refuses "16-mixed" for ModelParallelStrategy (no sharded scaler); FSDP2 has one.
+    fp16 = plugin("16-mixed")
+    assert fp16.fsdp2_mixed_precision == "fp16" and type(fp16.scaler).__name__ == "ShardedGradScaler"
+    with pytest.raises(ValueError, match=r"precision='64-true'.*32-true, bf16-mixed, 16-mixed, bf16-true, 16-true"):
+        plugin("64-true")
+    with pytest.raises(ValueError, match="cannot honour the precision plugin DoublePrecision"):
+        Fabric(strategy="fsdp2", accelerator="cpu", devices=2, plugins=DoublePrecision())
+
+
+def test_other_strategies_keep_fabrics_precision_choice():
+    # The precision hook is scoped to FSDP2FabricStrategy: Fabric's own ModelParallelStrategy still refuses 16-mixed.
+    from lightning.fabric.strategies import ModelParallelStrategy
+
+    with pytest.raises(ValueError, match="ModelParallelStrategy` does not support"):
+        Fabric(strategy=ModelParallelStrategy(lambda m, mesh: m), accelerator="cpu", devices=2, precision="16-mixed")
+
+
+# ---------------------------------------------------------------------- 2 ranks (fabric run)
+def test_setup_shards_by_policy_and_rebinds_the_optimizer(flows):
+    r = flows["parity"]
+    assert r["strategy"] == "FSDP2FabricStrategy" and r["root_is_fsdp"]
+    assert r["plan_groups"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+    assert r["mesh_dims"] == ["data_parallel", "tensor_parallel"] and r["mesh_shape"] == [2, 1]
+    assert all(r["optimizer_params_dtensor"])  # built before setup, pointed at the shards
+
+
+def test_two_ranks_equal_one_process(flows):
+    assert flows["parity"]["max_rel_diff"] < TOL
+
+
+def test_no_backward_sync_reduces_once_per_step(flows):
+    r = flows["accumulation"]
+    assert r["reduce_scatters"] == r["groups"] == 4  # without it: one per group per micro-batch
+    assert r["reduce_scatters_plain"] == 2 * r["groups"]
+    assert r["max_rel_diff"] < TOL  # two accumulated micro-batches equal one step on the whole batch
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_clip_gradients_matches_one_process(flows, algorithm):
+    r = flows["clipping"][algorithm]
+    assert r["max_rel_diff"] < TOL and r["unclipped_diff"] > 0.1  # the clip was active
+    if algorithm == "norm":  # fabric.clip_gradients returns the global norm
+        assert all(abs(a - b) <= TOL * b for a, b in zip(r["norms"], r["ref_norms"])) and len(r["norms"]) == 2
+
+
+def test_precision_strings_map_to_fsdp2_policies(flows):
+    p = flows["precision"]
+    assert p["bf16-mixed"]["plan_precision"] == ["bf16/fp32"] and p["bf16-mixed"]["compute_dtype"] == "torch.bfloat16"
+    assert p["bf16-mixed"]["stored_dtypes"] == ["torch.float32"]
+    fp16 = p["16-mixed"]
+    assert fp16["sharded_scaler"] and fp16["compute_dtype"] == "torch.float16" and fp16["stored_dtypes"] == ["torch.float32"]
+    # ShardedGradScaler skips the two steps that overflow at scales 2**16 and 2**15 (every rank alike), then
+    # training follows the fp32 run: its 4th loss is the fp32 run's 2nd.
+    fp32 = p["32-true"]["losses"]
+    assert fp16["scale"] == 2.0 ** 14 and fp16["losses"][0] == fp16["losses"][1] == fp16["losses"][2]
+    assert abs(fp16["losses"][3] - fp32[1]) < 0.01 * fp32[1] and fp16["losses"][3] < fp16["losses"][0]
+    assert abs(p["bf16-mixed"]["losses"][1] - fp32[1]) < 0.02 * fp32[1]
+    assert p["bf16-true"]["stored_dtypes"] == ["torch.bfloat16"] and p["bf16-true"]["compute_dtype"] == "torch.bfloat16"
+    assert p["32-true"]["compute_dtype"] == "torch.float32" and p["32-true"]["plan_precision"] == ["param"]
+    assert p["bf16-mixed"]["plugin"] == "FSDP2FabricMixedPrecision" and p["32-true"]["plugin"] == "FSDP2FabricPrecision"
+
+
+def test_init_module_empty_init_builds_on_meta(flows):
+    r = flows["meta_init"]
+    assert r["meta_before"] and not r["meta_after"] and r["finite"] and r["nonzero"] and len(r["losses"]) == 2
+
+
+def test_save_load_resumes_exactly_and_returns_the_rest(flows):
+    c = flows["checkpoints"]
+    assert c["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", "meta.pt"]
+    assert c["step"] == 1 and c["counter"] == 7 and c["remainder"] == {"note": "hello"}
+    assert c["resume_diff"] == 0.0 and c["resumed_losses"] == c["continued_losses"]
+
+
+def test_damaged_partial_and_unsupported_checkpoints_refused(flows):
+    c = flows["checkpoints"]
+    assert "damaged and was not loaded" in c["damaged_error"] and "__0_0.distcp" in c["damaged_error"]
+    assert "not a committed fsdp2 checkpoint" in c["partial_error"]
+    assert c["unchanged_after_refusals"] == 0.0
+    assert c["missing_key_error"].startswith("KeyError") and "'absent'" in c["missing_key_error"]
+    assert "filter=" in c["filter_error"] and "not supported with strategy='fsdp2'" in c["filter_error"]
+    assert "needs the model in `state`" in c["no_model_error"]
+
+
+def test_load_raw_loads_full_weights_into_shards(flows):
+    assert flows["checkpoints"]["load_raw_diff"] == 0.0
+
+
+# ---------------------------------------------------------------------- 1 process, spawn
+def test_resume_on_one_process_continues_exactly(runs):
+    s, c = runs["single"], runs["flows"]["checkpoints"]
+    assert s["world"] == 1 and s["step"] == 1 and s["counter"] == 7 and s["remainder"] == {"note": "hello"}
+    assert s["resume_diff"] < TOL  # 2 ranks -> 1: DCP resharded model and Adam state
+    assert abs(s["losses"][0] - s["continued_losses"][0]) <= TOL * s["continued_losses"][0]
+    assert s["continued_losses"] == c["continued_losses"]
+
+
+def test_spawn_launch_trains_like_one_process(runs):
+    s = runs["spawn"]
+    assert s["world"] == 2 and s["strategy"] == "FSDP2FabricStrategy" and not s["parent_has_process_group"]
+    assert s["max_rel_diff"] < TOL and s["committed"]
+
+
+def test_what_fabric_allows_but_sharded_checkpoints_cannot_do_is_refused():
+    strategy = FSDP2FabricStrategy()
+    with pytest.raises(TypeError, match=r"storage_options=.*not supported with strategy='fsdp2'"):
+        strategy.save_checkpoint("ckpt", {}, storage_options={"bucket": "x"})
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(NotImplementedError, match=r"load_raw\(path, optimizer\).*fabric.save"):
+        strategy.load_checkpoint("ckpt", optimizer)
