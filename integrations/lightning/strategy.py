@@ -33,6 +33,7 @@ from fsdp2_strategy import checkpoint_dir as cdir
 from fsdp2_strategy.checkpoint_state import optimizer_state_dict, unstepped_kept
 from fsdp2_strategy.step_methods import register_step_method
 from fsdp2_strategy.strategies import strategy
+from fsdp2_strategy.tensor_parallel import declared_plan
 
 from ._compat import META_FILE, FullStateMultiProcessingLauncher, is_sharded_checkpoint
 from .precision import FSDP2Precision, to_fsdp2_precision
@@ -183,16 +184,30 @@ class FSDP2Strategy(ModelParallelStrategy):
         module = self.lightning_module
         if isinstance(module, FSDPModule):
             return  # sharded already: by an earlier fit/validate, or by the user's configure_model
-        f2.shard_model(module, self._effective_config(), mesh=self._core_mesh())
+        core_tp = self._core_applies_tensor_parallel()
+        f2.shard_model(module, self._effective_config(core_tp), mesh=self._core_mesh(core_tp))
         for name in STEP_METHODS:
             if callable(getattr(module, name, None)):
                 # Gathers the root around the step without casting the batch (targets keep their dtype).
                 register_step_method(module, name)
 
-    def _effective_config(self) -> f2.FSDP2Config:
+    def _core_applies_tensor_parallel(self) -> bool:
+        """Whether the core parallelises the module: with `tensor_parallel_size > 1` and a plan it can
+        resolve. With the default plan "auto" and a module that declares none, TP is the module's own
+        business in `configure_model` (ModelParallelStrategy's meaning; it may also parallelise
+        nothing), and the core shards over the "data_parallel" dim only."""
+        cfg = self.fsdp2_config
+        if cfg.tensor_parallel_size == 1:
+            return False
+        return cfg.tensor_parallel_plan != "auto" or bool(declared_plan(self.lightning_module))
+
+    def _effective_config(self, core_tp: bool = True) -> f2.FSDP2Config:
         """The config plus what Lightning knows: the precision string's FSDP2 policy (unless
-        `mixed_precision` is set) and, for hybrid sharding, the (nodes, devices per node) mesh."""
+        `mixed_precision` is set), for hybrid sharding the (nodes, devices per node) mesh, and no
+        core TP when the module does its own (`_core_applies_tensor_parallel`)."""
         changes: dict[str, Any] = {}
+        if not core_tp and self.fsdp2_config.tensor_parallel_size > 1:
+            changes["tensor_parallel_size"] = 1
         policy = getattr(self.precision_plugin, "fsdp2_mixed_precision", None)
         if policy is not None and self.fsdp2_config.mixed_precision is None:
             changes["mixed_precision"] = policy
@@ -202,13 +217,14 @@ class FSDP2Strategy(ModelParallelStrategy):
             changes["mesh_shape"] = (self.num_nodes, self.num_processes)
         return dataclasses.replace(self.fsdp2_config, **changes) if changes else self.fsdp2_config
 
-    def _core_mesh(self):
-        """What `shard_model` shards on: Lightning's whole mesh with tensor parallelism (its last
-        dim is the TP one), else the 1-D data-parallel sub-mesh; None lets the core build hybrid meshes."""
+    def _core_mesh(self, core_tp: bool = True):
+        """What `shard_model` shards on: Lightning's whole mesh when the core applies tensor
+        parallelism (its last dim is the TP one), else the 1-D data-parallel sub-mesh (a sub-mesh of
+        the same parent as the module's own TP); None lets the core build hybrid meshes."""
         cfg = self.fsdp2_config
         if strategy(cfg.sharding_strategy).two_dim or cfg.mesh_shape is not None:
             return None
-        return self.device_mesh if cfg.tensor_parallel_size > 1 else self.device_mesh["data_parallel"]
+        return self.device_mesh if core_tp and cfg.tensor_parallel_size > 1 else self.device_mesh["data_parallel"]
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
