@@ -33,7 +33,7 @@ from fsdp2_strategy import checkpoint_dir as cdir
 from fsdp2_strategy.checkpoint_state import optimizer_state_dict, unstepped_kept
 from fsdp2_strategy.step_methods import register_step_method
 from fsdp2_strategy.strategies import strategy
-from fsdp2_strategy.tensor_parallel import declared_plan
+from fsdp2_strategy.tensor_parallel import declared_plan, user_parallelised_modules
 
 from ._compat import META_FILE, FullStateMultiProcessingLauncher, is_sharded_checkpoint
 from .precision import FSDP2Precision, to_fsdp2_precision
@@ -208,6 +208,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         changes: dict[str, Any] = {}
         if not core_tp and self.fsdp2_config.tensor_parallel_size > 1:
             changes["tensor_parallel_size"] = 1
+            own_tp = user_parallelised_modules(self.lightning_module)
+            if self._data_parallel_size == 1 and own_tp:
+                # No data parallelism: as ModelParallelStrategy, the module's TP parameters stay
+                # on the TP mesh (FSDP over one rank would only make them 2-D).
+                ignored = self.fsdp2_config.ignored_modules
+                ignored = [] if ignored is None else [ignored] if isinstance(ignored, (str, type, torch.nn.Module)) else list(ignored)
+                changes["ignored_modules"] = [*ignored, *own_tp]
         policy = getattr(self.precision_plugin, "fsdp2_mixed_precision", None)
         if policy is not None and self.fsdp2_config.mixed_precision is None:
             changes["mixed_precision"] = policy
