@@ -153,6 +153,11 @@ def _user_parallelised(module: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
 
 
+def user_parallelised_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules whose own parameters are DTensors already (parallelised by the user before FSDP)."""
+    return [m for m in model.modules() if _user_parallelised(m)]
+
+
 def mark_user_parallelised(model: nn.Module) -> None:
     """Label modules whose parameters are DTensors before FSDP (parallelised by the user), for the plan."""
     for module in model.modules():

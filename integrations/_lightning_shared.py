@@ -12,10 +12,12 @@ import dataclasses
 from typing import Any, Optional
 
 import torch
+from torch import nn
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.strategies import strategy
+from fsdp2_strategy.tensor_parallel import declared_plan, user_parallelised_modules
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 """The precision strings `strategy="fsdp2"` honours, in the Trainer and in Fabric."""
@@ -46,10 +48,11 @@ def check_start_method(owner: str, start_method: str) -> None:
         raise ValueError(f"{owner}.start_method={start_method!r} is invalid; use one of {START_METHODS}.")
 
 
-def effective_config(config: f2.FSDP2Config, mixed_policy: Optional[str], num_nodes: int,
-                     num_processes: int) -> f2.FSDP2Config:
+def effective_config(config: f2.FSDP2Config, mixed_policy: Optional[str], num_nodes: int, num_processes: int, *,
+                     module: Optional[nn.Module] = None, data_parallel_size: Any = None) -> f2.FSDP2Config:
     """`config` plus what Lightning knows: the precision string's FSDP2 policy (unless
-    `mixed_precision` is set) and, for hybrid sharding, the (nodes, devices per node) mesh."""
+    `mixed_precision` is set), for hybrid sharding the (nodes, devices per node) mesh, and the
+    module's own tensor parallelism (`own_tensor_parallel`)."""
     changes: dict[str, Any] = {}
     if mixed_policy is not None and config.mixed_precision is None:
         changes["mixed_precision"] = mixed_policy
@@ -57,7 +60,32 @@ def effective_config(config: f2.FSDP2Config, mixed_policy: Optional[str], num_no
         # Replicate across nodes, shard within one: Lightning's launcher may not set the
         # LOCAL_WORLD_SIZE the core would otherwise read.
         changes["mesh_shape"] = (num_nodes, num_processes)
+    if module is not None and config.tensor_parallel_size > 1 and not core_applies_tensor_parallel(config, module):
+        changes.update(own_tensor_parallel(config, module, data_parallel_size))
     return dataclasses.replace(config, **changes) if changes else config
+
+
+def core_applies_tensor_parallel(config: f2.FSDP2Config, module: nn.Module) -> bool:
+    """Whether the core parallelises the module: with `tensor_parallel_size > 1` and a plan it can
+    resolve. With the default plan "auto" and a module that declares none, TP is the module's own
+    business (`configure_model`; ModelParallelStrategy's meaning, which may also parallelise
+    nothing), and the core shards over the "data_parallel" dim only."""
+    if config.tensor_parallel_size == 1:
+        return False
+    return config.tensor_parallel_plan != "auto" or bool(declared_plan(module))
+
+
+def own_tensor_parallel(config: f2.FSDP2Config, module: nn.Module, data_parallel_size: Any) -> dict[str, Any]:
+    """Config changes when the module does its own TP: the core shards over "data_parallel" only,
+    and with no data parallelism the module's TP modules stay out of FSDP (as ModelParallelStrategy
+    leaves them: FSDP over one rank would only make their parameters 2-D)."""
+    changes: dict[str, Any] = {"tensor_parallel_size": 1}
+    own_tp = user_parallelised_modules(module)
+    if data_parallel_size == 1 and own_tp:
+        ignored = config.ignored_modules
+        ignored = [] if ignored is None else [ignored] if isinstance(ignored, (str, type, nn.Module)) else list(ignored)
+        changes["ignored_modules"] = [*ignored, *own_tp]
+    return changes
 
 
 def core_mesh(config: f2.FSDP2Config, device_mesh: Any) -> Any:

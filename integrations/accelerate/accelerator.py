@@ -24,13 +24,14 @@ from fsdp2_strategy.rebind import parameters_by_name, rebind_optimizer
 from . import checkpoint
 from . import _compat as compat
 from .env import accelerate_cpu_requested
+from .parallelism import apply_parallelism_config, parallelism_mesh, requested_parallelism_config
 from .plugin import FSDP2Plugin
 
 __all__ = ["FSDP2Accelerator"]
 
 _CPU_HINT = ("FSDP2Accelerator(cpu=True) or ACCELERATE_USE_CPU=true (accelerate's FSDP launcher does not pass the "
              "config's `use_cpu: true` on); or lower `num_processes` in the accelerate config")
-_REFUSED_KWARGS = ("deepspeed_plugin", "deepspeed_plugins", "megatron_lm_plugin", "torch_tp_plugin", "parallelism_config")
+_REFUSED_KWARGS = ("deepspeed_plugin", "deepspeed_plugins", "megatron_lm_plugin", "torch_tp_plugin")
 
 
 @contextlib.contextmanager
@@ -57,8 +58,11 @@ class FSDP2Accelerator(Accelerator):
             `InitProcessGroupKwargs` handler's, else torch's).
         **kwargs: every other `Accelerator` argument (`gradient_accumulation_steps`,
             `project_config`, `log_with`, `kwargs_handlers`: `GradScalerKwargs` for fp16,
-            `InitProcessGroupKwargs` for the timeout, ...). DeepSpeed, Megatron-LM and tensor/context
-            parallel options are refused: they are other engines.
+            `InitProcessGroupKwargs` for the timeout, ...). `parallelism_config` (an accelerate
+            `ParallelismConfig`, or ACCELERATE_USE_PARALLELISM_CONFIG + PARALLELISM_CONFIG_* as
+            `accelerate launch` sets them): dp_replicate/dp_shard/tp sizes become hybrid sharding,
+            `mesh_shape` and `tensor_parallel_size`; cp/sp sizes are refused. DeepSpeed, Megatron-LM
+            and the old `torch_tp_plugin` are refused: they are other engines.
     """
 
     def __init__(
@@ -90,11 +94,21 @@ class FSDP2Accelerator(Accelerator):
         f2.init_distributed(cpu=cpu, timeout=timeout if timeout is not None or init_handler is None else init_handler.timeout,
                             cpu_hint=_CPU_HINT)
         compat.release_reported_precision()
+        parallelism = requested_parallelism_config(kwargs.pop("parallelism_config", None))
+        if parallelism is not None:
+            # Sizes become core config (refused if unsupported) before any model is sharded.
+            fsdp_plugin.fsdp2_config = apply_parallelism_config(fsdp_plugin.fsdp2_config, parallelism,
+                                                                torch.distributed.get_world_size())
         # Accelerate must not build its own FSDP plugin from the environment (it parses the
         # same variables with FSDP1 defaults) nor autocast: FSDP2 policies do the casting.
-        with _env_without("ACCELERATE_USE_FSDP"):
+        with _env_without("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG"):
             super().__init__(mixed_precision="no", cpu=cpu, fsdp_plugin=None, **kwargs)
         compat.check_accelerator(self)
+        # Accelerate's data loaders read this mesh: one batch per data-parallel rank, the same
+        # batch across a TP group. Accelerate's own parallelism_config stays None (its TP/FSDP
+        # code paths must not run); the core shards on this same mesh.
+        self._fsdp2_mesh = parallelism_mesh(fsdp_plugin.fsdp2_config)
+        self.state.device_mesh = self._fsdp2_mesh  # also None: the state is shared by later accelerators
         fsdp_plugin.claim()
         compat.claim_fsdp_state(self.state, fsdp_plugin, fsdp_plugin.accelerate_precision)
         if fsdp_plugin.accelerate_precision == "fp16":
@@ -188,7 +202,7 @@ class FSDP2Accelerator(Accelerator):
 
             shard_with_rank0_weights(model, self.fsdp2_config)
         else:
-            f2.shard_model(model, self.fsdp2_config)
+            f2.shard_model(model, self.fsdp2_config, mesh=self._fsdp2_mesh)
         compat.registries(self).models.append(model)
         model._is_accelerate_prepared = True
         return model

@@ -176,21 +176,24 @@ class FSDP2Strategy(ModelParallelStrategy):
         module = self.lightning_module
         if isinstance(module, FSDPModule):
             return  # sharded already: by an earlier fit/validate, or by the user's configure_model
-        f2.shard_model(module, self._effective_config(), mesh=self._core_mesh())
+        config = self._effective_config()
+        f2.shard_model(module, config, mesh=self._core_mesh(config))
         for name in STEP_METHODS:
             if callable(getattr(module, name, None)):
                 # Gathers the root around the step without casting the batch (targets keep their dtype).
                 register_step_method(module, name)
 
     def _effective_config(self) -> f2.FSDP2Config:
-        """The config plus the precision string's policy and, for hybrid sharding, the
-        (nodes, devices per node) mesh (see `integrations._lightning_shared.effective_config`)."""
+        """The config plus the precision string's policy, for hybrid sharding the (nodes, devices
+        per node) mesh, and the module's own tensor parallelism respected (see
+        `integrations._lightning_shared.effective_config`)."""
         policy = getattr(self.precision_plugin, "fsdp2_mixed_precision", None)
-        return effective_config(self.fsdp2_config, policy, self.num_nodes, self.num_processes)
+        return effective_config(self.fsdp2_config, policy, self.num_nodes, self.num_processes,
+                                module=self.lightning_module, data_parallel_size=self._data_parallel_size)
 
-    def _core_mesh(self):
+    def _core_mesh(self, config: f2.FSDP2Config):
         """What `shard_model` shards on (see `_lightning_shared.core_mesh`)."""
-        return core_mesh(self.fsdp2_config, self.device_mesh)
+        return core_mesh(config, self.device_mesh)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

@@ -1,0 +1,82 @@
+"""Accelerate's `ParallelismConfig` (dp_replicate, dp_shard, tp sizes) as FSDP2Config fields and a mesh.
+
+Accelerate 1.15 reads these sizes from `Accelerator(parallelism_config=...)` or, with
+`ACCELERATE_USE_PARALLELISM_CONFIG=true` (what `accelerate launch` sets from a config file's
+`parallelism_config` section), from the `PARALLELISM_CONFIG_*` variables. Here they become the
+core's `mesh_shape`, hybrid sharding and `tensor_parallel_size`, and one device mesh whose dims
+carry Accelerate's names ("dp_replicate", "dp_shard", "tp"), so Accelerate's data loaders give
+every rank of a TP group the same batch. Context and sequence parallelism are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import fsdp2_strategy as f2
+from fsdp2_strategy.mesh import REPLICATE_DIM, SHARD_DIM, mesh_device_type
+from fsdp2_strategy.strategies import strategy
+from fsdp2_strategy.tensor_parallel import TP_DIM
+
+_HYBRID_OF = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "HYBRID_SHARD_ZERO2"}
+
+
+def requested_parallelism_config(given: Any) -> Any:
+    """`given`, else the config Accelerate would build from the environment, else None."""
+    if given is not None:
+        return given
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        from accelerate.parallelism_config import ParallelismConfig
+
+        return ParallelismConfig()  # reads PARALLELISM_CONFIG_* as Accelerate does
+    return None
+
+
+def apply_parallelism_config(config: f2.FSDP2Config, pc: Any, world_size: int) -> f2.FSDP2Config:
+    """`config` with the sizes of `pc` (an accelerate `ParallelismConfig`); ValueError naming the
+    field for context/sequence parallel sizes, a product that is not the world size, or a plugin
+    setting that disagrees."""
+    sizes = {name: int(getattr(pc, f"{name}_size", None) or 1) for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+    refused = [f"{name}_size={sizes[name]}" for name in ("cp", "sp") if sizes[name] > 1]
+    if refused:
+        raise ValueError(f"ParallelismConfig({', '.join(refused)}) is not supported by FSDP2Accelerator (context and "
+                         "sequence parallelism are other engines); set cp_size=1 and sp_size=1.")
+    rep, shard, tp = sizes["dp_replicate"], sizes["dp_shard"], sizes["tp"]
+    if rep * shard * tp != world_size:
+        raise ValueError(f"ParallelismConfig(dp_replicate_size={rep}, dp_shard_size={shard}, tp_size={tp}) holds "
+                         f"{rep * shard * tp} ranks but there are {world_size} processes; their product must equal the "
+                         f"number of processes (e.g. dp_shard_size={world_size // (rep * tp)} if that divides).")
+    if config.tensor_parallel_size not in (1, tp):
+        raise ValueError(f"FSDP2Plugin(tensor_parallel_size={config.tensor_parallel_size}) disagrees with "
+                         f"ParallelismConfig(tp_size={tp}); set the size in one place.")
+    changes: dict[str, Any] = {"tensor_parallel_size": tp}
+    name = strategy(config.sharding_strategy).name
+    if rep > 1 or strategy(name).layout == "hybrid":
+        hybrid = name if strategy(name).layout == "hybrid" else _HYBRID_OF.get(name)
+        if hybrid is None:
+            raise ValueError(f"ParallelismConfig(dp_replicate_size={rep}) needs hybrid sharding, but the FSDP2Plugin's "
+                             f"sharding_strategy is {name!r}; use FULL_SHARD, SHARD_GRAD_OP or a HYBRID_SHARD strategy.")
+        changes.update(sharding_strategy=hybrid, mesh_shape=(rep, shard))
+    elif strategy(name).layout == "shard":
+        changes["mesh_shape"] = (shard,)
+    if config.mesh_shape is not None and tuple(config.mesh_shape) != changes.get("mesh_shape", tuple(config.mesh_shape)):
+        raise ValueError(f"FSDP2Plugin(mesh_shape={tuple(config.mesh_shape)}) disagrees with ParallelismConfig("
+                         f"dp_replicate_size={rep}, dp_shard_size={shard}); set the sizes in one place.")
+    return dataclasses.replace(config, **changes)
+
+
+def parallelism_mesh(config: f2.FSDP2Config) -> Optional[DeviceMesh]:
+    """The whole (dp_replicate?, dp_shard, tp?) mesh for `config`, named as Accelerate names its dims;
+    None for plain 1-D sharding (nothing to tell Accelerate)."""
+    tp = config.tensor_parallel_size
+    two_dim = strategy(config.sharding_strategy).layout == "hybrid"
+    if tp == 1 and not two_dim:
+        return None
+    shape = tuple(config.mesh_shape)  # set by apply_parallelism_config
+    names = (REPLICATE_DIM, SHARD_DIM) if two_dim else (SHARD_DIM,)
+    if tp > 1:
+        shape, names = (*shape, tp), (*names, TP_DIM)
+    return init_device_mesh(mesh_device_type(), shape, mesh_dim_names=names)

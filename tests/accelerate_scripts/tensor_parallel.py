@@ -1,0 +1,129 @@
+"""Accelerate's ParallelismConfig on 4 CPU ranks (torchrun): dp_shard=2 x tp=2 through
+`FSDP2Accelerator` equals one process, given as an object and as the environment `accelerate
+launch` sets from a config file; unsupported sizes are refused with the field named.
+
+Writes JSON (rank 0); the assertions live in tests/test_accelerate_tp.py.
+
+    torchrun --nproc_per_node=4 tensor_parallel.py OUT.json
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate.parallelism_config import ParallelismConfig
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _collect and test_tensor_parallel
+
+from _collect import full_params, gather, max_rel_diff, write_json  # noqa: E402
+from test_tensor_parallel import GPT, PLAN  # noqa: E402  the 2-D tests' small GPT (separate q/k/v)
+
+import fsdp2_strategy as f2  # noqa: E402
+from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin  # noqa: E402
+
+VOCAB, SEQ, N_SAMPLES, PER_RANK, STEPS, LR = 64, 12, 16, 4, 2, 0.1
+ENV = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+       "PARALLELISM_CONFIG_TP_SIZE": "2"}
+"""What `accelerate launch` sets from a config file's parallelism_config (dp_shard 2, tp 2)."""
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, VOCAB, (N_SAMPLES, SEQ), generator=g)
+    return TensorDataset(torch.arange(N_SAMPLES), idx, torch.roll(idx, -1, dims=1))
+
+
+def loss_of(model, idx, target):
+    return F.cross_entropy(model(idx).reshape(-1, VOCAB), target.reshape(-1))
+
+
+def reference(initial: GPT, steps: list[list[int]]) -> dict:
+    """One process, SGD, step s on the rows of global batch s."""
+    model = copy.deepcopy(initial)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    _, idx, target = data().tensors
+    for rows in steps:
+        opt.zero_grad()
+        loss_of(model, idx[rows], target[rows]).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train(parallelism_config) -> dict:
+    torch.manual_seed(0)
+    initial = GPT()
+    model = copy.deepcopy(initial)
+    acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(wrap_policy=["Block"], tensor_parallel_plan=PLAN),
+                           parallelism_config=parallelism_config)
+    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=LR),
+                                     DataLoader(data(), batch_size=PER_RANK, shuffle=False))
+    rows_seen = []
+    for step, (rows, idx, target) in enumerate(loader):
+        if step == STEPS:
+            break
+        rows_seen.append(rows.tolist())
+        opt.zero_grad()
+        acc.backward(loss_of(model, idx, target))
+        opt.step()
+    per_rank = gather(rows_seen)
+    steps = [sorted({r for rank in per_rank for r in rank[s]}) for s in range(STEPS)]
+    mesh = acc.state.device_mesh
+    q = model.blocks[0].attn.q.weight
+    return {
+        "max_rel_diff": max_rel_diff(full_params(model), reference(initial, steps)),
+        "global_batch_sizes": [len(s) for s in steps],
+        "tp_group_same_rows": all(per_rank[r] == per_rank[r ^ 1] for r in range(len(per_rank))),  # tp pairs (0,1), (2,3)
+        "mesh": [list(mesh.mesh_dim_names), list(mesh.shape)],
+        "config": [acc.fsdp2_config.tensor_parallel_size, list(acc.fsdp2_config.mesh_shape),
+                   acc.fsdp2_config.sharding_strategy],
+        "q_mesh_ndim": q.device_mesh.ndim if isinstance(q, DTensor) else 0,
+        "plan": str(f2.sharding_plan(model)),
+    }
+
+
+def refused(parallelism_config) -> str:
+    try:
+        FSDP2Accelerator(parallelism_config=parallelism_config)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def flow_env() -> dict:
+    os.environ.update(ENV)
+    try:
+        return train(None)
+    finally:
+        for name in ENV:
+            os.environ.pop(name)
+
+
+FLOWS = {
+    "object": lambda: train(ParallelismConfig(dp_shard_size=2, tp_size=2)),
+    "env": flow_env,
+    "errors": lambda: {"cp": refused(ParallelismConfig(dp_shard_size=2, cp_size=2)),
+                       "product": refused(ParallelismConfig(dp_shard_size=1, tp_size=2))},
+}
+
+
+def main(out: str) -> None:
+    result: dict = {}
+    for name, flow in FLOWS.items():
+        try:
+            result[name] = flow()
+        except Exception:
+            result[name] = {"error": traceback.format_exc()}
+    write_json(out, result)
+    f2.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,184 @@
+"""Lightning 2 dp x 2 tp on 4 CPU ranks (torchrun): a LightningModule written for
+`ModelParallelStrategy`'s tensor parallelism run with `FSDP2Strategy` instead, and the same
+model with no hand-written TP but `tensor_parallel_plan`; both against one process.
+
+Writes JSON (rank 0): per flow the max relative difference of the parameters after the steps
+to a one-process run on the same global batches, what the mesh and parameters look like, and
+whether the sharding plan shows the TP styles. The assertions live in tests/test_lightning_tp.py.
+
+    torchrun --nproc_per_node=4 tensor_parallel.py OUT.json
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import traceback
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.data import DataLoader, TensorDataset
+
+from common import full_params, gather, max_rel_diff, trainer, write_json
+
+import fsdp2_strategy as f2
+from fsdp2_strategy.integrations.lightning import FSDP2Strategy
+
+VOCAB, SEQ, N_SAMPLES, BATCH, STEPS, LR = 64, 12, 16, 4, 2, 0.1  # BATCH per data-parallel rank
+PLAN = {"model.blocks.*.attn.q": "colwise", "model.blocks.*.attn.k": "colwise", "model.blocks.*.attn.v": "colwise",
+        "model.blocks.*.attn.proj": "rowwise", "model.blocks.*.mlp.0": "colwise", "model.blocks.*.mlp.2": "rowwise"}
+"""Module-name globs relative to the LightningModule (the GPT is its `model`)."""
+
+
+class Attention(nn.Module):
+    """Separate q/k/v and `-1` heads in `view`, as column-wise TP needs."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.head_dim = dim // heads
+        self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(dim), Attention(dim, heads), nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def loss_of(model: nn.Module, idx, target):
+    return F.cross_entropy(model(idx).reshape(-1, VOCAB), target.reshape(-1))
+
+
+class LitGPT(pl.LightningModule):
+    """Plain: no configure_model (the strategy's `tensor_parallel_plan` does TP)."""
+
+    def __init__(self, initial: GPT):
+        super().__init__()
+        self.model = copy.deepcopy(initial)
+        self.seen: dict = {}
+        self.rows: list[list[int]] = []  # dataset rows of each step on this rank
+
+    def training_step(self, batch, batch_idx):
+        rows, idx, target = batch
+        self.rows.append(rows.tolist())
+        if not self.seen:
+            w = self.model.blocks[0].attn.q.weight
+            self.seen = {"q_mesh_dims": list(w.device_mesh.mesh_dim_names or ()) if isinstance(w, DTensor) else None,
+                         # (dp, tp) placements of a column-wise weight: dim 0 split over tp, then over dp.
+                         "q_dim0_over_dp_and_tp": isinstance(w, DTensor) and all(
+                             getattr(p, "dim", None) == 0 for p in w.placements),  # Shard or FSDP's _StridedShard
+                         "mesh_dims": list(self.device_mesh.mesh_dim_names),
+                         "mesh_shape": list(self.device_mesh.shape)}
+        return loss_of(self.model, idx, target)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+class LitGPTHandTP(LitGPT):
+    """Written for ModelParallelStrategy, as Lightning's TP docs do: TP on the "tensor_parallel"
+    sub-mesh, then `fully_shard` of each block on the "data_parallel" one, in configure_model."""
+
+    def configure_model(self):
+        tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            parallelize_module(block, tp_mesh, {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+                                                "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                                                "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+            fully_shard(block, mesh=dp_mesh)
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    idx = torch.randint(0, VOCAB, (N_SAMPLES, SEQ), generator=g)
+    return TensorDataset(torch.arange(N_SAMPLES), idx, torch.roll(idx, -1, dims=1))
+
+
+def reference(initial: GPT, steps: list[list[int]]) -> dict:
+    """One process, SGD on the global batches: step s on the rows every rank saw at step s."""
+    model = copy.deepcopy(initial)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    _, idx, target = data().tensors
+    for rows in steps:
+        opt.zero_grad()
+        loss_of(model, idx[rows], target[rows]).backward()
+        opt.step()
+    return {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
+
+
+def global_batches(module: LitGPT) -> list[list[int]]:
+    """Per step, the sorted rows of the global batch (ranks of one TP group saw the same rows)."""
+    per_rank = gather(module.rows)
+    return [sorted({r for rank in per_rank for r in rank[s]}) for s in range(len(module.rows))]
+
+
+def run(module: LitGPT, strategy: FSDP2Strategy, initial: GPT) -> dict:
+    t = trainer(strategy=strategy, devices=4, max_steps=STEPS)
+    t.fit(module, DataLoader(data(), batch_size=BATCH, shuffle=True))
+    got = full_params(module)  # collective: every rank
+    steps = global_batches(module)
+    expected = reference(initial, steps)
+    params = list(module.parameters())
+    return {
+        **module.seen,
+        "max_rel_diff": max_rel_diff(got, expected),
+        "global_batch_sizes": [len(rows) for rows in steps],
+        "same_names": sorted(got) == sorted(expected),
+        "tp_weights_2d": all(isinstance(m.weight, DTensor) and m.weight.device_mesh.ndim == 2 for b in module.model.blocks
+                             for m in (b.attn.q, b.attn.k, b.attn.v, b.attn.proj, b.mlp[0], b.mlp[2])),
+        "params_dtensor": all(isinstance(p, DTensor) for p in params),
+        "plan": str(f2.sharding_plan(module)),
+        "dp_size": strategy.distributed_sampler_kwargs["num_replicas"],
+    }
+
+
+def main(out: str) -> None:
+    torch.manual_seed(0)
+    initial = GPT()
+    result: dict = {}
+    flows = {
+        "hand_tp": lambda: (LitGPTHandTP(initial), FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=2)),
+        "plan": lambda: (LitGPT(initial), FSDP2Strategy(tensor_parallel_size=2, tensor_parallel_plan=PLAN)),
+    }
+    for name, make in flows.items():
+        try:
+            module, strategy = make()
+            result[name] = run(module, strategy, initial)
+        except Exception:  # reported, so the test shows which flow failed and why
+            result[name] = {"error": traceback.format_exc()}
+    write_json(out, result)
+    f2.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

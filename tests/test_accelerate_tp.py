@@ -1,0 +1,56 @@
+"""Accelerate's ParallelismConfig through FSDP2Accelerator: dp_shard 2 x tp 2 on 4 CPU ranks (one
+torchrun launch of tests/accelerate_scripts/tensor_parallel.py) equals one process, given as an
+object and as `accelerate launch`'s PARALLELISM_CONFIG_* environment; cp and a wrong product are
+refused with the field named."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+SCRIPTS = Path(__file__).parent / "accelerate_scripts"
+TOL = 1e-5  # fp32 parity, relative
+
+
+@pytest.fixture(scope="module")
+def flows(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("accelerate_tp") / "tp.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_"))}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                           "tensor_parallel.py", str(out)], env=dict(env, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true"),
+                          cwd=SCRIPTS, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    result = json.loads(out.read_text())
+    errors = {flow: entry["error"] for flow, entry in result.items() if "error" in entry}
+    assert not errors, "\n".join(f"{flow}:\n{tb}" for flow, tb in errors.items())
+    return result
+
+
+@pytest.mark.parametrize("flow", ["object", "env"])
+def test_dp2_tp2_matches_one_process(flows, flow):
+    r = flows[flow]
+    assert r["global_batch_sizes"] == [8, 8]  # 2 data-parallel ranks x 4
+    assert r["tp_group_same_rows"]  # Accelerate's loader gives both ranks of a TP group one batch
+    assert r["max_rel_diff"] < TOL, r["max_rel_diff"]
+
+
+@pytest.mark.parametrize("flow", ["object", "env"])
+def test_sizes_become_config_and_mesh(flows, flow):
+    r = flows[flow]
+    assert r["config"] == [2, [2], "FULL_SHARD"]
+    assert r["mesh"] == [["dp_shard", "tp"], [2, 2]]
+    assert r["q_mesh_ndim"] == 2
+    assert "colwise" in r["plan"] and "rowwise" in r["plan"]
+
+
+def test_unsupported_sizes_are_refused(flows):
+    errors = flows["errors"]
+    assert "cp_size=2" in errors["cp"] and "cp_size=1" in errors["cp"]
+    assert "dp_shard_size=1" in errors["product"] and "tp_size=2" in errors["product"] and "4 processes" in errors["product"]
