@@ -122,6 +122,7 @@ def core_train(config: dict) -> None:
 def lightning_train(config: dict) -> None:
     """Trainer(strategy=RayFSDP2Strategy()) through Ray's prepare_trainer; ModelCheckpoint saves reported."""
     import lightning.pytorch as pl
+    import ray.train
     import ray.train.lightning
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -144,17 +145,19 @@ def lightning_train(config: dict) -> None:
         def configure_optimizers(self):
             return _optimizer(self, "sgd")
 
-    batches = [global_batch(s) for s in range(1, config["steps"] + 1)]
-    data = torch.utils.data.TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-    # Per rank half of each global batch: DistributedSampler(shuffle=False) interleaves ranks,
-    # so rank r's k-th batch and the other rank's together are global batch k.
-    loader = torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH // 2)
+    # This rank's contiguous half of each global batch, in order (Lightning's own
+    # DistributedSampler would shuffle the training set; use_distributed_sampler=False below).
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    halves = [tuple(_local(t, rank, world) for t in global_batch(s)) for s in range(1, config["steps"] + 1)]
+    data = torch.utils.data.TensorDataset(torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves]))
+    loader = torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH // world)
     module = Module()
     trainer = pl.Trainer(
         max_steps=config["steps"], accelerator="cpu", devices="auto",
         strategy=RayFSDP2Strategy(wrap_policy=[nn.Linear]),
         callbacks=[ModelCheckpoint(dirpath=config["root"], every_n_train_steps=config["every"], save_top_k=-1)],
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
     )
     trainer = ray.train.lightning.prepare_trainer(trainer)
     assert checkpoint_path() is None

@@ -31,11 +31,21 @@ RTOL = 1e-5
 @pytest.fixture(scope="module")
 def cluster():
     ray.cloudpickle.register_pickle_by_value(fns)
+    # Ray Train reads these in its controller (propagated from here): notice a killed worker
+    # sooner, and give worker groups time to start while other jobs load the machine.
+    tuned = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
+    saved = {k: os.environ.get(k) for k in tuned}
+    os.environ.update(tuned)
     # Logical CPUs: 2 workers plus Ray's controller; the real machine has 2 shared cores.
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield
     ray.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def _fit(fn, config: dict, tmp_path: Path, *, max_failures: int = 0):

@@ -11,7 +11,9 @@ Ray's `ray.train.lightning.prepare_trainer` accepts only Ray's own strategy clas
 - every checkpoint Lightning saves (ModelCheckpoint, `trainer.save_checkpoint`) reported to
   Ray once committed, with `trainer.callback_metrics`;
 - registration as a virtual subclass of `RayFSDPStrategy` (Lightning's strategies are ABCs),
-  which is all `prepare_trainer` checks. No sharding or checkpoint logic lives here.
+  which is all `prepare_trainer` checks. Lightning then also treats it as an `FSDPStrategy`
+  (FSDP1): it picks `FSDPPrecision`, translated back here; evaluation runs under `no_grad`
+  instead of `inference_mode`, as for FSDP1. No sharding or checkpoint logic lives here.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from typing import Any, Optional
 import ray.train
 import ray.train.torch
 import torch
+from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
 from ray.train.lightning import RayFSDPStrategy, RayLightningEnvironment
 
 from fsdp2_strategy.distributed import barrier, rank
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy
 from fsdp2_strategy.integrations.lightning._compat import META_FILE
+from fsdp2_strategy.integrations.lightning.precision import to_fsdp2_precision
 
 __all__ = ["RayFSDP2Strategy", "checkpoint_path"]
 
@@ -47,6 +51,19 @@ class RayFSDP2Strategy(FSDP2Strategy):
         super().__init__(*args, **kwargs)
         self.cluster_environment = RayLightningEnvironment()
         self.report_checkpoints = report_checkpoints
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return FSDP2Strategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # Being a (virtual) RayFSDPStrategy, this strategy is an FSDPStrategy to Lightning, which
+        # then picks FSDPPrecision (FSDP1's) for `Trainer(precision=...)`: read its precision
+        # string as the plain plugin Lightning would otherwise have picked.
+        if isinstance(plugin, FSDPPrecision):
+            plugin = _plain_precision(plugin.precision, self.root_device.type)
+        FSDP2Strategy.precision_plugin.fset(self, plugin)
 
     @property
     def root_device(self) -> torch.device:
@@ -85,6 +102,15 @@ def checkpoint_path() -> Optional[str]:
         raise ValueError(f"Ray checkpoint {path} holds {len(files)} .ckpt files; expected one Lightning checkpoint "
                          "reported by RayFSDP2Strategy.")
     return str(files[0])
+
+
+def _plain_precision(precision: str, device_type: str) -> Precision:
+    """Lightning's plugin for `precision` on a non-FSDP strategy (what `to_fsdp2_precision` translates)."""
+    if precision == "32-true":
+        return Precision()
+    if precision.endswith("-mixed"):
+        return MixedPrecision(precision, device_type)
+    return HalfPrecision(precision)
 
 
 def _metrics(module: Any) -> dict[str, Any]:
