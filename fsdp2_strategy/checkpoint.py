@@ -135,11 +135,8 @@ class Checkpointer:
             raise ValueError("Checkpointer.load(optimizer=...) needs model= too: optimizer state is keyed by parameter names.")
         path = cdir.resolve_step(self.root, step)
         others = sorted(s for s, p in cdir.committed_steps(self.root).items() if p != path)
-        models, optimizers = _named(model, optimizer)
-        cdir.load_dir(path, models, optimizers,
-                      hint=f"Load an earlier step with load(step=N); other committed steps: {others or 'none'}.")
-        log_rank_zero("Loaded checkpoint %s", path)
-        return _read_extra(path)
+        return load_step_dir(path, model=model, optimizer=optimizer,
+                             hint=f"Load an earlier step with load(step=N); other committed steps: {others or 'none'}.")
 
     # ------------------------------------------------------------------ internals
     def _tmp_path(self, step: int) -> Path:
@@ -190,6 +187,23 @@ def _check_types(model: Any, optimizer: Any) -> None:
         raise ValueError(f"Checkpointer: model= must be an nn.Module, got {type(model).__name__}.")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"Checkpointer: optimizer= must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+
+
+def load_step_dir(path: str | os.PathLike, *, model: nn.Module | None = None,
+                  optimizer: torch.optim.Optimizer | None = None, hint: str = "") -> Any:
+    """Collective: load one committed step directory written by `Checkpointer.save`; return its `extra`.
+
+    For a step directory that lives outside a Checkpointer root (a copy a cluster manager such
+    as Ray Train stored and hands back). Same checks as `Checkpointer.load`: checksums, model
+    compatibility, optimizer state present; `hint` is added to a checksum error.
+    """
+    if model is None and optimizer is not None:
+        raise ValueError("load_step_dir(optimizer=...) needs model= too: optimizer state is keyed by parameter names.")
+    path = Path(path)
+    models, optimizers = _named(model, optimizer)
+    cdir.load_dir(path, models, optimizers, hint=hint)
+    log_rank_zero("Loaded checkpoint %s", path)
+    return _read_extra(path)
 
 
 def _named(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> tuple[Models, Optimizers]:

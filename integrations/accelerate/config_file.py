@@ -1,0 +1,69 @@
+"""An accelerate config YAML turned into the variables `accelerate launch --config_file` would set.
+
+Where no `accelerate launch` starts the processes (Ray Train, a cluster manager, a notebook),
+`FSDP2Plugin()` still reads its configuration from the `FSDP_*` variables (see `env`):
+`accelerate_config_env(path)` returns them for one config file, and `apply_accelerate_config(path)`
+puts them into this process's environment. Only the keys that reach the FSDP2 path are mapped:
+`fsdp_config:` keys (`fsdp_<name>` -> `FSDP_<NAME>`), `mixed_precision`, `use_cpu` and
+`distributed_type`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["accelerate_config_env", "apply_accelerate_config"]
+
+# Where `accelerate launch` spells a variable differently from the YAML key.
+_RENAMED = {"fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP"}
+
+
+def accelerate_config_env(path: str | os.PathLike) -> dict[str, str]:
+    """The environment `accelerate launch --config_file path` gives each process, FSDP part only.
+
+    Raises FileNotFoundError for a missing file and ValueError when the file is not an
+    accelerate config (no mapping at the top, or `fsdp_config` not a mapping).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"accelerate config file {path} does not exist; write one with `accelerate config`.")
+    config = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"accelerate config file {path} must hold a mapping of keys (as `accelerate config` writes).")
+    fsdp = config.get("fsdp_config") or {}
+    if not isinstance(fsdp, dict):
+        raise ValueError(f"accelerate config file {path}: `fsdp_config` must be a mapping of fsdp_* keys, got {fsdp!r}.")
+    env = {}
+    for key, value in fsdp.items():
+        if value is None:
+            continue
+        if not key.startswith("fsdp_"):
+            raise ValueError(f"accelerate config file {path}: key {key!r} under `fsdp_config` must start with 'fsdp_'.")
+        env[_RENAMED.get(key, key.upper())] = _as_env(value)
+    if config.get("distributed_type") == "FSDP":
+        env["ACCELERATE_USE_FSDP"] = "true"
+    if config.get("mixed_precision") is not None:
+        env["ACCELERATE_MIXED_PRECISION"] = str(config["mixed_precision"])
+    if config.get("use_cpu") is not None:
+        env["ACCELERATE_USE_CPU"] = _as_env(config["use_cpu"])
+    return env
+
+
+def apply_accelerate_config(path: str | os.PathLike) -> dict[str, str]:
+    """Set `accelerate_config_env(path)` in `os.environ` (call before building the plugin); return it."""
+    env = accelerate_config_env(path)
+    os.environ.update(env)
+    return env
+
+
+def _as_env(value: Any) -> str:
+    """How `accelerate launch` writes a value: booleans lower-case, lists comma-joined."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)

@@ -1,0 +1,139 @@
+"""`Trainer(strategy=RayFSDP2Strategy())` inside a Ray train function.
+
+Ray's `ray.train.lightning.prepare_trainer` accepts only Ray's own strategy classes (it checks
+`isinstance` against `RayDDPStrategy`, `RayFSDPStrategy`, `RayDeepSpeedStrategy`) and a
+`RayLightningEnvironment`. `RayFSDP2Strategy` is `FSDP2Strategy` with what Ray requires:
+
+- the `RayLightningEnvironment` (ranks and world size from Ray's train context; Ray started
+  the processes and the process group, so Lightning launches and initialises nothing);
+- the world Ray made as the data-parallel size and the device Ray assigned as root device
+  (the Trainer sees one device per process: `devices="auto"`);
+- every checkpoint Lightning saves (ModelCheckpoint, `trainer.save_checkpoint`) reported to
+  Ray once committed, with `trainer.callback_metrics`;
+- registration as a virtual subclass of `RayFSDPStrategy` (Lightning's strategies are ABCs),
+  which is all `prepare_trainer` checks. Lightning then also treats it as an `FSDPStrategy`
+  (FSDP1): it picks `FSDPPrecision`, translated back here; evaluation runs under `no_grad`
+  instead of `inference_mode`, as for FSDP1. No sharding or checkpoint logic lives here.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import ray.train
+import ray.train.torch
+import torch
+from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
+from ray.train.lightning import RayFSDPStrategy, RayLightningEnvironment
+
+from fsdp2_strategy.distributed import barrier, rank
+from fsdp2_strategy.integrations.lightning import FSDP2Strategy
+from fsdp2_strategy.integrations.lightning._compat import META_FILE
+
+__all__ = ["RayFSDP2Strategy", "checkpoint_path"]
+
+
+class RayFSDP2Strategy(FSDP2Strategy):
+    """`FSDP2Strategy` for a Trainer built inside a Ray train function (accepted by `prepare_trainer`).
+
+    Args:
+        report_checkpoints: report every saved checkpoint to Ray (`ray.train.report`) with the
+            trainer's `callback_metrics` (default True). Saves are collective, so every worker
+            reports the same number of times, as Ray requires.
+        *args, **kwargs: `FSDP2Strategy`'s arguments (`FSDP2Config` fields, `state_dict_type`, ...).
+    """
+
+    def __init__(self, *args: Any, report_checkpoints: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cluster_environment = RayLightningEnvironment()
+        self.report_checkpoints = report_checkpoints
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return FSDP2Strategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # Being a (virtual) RayFSDPStrategy, this strategy is an FSDPStrategy to Lightning, which
+        # then picks FSDPPrecision (FSDP1's) for `Trainer(precision=...)`: read its precision
+        # string as the plain plugin Lightning would otherwise have picked.
+        if isinstance(plugin, FSDPPrecision):
+            plugin = _plain_precision(plugin.precision, self.root_device.type)
+        FSDP2Strategy.precision_plugin.fset(self, plugin)
+
+    @property
+    def root_device(self) -> torch.device:
+        """The device Ray assigned to this worker (CPU, or its accelerator)."""
+        return ray.train.torch.get_device()
+
+    def setup_environment(self) -> None:
+        """Take the world size and nodes from Ray's context instead of the Trainer's device count."""
+        context = ray.train.get_context()
+        local = context.get_local_world_size()
+        self.num_nodes = context.get_world_size() // local
+        self.parallel_devices = [self.root_device] * local
+        super().setup_environment()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Save as `FSDP2Strategy` does (committed when this returns), then report it to Ray."""
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.report_checkpoints:
+            _report(Path(filepath), _metrics(self.lightning_module))
+
+
+def checkpoint_path() -> Optional[str]:
+    """The `ckpt_path` for `trainer.fit` that resumes from Ray's latest checkpoint (None on a first start).
+
+    A sharded checkpoint is the directory Ray stored; a full one ("full" `state_dict_type`)
+    is the one `.ckpt` file inside it.
+    """
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    path = Path(checkpoint.path)
+    if (path / META_FILE).is_file():
+        return str(path)
+    files = sorted(path.glob("*.ckpt"))
+    if len(files) != 1:
+        raise ValueError(f"Ray checkpoint {path} holds {len(files)} .ckpt files; expected one Lightning checkpoint "
+                         "reported by RayFSDP2Strategy.")
+    return str(files[0])
+
+
+def _plain_precision(precision: str, device_type: str) -> Precision:
+    """Lightning's plugin for `precision` on a non-FSDP strategy (what `to_fsdp2_precision` translates)."""
+    if precision == "32-true":
+        return Precision()
+    if precision.endswith("-mixed"):
+        return MixedPrecision(precision, device_type)
+    return HalfPrecision(precision)
+
+
+def _metrics(module: Any) -> dict[str, Any]:
+    trainer = getattr(module, "trainer", None) if module is not None else None
+    metrics = dict(trainer.callback_metrics) if trainer is not None else {}
+    return {k: (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v) for k, v in metrics.items()}
+
+
+def _report(path: Path, metrics: dict[str, Any]) -> None:
+    """Collective: rank 0 hands Ray the saved directory (or a folder holding the saved file)."""
+    barrier()  # every rank's part of the save is on disk
+    if rank() != 0:
+        ray.train.report(metrics, checkpoint=None)
+        return
+    if path.is_dir():
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(path)),
+                         checkpoint_dir_name=path.name)
+        return
+    with tempfile.TemporaryDirectory() as folder:  # Ray stores directories; a full save is one file
+        shutil.copy2(path, Path(folder) / path.name)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder),
+                         checkpoint_dir_name=path.stem)
+
+
+# `prepare_trainer` checks isinstance against Ray's strategies only; Lightning's Strategy is an
+# ABC, so registering is the supported way to be one of them without inheriting FSDP1 code.
+RayFSDPStrategy.register(RayFSDP2Strategy)

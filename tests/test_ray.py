@@ -1,0 +1,134 @@
+"""Ray Train adapter: a local Ray cluster (2 CPU workers, gloo) running fsdp2_strategy train functions.
+
+One module-scoped cluster for every test here (starting Ray costs seconds). The train
+functions live in tests/_ray_fns.py and travel to the workers by value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.train.torch")
+
+import ray.cloudpickle  # noqa: E402
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+from ray.train.torch import TorchTrainer  # noqa: E402
+
+from fsdp2_strategy.checkpoint_dir import is_committed  # noqa: E402
+from fsdp2_strategy.integrations.accelerate.config_file import accelerate_config_env  # noqa: E402
+
+import _ray_fns as fns  # noqa: E402
+
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.cloudpickle.register_pickle_by_value(fns)
+    # Ray Train reads this in its controller (propagated from here): give worker groups time to
+    # start while other jobs load the machine.
+    tuned = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "300"}
+    saved = {k: os.environ.get(k) for k in tuned}
+    os.environ.update(tuned)
+    # Logical CPUs: 2 workers plus Ray's controller; the real machine has 2 shared cores.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _fit(fn, config: dict, tmp_path: Path, *, max_failures: int = 0):
+    trainer = TorchTrainer(
+        fn, train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name="run", storage_path=str(tmp_path / "ray_storage"),
+                             failure_config=FailureConfig(max_failures=max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=None)),
+    )
+    return trainer.fit()
+
+
+def _assert_close(got: dict, want: dict, prefix: str = "") -> None:
+    assert sorted(k.removeprefix(prefix) for k in got) == sorted(want)
+    for k, v in want.items():
+        diff = (got[prefix + k] - v).norm() / v.norm()
+        assert diff < RTOL, f"{k}: relative difference {diff:.2e}"
+
+
+def test_core_resumes_after_sigkill_in_training_and_in_save(cluster, tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    config = {"root": str(tmp_path / "ckpt"), "marks": str(marks), "out": str(tmp_path / "final.pt"),
+              "steps": 8, "every": 2, "kill_in_train": 5, "kill_in_save": 6}
+    result = _fit(fns.core_train, config, tmp_path, max_failures=2)
+    assert result.error is None
+    # Attempt 1 died at step 5, just after reporting step 4: Ray registers a report when its
+    # controller polls, so a worker death noticed first loses that report (measured: resume from 4
+    # with Ray's 2 s health check, from 2 with 0.5 s). Attempt 2 died inside the save of step 6 and
+    # resumes from step 4, the last committed and reported one; a partial step is never resumed.
+    starts = [json.loads(line) for line in (marks / "starts.jsonl").read_text().splitlines()]
+    assert [s["start"] for s in starts][0] == 0 and starts[1]["start"] in (2, 4) and starts[2]["start"] == 4
+    assert all(s["world"] == 2 and s["backend"] == "gloo" for s in starts)  # Ray's group, not a new 1-rank one
+    assert (marks / "killed-in-train").exists() and (marks / "killed-in-save").exists()
+    reported = sorted(Path(c.path).name for c, _ in result.best_checkpoints)
+    assert reported == ["step-000002", "step-000004", "step-000006", "step-000008"]
+    assert all(is_committed(Path(c.path)) for c, _ in result.best_checkpoints)
+    assert Path(result.checkpoint.path).name == "step-000008"
+    assert result.metrics["step"] == 8
+    _assert_close(torch.load(config["out"]), fns.reference_weights(8, "adam"))
+
+
+def test_lightning_strategy_through_prepare_trainer_reports_model_checkpoints(cluster, tmp_path):
+    config = {"root": str(tmp_path / "ckpt"), "out": str(tmp_path / "final.pt"), "steps": 4, "every": 2}
+    result = _fit(fns.lightning_train, config, tmp_path)
+    assert result.error is None
+    names = sorted(Path(c.path).name for c, _ in result.best_checkpoints)
+    assert names == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]  # ModelCheckpoint's directories, as Ray stored them
+    assert all(is_committed(Path(c.path)) and (Path(c.path) / "meta.pt").is_file() for c, _ in result.best_checkpoints)
+    assert "train_loss" in result.metrics
+    _assert_close(torch.load(config["out"]), fns.reference_weights(4, "sgd"), prefix="net.")
+
+
+def test_accelerate_from_config_file(cluster, tmp_path):
+    config_file = tmp_path / "fsdp2.yaml"
+    config_file.write_text(
+        "distributed_type: FSDP\nuse_cpu: true\nmixed_precision: 'no'\nnum_processes: 2\n"
+        "fsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+        "  fsdp_transformer_layer_cls_to_wrap: Linear\n  fsdp_reshard_after_forward: true\n"
+        "  fsdp_state_dict_type: SHARDED_STATE_DICT\n"
+    )
+    config = {"config_file": str(config_file), "out": str(tmp_path / "final.pt"), "steps": 4}
+    result = _fit(fns.accelerate_train, config, tmp_path)
+    assert result.error is None
+    _assert_close(torch.load(config["out"]), fns.reference_weights(4, "sgd"))
+
+
+def test_accelerate_config_env_maps_yaml_as_accelerate_launch_does(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("distributed_type: FSDP\nuse_cpu: true\nmixed_precision: bf16\nfsdp_config:\n"
+                    "  fsdp_version: 2\n  fsdp_offload_params: false\n  fsdp_transformer_layer_cls_to_wrap: [Block, Head]\n"
+                    "  fsdp_min_num_params: 100\n  fsdp_backward_prefetch: null\n")
+    assert accelerate_config_env(path) == {
+        "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "false", "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block,Head",
+        "FSDP_MIN_NUM_PARAMS": "100", "ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "bf16",
+        "ACCELERATE_USE_CPU": "true",
+    }
+    with pytest.raises(FileNotFoundError, match="accelerate config"):
+        accelerate_config_env(tmp_path / "missing.yaml")
+    path.write_text("fsdp_config: [1, 2]\n")
+    with pytest.raises(ValueError, match="fsdp_config"):
+        accelerate_config_env(path)
+    path.write_text("fsdp_config:\n  version: 2\n")
+    with pytest.raises(ValueError, match="'version'.*fsdp_"):
+        accelerate_config_env(path)
