@@ -7,14 +7,15 @@ type and phrases its message must hold (the offending field, file or key, and th
 runner also asserts that nothing changed: the model's weights, and every file and folder
 under the fixture directory (`_bad_inputs.Env`). The command line's table is in
 `test_bad_inputs_cli.py`, the rows that need a process group in `test_bad_inputs_world.py`
-(one 2-rank world). Rows for the Fabric and Ray adapters go in `FABRIC_ROWS` / `RAY_ROWS`
-once those adapters exist.
+(one 2-rank world). Rows for the Fabric and Ray adapters are `FABRIC_ROWS` / `RAY_ROWS`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -262,8 +263,57 @@ ACCELERATE_ROWS = [
         ("accelerate.Accelerator", "FSDP2Accelerator(fsdp_plugin=FSDP2Plugin()")),
 ]
 
-FABRIC_ROWS: list[Row] = []  # `import fsdp2_strategy.integrations.fabric` entry points, once that adapter exists
-RAY_ROWS: list[Row] = []  # `fsdp2_strategy.integrations.ray` entry points, once that adapter exists
+def _fabric():
+    pytest.importorskip("lightning")
+    import fsdp2_strategy.integrations.fabric as adapter
+
+    return adapter
+
+
+def _fabric_precision(precision: str):
+    _fabric()
+    from lightning.fabric import Fabric
+
+    return Fabric(strategy="fsdp2", precision=precision, accelerator="cpu", devices=1)
+
+
+FABRIC_ROWS = [
+    Row("FSDP2FabricStrategy unknown field", lambda e: _fabric().FSDP2FabricStrategy(wrap=["Block"]), ValueError,
+        ("['wrap']", "wrap_policy")),
+    Row("FSDP2FabricStrategy start_method", lambda e: _fabric().FSDP2FabricStrategy(start_method="thread"), ValueError,
+        ("start_method='thread'", "'spawn'")),
+    Row("FSDP2FabricStrategy sharding_strategy", lambda e: _fabric().FSDP2FabricStrategy(sharding_strategy="ZERO3"),
+        ValueError, ("sharding_strategy='ZERO3'", "FULL_SHARD")),
+    Row("Fabric precision 64-true", lambda e: _fabric_precision("64-true"), ValueError,
+        ("precision='64-true'", "32-true, bf16-mixed, 16-mixed, bf16-true, 16-true")),
+]
+
+
+def _accelerate_yaml(text: str) -> Path:
+    """An accelerate config file outside the row's folder (which must stay unchanged)."""
+    folder = Path(tempfile.mkdtemp(prefix="bad-accelerate-yaml-"))
+    (folder / "accelerate.yaml").write_text(text)
+    return folder / "accelerate.yaml"
+
+
+def _config_env(path: Path):
+    from fsdp2_strategy.integrations.accelerate.config_file import accelerate_config_env
+
+    return accelerate_config_env(path)
+
+
+# Ray Train's Accelerate entry point (`accelerator_from_config`) reads the accelerate config file
+# through `accelerate_config_env`, which needs no ray; the Ray adapter's own rows need ray installed.
+RAY_ROWS = [
+    Row("accelerate config file missing (Ray)", lambda e: _config_env(e.root / "none.yaml"), FileNotFoundError,
+        ("none.yaml", "does not exist", "accelerate config")),
+    Row("accelerate config file not a mapping (Ray)", lambda e: _config_env(_accelerate_yaml("- a\n")), ValueError,
+        ("accelerate.yaml", "must hold a mapping")),
+    Row("accelerate config fsdp_config not a mapping (Ray)", lambda e: _config_env(_accelerate_yaml("fsdp_config: [1]\n")),
+        ValueError, ("`fsdp_config` must be a mapping", "fsdp_* keys")),
+    Row("accelerate config key without fsdp_ (Ray)", lambda e: _config_env(
+        _accelerate_yaml("fsdp_config:\n  version: 2\n")), ValueError, ("'version'", "must start with 'fsdp_'")),
+]
 
 ROWS = CONFIG_ROWS + SHARDING_ROWS + WEIGHTS_ROWS + CHECKPOINT_ROWS + LIGHTNING_ROWS + ACCELERATE_ROWS \
     + FABRIC_ROWS + RAY_ROWS
