@@ -79,3 +79,51 @@ def loss_fn(model, idx, target):
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().float(), b.detach().float()
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+# ---------------------------------------------------------------------- tensor parallel
+"""A GPT whose attention has separate q/k/v projections and `-1` heads in `view`, as column-wise
+tensor parallelism needs; `TP_PLAN` splits it (globs relative to `TPGPT`)."""
+
+TP_PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+
+
+class TPAttention(nn.Module):
+    """Separate q/k/v projections and `-1` heads in `view`: what column-wise TP needs."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class TPBlock(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(dim), TPAttention(dim, heads), nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TPGPT(nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(TPBlock(dim, heads) for _ in range(layers))
+        self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))

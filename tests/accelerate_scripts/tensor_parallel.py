@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _collect and test_tensor_parallel
 
 from _collect import full_params, gather, max_rel_diff, write_json  # noqa: E402
-from test_tensor_parallel import GPT, PLAN  # noqa: E402  the 2-D tests' small GPT (separate q/k/v)
+from _models import TP_PLAN as PLAN  # noqa: E402  the 2-D tests' small GPT (separate q/k/v)
+from _models import TPGPT as GPT  # noqa: E402
 
 import fsdp2_strategy as f2  # noqa: E402
 from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin  # noqa: E402
@@ -61,7 +62,7 @@ def train(parallelism_config) -> dict:
     torch.manual_seed(0)
     initial = GPT()
     model = copy.deepcopy(initial)
-    acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(wrap_policy=["Block"], tensor_parallel_plan=PLAN),
+    acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(wrap_policy=["TPBlock"], tensor_parallel_plan=PLAN),
                            parallelism_config=parallelism_config)
     model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=LR),
                                      DataLoader(data(), batch_size=PER_RANK, shuffle=False))

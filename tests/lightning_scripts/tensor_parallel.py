@@ -26,53 +26,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from common import full_params, gather, max_rel_diff, trainer, write_json
 
+from _models import TP_PLAN  # noqa: E402  (tests/ is on the path once `common` is imported)
+from _models import TPGPT as GPT  # noqa: E402
+
 import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy
 
 VOCAB, SEQ, N_SAMPLES, BATCH, STEPS, LR = 64, 12, 16, 4, 2, 0.1  # BATCH per data-parallel rank
-PLAN = {"model.blocks.*.attn.q": "colwise", "model.blocks.*.attn.k": "colwise", "model.blocks.*.attn.v": "colwise",
-        "model.blocks.*.attn.proj": "rowwise", "model.blocks.*.mlp.0": "colwise", "model.blocks.*.mlp.2": "rowwise"}
+PLAN = {f"model.{glob}": style for glob, style in TP_PLAN.items()}
 """Module-name globs relative to the LightningModule (the GPT is its `model`)."""
-
-
-class Attention(nn.Module):
-    """Separate q/k/v and `-1` heads in `view`, as column-wise TP needs."""
-
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.head_dim = dim // heads
-        self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (m(x).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.ln1, self.attn, self.ln2 = nn.LayerNorm(dim), Attention(dim, heads), nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2):
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB)
-
-    def forward(self, idx):
-        x = self.tok(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
 
 
 def loss_of(model: nn.Module, idx, target):
