@@ -7,7 +7,8 @@
 Ray starts the workers and their process group; `f2.init_distributed()` finds that group. Every
 `--ckpt-every` steps a Checkpointer step is committed and reported (`ray.train.report`); after a
 worker dies Ray restarts the group (`FailureConfig(max_failures=...)`), and the train function resumes
-from `ray.train.get_checkpoint()`. The Checkpointer root and Ray's storage must be on storage all
+from the newest committed step (Ray's `ray.train.get_checkpoint()`, or a newer step in the Checkpointer
+root whose report Ray lost, which is reported again). The Checkpointer root and Ray's storage must be on storage all
 nodes share.
 """
 
@@ -51,7 +52,8 @@ def train_fn(config: dict) -> None:
     checkpointer = f2.Checkpointer(config["ckpt_dir"], keep_last=2)
     extra = resume(checkpointer, model=model, optimizer=optimizer)  # None on the first attempt
     start = extra["step"] if extra else 0
-    f2.log_rank_zero("starting at step %d", start)
+    if dist.get_rank() == 0:
+        print(f"attempt starting at step {start}", flush=True)
     for step in range(start + 1, config["steps"] + 1):
         x, y = batch(step, device)
         loss = F.mse_loss(model(x), y)

@@ -3,13 +3,13 @@
 Ray Train keeps the checkpoints of a run in its storage (`RunConfig(storage_path=...)`) and
 hands the latest reported one to the train function after a restart (`ray.train.get_checkpoint()`).
 Only a committed step directory (`.metadata` present, every rank's shards written) is reported,
-so a worker killed during a save leaves an unreported `.tmp-*` directory and Ray resumes from the
-step before. Rank 0 uploads the whole step directory: every rank wrote its shards into it, so the
+so a worker killed during a save leaves an unreported `.tmp-*` directory, never resumed. Rank 0 uploads the whole step directory: every rank wrote its shards into it, so the
 Checkpointer root must be on storage all ranks share (one machine, or NFS/Lustre across nodes).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any, Mapping
@@ -19,10 +19,12 @@ import torch
 from torch import nn
 
 from fsdp2_strategy import checkpoint_dir as cdir
-from fsdp2_strategy.checkpoint import Checkpointer, load_step_dir
-from fsdp2_strategy.distributed import barrier, rank
+from fsdp2_strategy.checkpoint import Checkpointer, load_step_dir, step_dir_name
+from fsdp2_strategy.distributed import barrier, from_rank_zero, rank
 
 __all__ = ["report_step", "save_and_report", "resume"]
+
+METRICS_DIR = ".ray-metrics"  # not a step-N/ name: Checkpointer and retention ignore it
 
 
 def report_step(checkpointer: Checkpointer, step: int, metrics: Mapping[str, Any] | None = None) -> None:
@@ -47,29 +49,45 @@ def report_step(checkpointer: Checkpointer, step: int, metrics: Mapping[str, Any
 def save_and_report(checkpointer: Checkpointer, step: int, metrics: Mapping[str, Any] | None = None, *,
                     model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                     extra: Any = None) -> None:
-    """Collective: `checkpointer.save(step, ...)`, then `report_step(checkpointer, step, metrics)`."""
+    """Collective: `checkpointer.save(step, ...)`, then `report_step(checkpointer, step, metrics)`.
+
+    The metrics are also kept beside the step (`<root>/.ray-metrics/step-N.json`), so that
+    `resume` can report the step again with them if Ray lost the report (see `resume`).
+    """
     checkpointer.save(step, model=model, optimizer=optimizer, extra=extra)
+    checkpointer.wait()
+    if rank() == 0:
+        _write_metrics(checkpointer.root, step, metrics)
     report_step(checkpointer, step, metrics)
 
 
 def resume(checkpointer: Checkpointer, *, model: nn.Module | None = None,
            optimizer: torch.optim.Optimizer | None = None) -> Any:
-    """Collective: load Ray's latest reported checkpoint into `model`/`optimizer`; return its `extra`.
+    """Collective: load the newest committed step into `model`/`optimizer`; return its `extra`.
 
-    Returns None (and loads nothing) on a first start, when Ray has no checkpoint. Steps in
-    `checkpointer.root` newer than the resumed one were committed but never reported (the run
-    died between the two): they are removed so the resumed run can save those steps again.
+    The newest of Ray's latest reported checkpoint (`ray.train.get_checkpoint()`) and the latest
+    committed step under `checkpointer.root`. They differ when a worker died right after a save:
+    Ray registers a report only when its controller next polls the workers, so a report made
+    just before a death is lost by Ray itself. Such a step is committed, so it is resumed and
+    reported again (with the metrics `save_and_report` kept) instead of being trained twice.
+    Returns None (and loads nothing) on a first start, when neither has a checkpoint.
     """
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
+    reported = _step_of(Path(checkpoint.path)) if checkpoint is not None else None
+    local = from_rank_zero(checkpointer.latest_step() if rank() == 0 else None)
+    if local is not None and (reported is None or local > reported):
+        extra = checkpointer.load(model=model, optimizer=optimizer, step=local)
+        report_step(checkpointer, local, _read_metrics(checkpointer.root, local))
+    elif checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            extra = load_step_dir(Path(directory), model=model, optimizer=optimizer,
+                                  hint="The checkpoint Ray stored is damaged; delete it from the run's storage to "
+                                       "resume from an earlier one.")
+    else:
         return None
-    with checkpoint.as_directory() as directory:
-        path = Path(directory)
-        step = _step_of(Path(checkpoint.path))
-        extra = load_step_dir(path, model=model, optimizer=optimizer,
-                              hint="The checkpoint Ray stored is damaged; delete it from the run's storage to resume from an earlier one.")
-    if rank() == 0:
-        _drop_unreported(checkpointer.root, after=step)
+    if rank() == 0:  # saves the failure interrupted: never loaded, only taking space
+        for stale in Path(checkpointer.root).glob(f"{cdir.TMP_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
     barrier()
     return extra
 
@@ -84,10 +102,18 @@ def _step_of(path: Path) -> int:
     return int(match.group(1))
 
 
-def _drop_unreported(root: Path, *, after: int) -> None:
-    """Rank 0: remove committed steps newer than `after` and stale `.tmp-*` saves under `root`."""
-    for step, path in cdir.step_dirs(root).items():
-        if step > after:
-            cdir.remove_dir(path)
-    for stale in Path(root).glob(f"{cdir.TMP_PREFIX}*"):
-        shutil.rmtree(stale, ignore_errors=True)
+def _metrics_path(root: Path, step: int) -> Path:
+    return Path(root) / METRICS_DIR / f"{step_dir_name(step)}.json"
+
+
+def _write_metrics(root: Path, step: int, metrics: Mapping[str, Any] | None) -> None:
+    """Rank 0: keep the metrics reported with `step` (JSON-able ones; others as their repr)."""
+    path = _metrics_path(root, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(metrics or {}), default=repr))
+
+
+def _read_metrics(root: Path, step: int) -> dict[str, Any]:
+    """The metrics `save_and_report` kept for `step`, or {} (a step saved without it)."""
+    path = _metrics_path(root, step)
+    return json.loads(path.read_text()) if path.is_file() else {}
