@@ -120,7 +120,8 @@ def core_train(config: dict) -> None:
 
 
 def lightning_train(config: dict) -> None:
-    """Trainer(strategy=RayFSDP2Strategy()) through Ray's prepare_trainer; ModelCheckpoint saves reported."""
+    """Trainer(strategy=RayFSDP2Strategy()) through Ray's prepare_trainer; ModelCheckpoint saves reported;
+    rank 1 is SIGKILLed once after step `kill_at` and the restarted run resumes with `checkpoint_path`."""
     import lightning.pytorch as pl
     import ray.train
     import ray.train.lightning
@@ -145,23 +146,47 @@ def lightning_train(config: dict) -> None:
         def configure_optimizers(self):
             return _optimizer(self, "sgd")
 
-    # This rank's contiguous half of each global batch, in order (Lightning's own
-    # DistributedSampler would shuffle the training set; use_distributed_sampler=False below).
+    class KillOnce(pl.Callback):
+        def on_train_batch_end(self, trainer, *_):
+            if trainer.global_step == config.get("kill_at") and trainer.global_rank == 1:
+                _kill_once(Path(config["root"]).parent / "killed")
+
+    # This rank's contiguous half of each global batch, in order; an epoch is `every` steps, so
+    # each checkpoint ends one and a resumed run starts the next epoch (Lightning cannot resume a
+    # plain DataLoader mid-epoch). The sampler picks the epoch's steps (Lightning calls set_epoch).
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     halves = [tuple(_local(t, rank, world) for t in global_batch(s)) for s in range(1, config["steps"] + 1)]
     data = torch.utils.data.TensorDataset(torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves]))
-    loader = torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH // world)
+    per_epoch = config["every"] * (GLOBAL_BATCH // world)
+
+    class EpochSampler(torch.utils.data.Sampler):
+        epoch = 0
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+        def __iter__(self):
+            return iter(range(self.epoch * per_epoch, (self.epoch + 1) * per_epoch))
+
+        def __len__(self) -> int:
+            return per_epoch
+
+    loader = torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=EpochSampler())
     module = Module()
     trainer = pl.Trainer(
         max_steps=config["steps"], accelerator="cpu", devices="auto",
         strategy=RayFSDP2Strategy(wrap_policy=[nn.Linear]),
-        callbacks=[ModelCheckpoint(dirpath=config["root"], every_n_train_steps=config["every"], save_top_k=-1)],
+        callbacks=[ModelCheckpoint(dirpath=config["root"], every_n_train_steps=config["every"], save_top_k=-1),
+                   KillOnce()],
         logger=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
     )
     trainer = ray.train.lightning.prepare_trainer(trainer)
-    assert checkpoint_path() is None
-    trainer.fit(module, loader)
+    ckpt_path = checkpoint_path(config["root"])
+    if rank == 0:
+        with open(Path(config["root"]).parent / "starts.txt", "a") as f:
+            f.write(f"{Path(ckpt_path).name if ckpt_path else None}\n")
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
     _write_full_weights(module, config["out"])
 
 

@@ -97,12 +97,15 @@ def test_core_resumes_after_sigkill_in_training_and_in_save(cluster, tmp_path):
     _assert_close(torch.load(config["out"]), fns.reference_weights(8, "adam"))
 
 
-def test_lightning_strategy_through_prepare_trainer_reports_model_checkpoints(cluster, tmp_path):
-    config = {"root": str(tmp_path / "ckpt"), "out": str(tmp_path / "final.pt"), "steps": 4, "every": 2}
-    result = _fit(fns.lightning_train, config, tmp_path)
+def test_lightning_strategy_through_prepare_trainer_reports_checkpoints_and_resumes(cluster, tmp_path):
+    config = {"root": str(tmp_path / "ckpt"), "out": str(tmp_path / "final.pt"), "steps": 4, "every": 2, "kill_at": 3}
+    result = _fit(fns.lightning_train, config, tmp_path, max_failures=1)
     assert result.error is None
-    names = sorted(Path(c.path).name for c, _ in result.best_checkpoints)
-    assert names == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]  # ModelCheckpoint's directories, as Ray stored them
+    assert (tmp_path / "killed").exists()
+    # The restart resumed from the step-2 checkpoint (Ray's, or the ModelCheckpoint folder's if Ray lost the report).
+    assert (tmp_path / "starts.txt").read_text().split() == ["None", "epoch=0-step=2.ckpt"]
+    names = [Path(c.path).name for c, _ in result.best_checkpoints]
+    assert "epoch=1-step=4.ckpt" in names and set(names) <= {"epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"}
     assert all(is_committed(Path(c.path)) and (Path(c.path) / "meta.pt").is_file() for c, _ in result.best_checkpoints)
     assert "train_loss" in result.metrics
     _assert_close(torch.load(config["out"]), fns.reference_weights(4, "sgd"), prefix="net.")

@@ -31,7 +31,7 @@ from ray.train.lightning import RayFSDPStrategy, RayLightningEnvironment
 
 from fsdp2_strategy.distributed import barrier, rank
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy
-from fsdp2_strategy.integrations.lightning._compat import META_FILE
+from fsdp2_strategy.integrations.lightning._compat import META_FILE, is_sharded_checkpoint
 
 __all__ = ["RayFSDP2Strategy", "checkpoint_path"]
 
@@ -84,23 +84,40 @@ class RayFSDP2Strategy(FSDP2Strategy):
             _report(Path(filepath), _metrics(self.lightning_module))
 
 
-def checkpoint_path() -> Optional[str]:
-    """The `ckpt_path` for `trainer.fit` that resumes from Ray's latest checkpoint (None on a first start).
+def checkpoint_path(dirpath: str | Path | None = None) -> Optional[str]:
+    """The `ckpt_path` for `trainer.fit` that resumes after Ray restarted the workers (None on a first start).
 
-    A sharded checkpoint is the directory Ray stored; a full one ("full" `state_dict_type`)
-    is the one `.ckpt` file inside it.
+    Ray's latest checkpoint (`ray.train.get_checkpoint()`): a sharded checkpoint is the directory
+    Ray stored, a full one ("full" `state_dict_type`) the one `.ckpt` file inside it. With
+    `dirpath` (the ModelCheckpoint's folder), a committed sharded checkpoint there with a larger
+    `global_step` wins: Ray registers a report only when its controller next polls the workers,
+    so a worker that died just after a save leaves a committed checkpoint Ray never heard of.
     """
+    candidates = []
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
+    if checkpoint is not None:
+        candidates.append(_ray_checkpoint_file(Path(checkpoint.path)))
+    if dirpath is not None and Path(dirpath).is_dir():
+        candidates += [p for p in Path(dirpath).iterdir() if is_sharded_checkpoint(p)]
+    if not candidates:
         return None
-    path = Path(checkpoint.path)
+    return str(max(candidates, key=_global_step))
+
+
+def _ray_checkpoint_file(path: Path) -> Path:
     if (path / META_FILE).is_file():
-        return str(path)
+        return path
     files = sorted(path.glob("*.ckpt"))
     if len(files) != 1:
         raise ValueError(f"Ray checkpoint {path} holds {len(files)} .ckpt files; expected one Lightning checkpoint "
                          "reported by RayFSDP2Strategy.")
-    return str(files[0])
+    return files[0]
+
+
+def _global_step(path: Path) -> int:
+    """The `global_step` Lightning recorded in a checkpoint (memory-mapped: no tensor is read)."""
+    meta = path / META_FILE if path.is_dir() else path
+    return int(torch.load(meta, map_location="cpu", weights_only=False, mmap=True).get("global_step", -1))
 
 
 def _plain_precision(precision: str, device_type: str) -> Precision:
