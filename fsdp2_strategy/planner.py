@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .distributed import log_rank_zero
 from .config import SHARDING_STRATEGIES, FSDP2Config, parse_bytes
 from .estimate import MemoryEstimate, estimate_memory, human_bytes
 
@@ -173,6 +174,21 @@ def nothing_fits_message(rows: list[PlanRow], budget: int, world_size: int) -> s
             f"{human_bytes(smallest.estimate.peak_bytes)} ({smallest.label}). Options:{more} CPU offload and "
             "activation checkpointing (if not tried), a smaller micro-batch or sequence, mixed_precision='bf16', "
             "or a larger memory_budget.")
+
+
+def resolve_strategy(model: nn.Module, config: FSDP2Config, world_size: int, nodes: int) -> FSDP2Config:
+    """`config` with `sharding_strategy="auto"` resolved for `world_size` ranks on `nodes` nodes
+    (unchanged when the strategy is concrete); the choice and its reason are logged on rank 0.
+
+    `shard_model` calls it with the process group's size; adapters that must build a mesh before
+    sharding (Lightning, Fabric) call it first with the node count their launcher knows, so the
+    mesh fits the chosen strategy.
+    """
+    if config.sharding_strategy != "auto":
+        return config
+    resolved, reason = resolve_auto(model, config, world_size, nodes)
+    log_rank_zero("%s", reason)
+    return resolved
 
 
 def resolve_auto(model: nn.Module, config: FSDP2Config, world_size: int, nodes: int) -> tuple[FSDP2Config, str]:

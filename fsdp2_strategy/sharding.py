@@ -98,15 +98,13 @@ def _resolve_auto_strategy(model: nn.Module, config: FSDP2Config) -> FSDP2Config
     import torch.distributed as dist
 
     from .mesh import detect_num_nodes
-    from .planner import resolve_auto
+    from .planner import resolve_strategy
 
     if not dist.is_initialized():
         raise RuntimeError("shard_model needs an initialised process group (sharding_strategy='auto' plans for its world size).")
     world = dist.get_world_size()
     nodes = config.mesh_shape[0] if config.mesh_shape and len(config.mesh_shape) == 2 else detect_num_nodes(world)
-    resolved, reason = resolve_auto(model, config, world, nodes)
-    log_rank_zero("%s", reason)
-    return resolved
+    return resolve_strategy(model, config, world, nodes)
 
 
 def _plan_groups(model, config, groups, root_settings, root_mesh, meshes):
