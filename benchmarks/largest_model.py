@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--sizes", nargs="+", type=int, default=list(range(len(FAMILY))),
                         help="indices into FAMILY to estimate (default: all)")
+    parser.add_argument("--device-type", default="cuda",
+                        help="device the ranks train on (attention kernels, collective buffers): an 80 GiB GPU by default")
     parser.add_argument("--offload", nargs="+", type=int, default=[0, 1], help="offload settings to try (0/1)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "largest_model"))
     args = parser.parse_args()
@@ -50,7 +52,7 @@ def main() -> None:
         batch = torch.zeros(1, args.seq, dtype=torch.long, device="meta")
         table = f2.compare_strategies(model, {"mixed_precision": "bf16"}, world_size=args.world_size, nodes=args.nodes,
                                       device_memory=budget, example_batch=batch,
-                                      offload=tuple(bool(o) for o in args.offload))
+                                      offload=tuple(bool(o) for o in args.offload), device_type=args.device_type)
         for row in table.rows:
             results.setdefault(row.label, []).append((params, row.estimate.peak_bytes, bool(row.fits)))
         print(f"{params / 1e9:6.2f} B params: fits {sum(r.fits for r in table.rows)}/{len(table.rows)}; "

@@ -22,8 +22,10 @@ from torch import nn
 
 from .config import ACCUMULATION_MODES, FSDP2Config
 from .groups import select_groups, settings_for
-from .memsim import GroupSizes, LiveBytes, group_sizes, meta_copy, run_step, states_without_batch
+from .memsim import GroupSizes, LiveBytes, group_sizes, run_step, states_without_batch
+from .simmodel import meta_copy
 from .optim_state import measure_optimizer
+from .simdevice import resolve_device_type
 from .policy import modules_matching
 
 
@@ -134,6 +136,7 @@ def estimate_memory(
     loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
     accumulation: str = "sync_last",
     micro_batches: int = 1,
+    device_type: Optional[str] = None,
 ) -> MemoryEstimate:
     """Estimate per-rank memory and communication of training `model` with `config`.
 
@@ -144,11 +147,15 @@ def estimate_memory(
     `optimizer`: "adamw", "adam", "sgd" (with momentum), "sgd_plain", "none", an optimizer class,
     or a callable `params -> optimizer`; its state is measured by stepping it on meta tensors.
     `accumulation` and `micro_batches` describe gradient accumulation (`FSDP2Config.accumulation`).
+    `device_type` is the device the job trains on ("cpu", "cuda", ...; None: this machine's
+    accelerator, else "cpu"): it decides which attention kernel the activations are measured with
+    and whether reduce-scatter holds a copy of its input (gloo on CPU does); see `simdevice`.
     """
     config = FSDP2Config.coerce(config, log_plan=False)
     if config.sharding_strategy == "auto":
         raise ValueError("estimate_memory needs a concrete sharding_strategy; use compare_strategies to choose one.")
     _check_args(world_size, nodes, accumulation, micro_batches)
+    device_type = resolve_device_type(device_type)
     root = settings_for("", config)
     shard, replicate = _shard_and_replicate(root.strategy, config, world_size, nodes)
     compute_dtype = root.mp_policy.param_dtype
@@ -165,9 +172,9 @@ def estimate_memory(
     base = _resident_bytes(sizes, opt_bytes, config.cpu_offload)
     tracker = LiveBytes()
     if batch is not None:
-        run_step(sim_model, batch, loss_fn, sizes, tracker, base, config, accumulation, micro_batches)
+        run_step(sim_model, batch, loss_fn, sizes, tracker, base, config, accumulation, micro_batches, device_type)
     else:
-        states_without_batch(sizes, tracker, base, config.backward_prefetch or 1, config.cpu_offload)
+        states_without_batch(sizes, tracker, base, config.backward_prefetch or 1, config.cpu_offload, device_type)
     return _result(root.strategy, world_size, shard, replicate, config, accumulation, micro_batches,
                    sizes, opt_bytes, step_temp, tracker)
 

@@ -6,26 +6,28 @@ meta run does not (shards, gathered groups, communication buffers). `run_step` d
 training step of a meta copy with hooks that play FSDP2's schedule: all-gather before a
 group's forward and backward, reshard after forward by the group's choice, reduce-scatter and
 free the unsharded gradients when a group's backward is done, prefetch one group ahead in
-backward (torch's default) or as configured.
+backward (torch's default) or as configured. What depends on the training device (attention
+kernels, gloo's reduce-scatter copy) lives in `simdevice`; the meta copy of model and batch in
+`simmodel`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten
 
 from .config import FSDP2Config
 from .groups import settings_for
 from .mesh import default_reshard_after_forward
+from .simdevice import attention_kernels, reduce_scatter_copies_input
+from .simmodel import default_loss
 
 
 
@@ -105,7 +107,9 @@ class GroupSizes:
     mp_copy: int = 0
     """Part of `gathered` that is a low-precision copy (0 without mixed precision)."""
     reduce_bytes: int = 0
-    """Unsharded gradients in the reduce dtype (what the reduce-scatter takes in)."""
+    """Unsharded gradients in the reduce dtype."""
+    reduce_input: int = 0
+    """The flat reduce-scatter input: `reduce_bytes` with every dim 0 padded to the shard size."""
     replicated: int = 0
     """Parameters FSDP does not shard here (scalars, ignored modules): every rank holds them."""
     buffers: int = 0
@@ -129,10 +133,13 @@ def _nearest(name: str, groups: list[str]) -> str:
     return ""
 
 
-def _padded_shard_bytes(p: torch.Tensor, shard: int) -> int:
+def _padded_shard_numel(p: torch.Tensor, shard: int) -> int:
     """FSDP2 shards dim 0 and pads it to a multiple of the shard size."""
-    rows = math.ceil(p.shape[0] / shard)
-    return rows * (p.numel() // max(p.shape[0], 1)) * p.element_size()
+    return math.ceil(p.shape[0] / shard) * (p.numel() // max(p.shape[0], 1))
+
+
+def _padded_shard_bytes(p: torch.Tensor, shard: int) -> int:
+    return _padded_shard_numel(p, shard) * p.element_size()
 
 
 def group_sizes(model: nn.Module, groups: list[str], ignored: list[str], config: FSDP2Config,
@@ -167,6 +174,7 @@ def group_sizes(model: nn.Module, groups: list[str], ignored: list[str], config:
         owner.gathered += gathered
         owner.mp_copy += gathered if compute != p.dtype else 0
         owner.reduce_bytes += p.numel() * _itemsize(reduce)
+        owner.reduce_input += _padded_shard_numel(p, owner.shard_size) * owner.shard_size * _itemsize(reduce)
     for bname, b in model.named_buffers():
         sizes[_nearest(bname.rsplit(".", 1)[0] if "." in bname else "", groups)].buffers += b.numel() * b.element_size()
     return sizes
@@ -176,28 +184,11 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-def meta_copy(model: nn.Module, batch: Any, compute_dtype: Optional[torch.dtype], cast_inputs: bool):
-    """A meta-device copy of `model` (floating parameters in `compute_dtype`) and of `batch`."""
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        dtype = compute_dtype if compute_dtype is not None and p.is_floating_point() else p.dtype
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    sim = copy.deepcopy(model, memo)
-    sim.train()
-
-    def to_meta(t: torch.Tensor) -> torch.Tensor:
-        dtype = compute_dtype if cast_inputs and compute_dtype is not None and t.is_floating_point() else t.dtype
-        return torch.empty_like(t, device="meta", dtype=dtype)
-
-    return sim, (None if batch is None else tree_map_only(torch.Tensor, to_meta, batch))
-
-
 class _Schedule:
     """FSDP2's gather / reshard / reduce schedule, played with hooks on the meta copy."""
 
-    def __init__(self, model: nn.Module, sizes: dict[str, GroupSizes], tracker: LiveBytes, config: FSDP2Config):
+    def __init__(self, model: nn.Module, sizes: dict[str, GroupSizes], tracker: LiveBytes, config: FSDP2Config,
+                 device_type: str):
         self.model, self.sizes, self.tracker = model, sizes, tracker
         self.gathered: dict[str, int] = {}
         self.sharded_grads: set[str] = set()
@@ -210,6 +201,7 @@ class _Schedule:
         self.upcast: dict[str, int] = {}
         """Extra bytes of unsynced gradients held in the reduce dtype, per group."""
         self.offload = config.cpu_offload
+        self.copy_reduce_input = reduce_scatter_copies_input(device_type)
         self.handles: list = []
 
     # --- gathering -------------------------------------------------------------------
@@ -307,14 +299,16 @@ class _Schedule:
         if self.sync:
             new_shard = 0 if name in self.sharded_grads or self.offload else g.sharded
             # Copy-in: the unsharded gradients and the flat reduce-scatter input are alive together;
-            # then the gradients are dropped and the output shard is allocated.
-            self.tracker.note_virtual(g.reduce_bytes, "backward")
+            # then the gradients are dropped and the output shard is allocated; gloo then copies
+            # the whole input while it reduces (`simdevice.reduce_scatter_copies_input`).
+            self.tracker.note_virtual(g.reduce_input, "backward")
             for pname in g.params:
                 p = self.model.get_parameter(pname)
                 if p.grad is not None:
                     self.tracker.unsharded_grads -= p.grad.untyped_storage().nbytes()
                     p.grad = None
-            self.tracker.note_virtual(g.reduce_bytes + new_shard, "backward")
+            in_flight = g.reduce_input * (2 if self.copy_reduce_input and g.shard_size > 1 else 1)
+            self.tracker.note_virtual(in_flight + new_shard, "backward")
             if new_shard:
                 self.tracker.add("grads", new_shard)
                 self.sharded_grads.add(name)
@@ -339,53 +333,8 @@ class _Schedule:
                 self.post_backward(name)
 
 
-def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The output's `.loss` (Hugging Face models given labels), else the first output tensor's mean."""
-    out = call_model(model, batch)
-    loss = getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    if isinstance(out, Mapping):  # Hugging Face ModelOutput is an OrderedDict
-        out = list(out.values())
-    first = next(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-    return first.float().mean()
-
-
-def call_model(model: nn.Module, batch: Any) -> Any:
-    """`model(*batch)` for a tuple/list, `model(**batch)` for a dict, else `model(batch)`."""
-    if isinstance(batch, dict):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
-
-
-def _flash_attention(original):
-    """SDPA as the fused kernels run it: they keep O(sequence) statistics for backward, not the
-    attention matrix that the math fallback (the only one meta tensors get) saves."""
-
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if enable_gqa or query.dim() != 4:
-            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
-
-    return sdpa
-
-
-@contextlib.contextmanager
-def fused_attention():
-    """Route `F.scaled_dot_product_attention` to a fused kernel's meta implementation."""
-    original = torch.nn.functional.scaled_dot_product_attention
-    torch.nn.functional.scaled_dot_product_attention = _flash_attention(original)
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
-
-
 def states_without_batch(sizes: dict[str, GroupSizes], tracker: LiveBytes, resident: int, prefetch: int,
-                         offload: bool) -> None:
+                         offload: bool, device_type: str) -> None:
     """Without an example batch: the moment late in backward when the groups kept gathered, the
     largest resharded group and its prefetched neighbours, an all-gather and a reduce-scatter buffer
     and the sharded gradients are alive together (activations are not counted)."""
@@ -395,14 +344,16 @@ def states_without_batch(sizes: dict[str, GroupSizes], tracker: LiveBytes, resid
     tracker.add("gathered", kept + sum(moving[: 1 + prefetch]))
     tracker.add("grads", 0 if offload else sum(g.sharded for g in sizes.values()))
     # An all-gather (prefetch) and the previous group's reduce-scatter can be in flight together.
-    reduce = max((g.reduce_bytes + g.sharded for g in sizes.values()), default=0)
+    copies = 2 if reduce_scatter_copies_input(device_type) else 1
+    reduce = max((g.reduce_input * (copies if g.shard_size > 1 else 1) + g.sharded for g in sizes.values()), default=0)
     tracker.note_virtual(max(moving, default=0) + reduce, "backward")
 
 
 def run_step(model: nn.Module, batch: Any, loss_fn, sizes: dict[str, GroupSizes], tracker: LiveBytes,
-             resident: int, config: FSDP2Config, accumulation: str, micro_batches: int) -> None:
-    """Play forward and backward of up to two micro-batches (the second looks like every later one)."""
-    schedule = _Schedule(model, sizes, tracker, config)
+             resident: int, config: FSDP2Config, accumulation: str, micro_batches: int, device_type: str) -> None:
+    """Play forward and backward of up to two micro-batches (the second looks like every later one)
+    as on `device_type` (its attention kernels and collective buffers: `simdevice`)."""
+    schedule = _Schedule(model, sizes, tracker, config, device_type)
     schedule.install()
     tracker.add("resident", resident)
     tracker.ignore([*model.parameters(), *model.buffers(),
@@ -410,7 +361,7 @@ def run_step(model: nn.Module, batch: Any, loss_fn, sizes: dict[str, GroupSizes]
     loss_fn = loss_fn or default_loss
     runs = min(micro_batches, 2)
     try:
-        with fused_attention(), tracker:
+        with attention_kernels(device_type), tracker:
             for i in range(runs):
                 last = i == runs - 1
                 schedule.start_micro_batch(sync=last or accumulation == "sync_each",

@@ -30,6 +30,9 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None)
     plan.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd_plain, adagrad, rmsprop or none")
     plan.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
+    plan.add_argument("--device-type", default=None,
+                      help="device the job trains on: cpu, cuda, ... (default: this machine's accelerator, else cpu); "
+                           "decides attention kernels and collective buffers")
 
 
 def load_model(spec: str, batch_size: int | None, seq_len: int | None) -> tuple[nn.Module, Any]:
@@ -64,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     config = {"mixed_precision": args.precision} if args.precision else {}
     comparison = compare_strategies(model, config, world_size=args.world_size, nodes=args.nodes,
                                     device_memory=args.device_memory, optimizer=args.optimizer,
-                                    example_batch=batch, micro_batches=args.micro_batches)
+                                    example_batch=batch, micro_batches=args.micro_batches,
+                                    device_type=args.device_type)
     params = sum(p.numel() for p in model.parameters())
     print(f"{type(model).__name__}: {params:,} parameters; {args.world_size} ranks on {args.nodes} node(s)"
           + ("" if batch is not None else "; no --batch-size: activations not counted"))

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .distributed import log_rank_zero
 from .config import SHARDING_STRATEGIES, FSDP2Config, parse_bytes
 from .estimate import MemoryEstimate, estimate_memory, human_bytes
 
@@ -175,30 +176,50 @@ def nothing_fits_message(rows: list[PlanRow], budget: int, world_size: int) -> s
             "or a larger memory_budget.")
 
 
-def resolve_auto(model: nn.Module, config: FSDP2Config, world_size: int, nodes: int) -> tuple[FSDP2Config, str]:
+def resolve_strategy(model: nn.Module, config: FSDP2Config, world_size: int, nodes: int,
+                     **planner_inputs: Any) -> FSDP2Config:
+    """`config` with `sharding_strategy="auto"` resolved for `world_size` ranks on `nodes` nodes
+    (unchanged when the strategy is concrete); the choice and its reason are logged on rank 0.
+    `planner_inputs` (`example_batch`, `loss_fn`, `device_type`) go to `resolve_auto`.
+
+    `shard_model` calls it with the process group's size; adapters that must build a mesh before
+    sharding (Lightning, Fabric) call it first with the node count their launcher knows, so the
+    mesh fits the chosen strategy.
+    """
+    if config.sharding_strategy != "auto":
+        return config
+    resolved, reason = resolve_auto(model, config, world_size, nodes, **planner_inputs)
+    log_rank_zero("%s", reason)
+    return resolved
+
+
+def resolve_auto(model: nn.Module, config: FSDP2Config, world_size: int, nodes: int, *,
+                 example_batch: Any = None, loss_fn: Any = None,
+                 device_type: Optional[str] = None) -> tuple[FSDP2Config, str]:
     """The config with `sharding_strategy="auto"` replaced by the chosen strategy, and the reason.
 
-    The user's offload and checkpointing choices are kept; only the strategy is chosen. Without
-    an example batch the activations are not estimated (they are left to `BUDGET_MARGIN`); the
-    optimizer is assumed to be AdamW (two states per parameter, the common worst case).
+    The user's offload and checkpointing choices are kept; only the strategy is chosen. With
+    `example_batch` (one rank's micro-batch, as `estimate_memory` takes it; `loss_fn` likewise)
+    the activations are measured and count against the budget; without one they are not
+    estimated (they are left to `BUDGET_MARGIN`). The optimizer is assumed to be AdamW (two
+    states per parameter, the common worst case).
     """
     budget = parse_bytes(config.memory_budget) or default_budget(world_size // nodes)
     strategies = tuple(s for s in SHARDING_STRATEGIES if nodes > 1 or not s.startswith("HYBRID"))
+    inputs = dict(optimizer="adamw", example_batch=example_batch, loss_fn=loss_fn, device_type=device_type,
+                  accumulation=config.accumulation)
+    base = dataclasses.replace(config, sharding_strategy="FULL_SHARD")
     comparison = compare_strategies(
-        model, dataclasses.replace(config, sharding_strategy="FULL_SHARD"), world_size=world_size, nodes=nodes,
-        device_memory=budget, strategies=strategies, offload=(config.cpu_offload,),
-        checkpointing=(config.activation_checkpointing is not None,), optimizer="adamw",
-        accumulation=config.accumulation,
-    )
+        model, base, world_size=world_size, nodes=nodes, device_memory=budget, strategies=strategies,
+        offload=(config.cpu_offload,), checkpointing=(config.activation_checkpointing is not None,), **inputs)
     if comparison.recommended is None:
-        extra = compare_strategies(
-            model, dataclasses.replace(config, sharding_strategy="FULL_SHARD"), world_size=world_size, nodes=nodes,
-            device_memory=budget, strategies=("FULL_SHARD",), offload=(True,), checkpointing=(False, True),
-            optimizer="adamw")
+        extra = compare_strategies(model, base, world_size=world_size, nodes=nodes, device_memory=budget,
+                                   strategies=("FULL_SHARD",), offload=(True,), checkpointing=(False, True), **inputs)
         raise ValueError("FSDP2Config(sharding_strategy='auto'): "
                          + nothing_fits_message(comparison.rows + extra.rows, budget, world_size))
     best = comparison.recommended
+    counted = "with the example batch's activations" if example_batch is not None else "without activations"
     reason = (f"sharding_strategy='auto' chose {best.strategy} for a budget of {human_bytes(budget)} per rank "
-              f"(estimated peak {human_bytes(best.estimate.peak_bytes)} without activations, AdamW): "
+              f"(estimated peak {human_bytes(best.estimate.peak_bytes)} {counted}, AdamW): "
               + comparison.reason + "\n" + str(comparison))
     return dataclasses.replace(config, sharding_strategy=best.strategy), reason

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -30,6 +30,8 @@ def shard_model(
     config: FSDP2Config | Mapping[str, Any] | str | None = None,
     *,
     mesh: Optional[DeviceMesh] = None,
+    example_batch: Any = None,
+    loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
     **overrides: Any,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2 according to `config` and return it.
@@ -41,10 +43,16 @@ def shard_model(
     `tensor_parallel_size > 1` it is the whole (data..., tensor-parallel) mesh, its last dim
     the TP one. Tensor parallelism is applied before FSDP. Keyword arguments override config
     fields. Build the optimizer afterwards.
+
+    With `sharding_strategy="auto"`, `example_batch` (one rank's micro-batch: a tensor, a tuple
+    of positional inputs or a dict of keyword inputs; real, meta or fake tensors) lets the memory
+    planner count the activations of forward and backward against `memory_budget`, and
+    `loss_fn(model, batch)` says how the loss is computed (as in `f2.estimate_memory`); without a
+    batch the activations are left to the budget's margin. Both are ignored otherwise.
     """
     config = FSDP2Config.coerce(config, **overrides)
     if config.sharding_strategy == "auto":
-        config = _resolve_auto_strategy(model, config)
+        config = _resolve_auto_strategy(model, config, mesh, example_batch=example_batch, loss_fn=loss_fn)
     tp = config.tensor_parallel_size
     dp_mesh, tp_mesh = split_mesh(mesh, tp) if mesh is not None and tp > 1 else (mesh, None)
     meshes = MeshCache(device_type=mesh.device_type if mesh is not None else None, given=dp_mesh, tp_size=tp,
@@ -92,21 +100,22 @@ def shard_model(
     return model
 
 
-def _resolve_auto_strategy(model: nn.Module, config: FSDP2Config) -> FSDP2Config:
+def _resolve_auto_strategy(model: nn.Module, config: FSDP2Config, mesh: Optional[DeviceMesh],
+                           **planner_inputs: Any) -> FSDP2Config:
     """Let the memory planner pick the strategy (the same choice on every rank: the estimate is
     deterministic and uses only the model's shapes and the config)."""
     import torch.distributed as dist
 
     from .mesh import detect_num_nodes
-    from .planner import resolve_auto
+    from .planner import resolve_strategy
 
     if not dist.is_initialized():
         raise RuntimeError("shard_model needs an initialised process group (sharding_strategy='auto' plans for its world size).")
     world = dist.get_world_size()
     nodes = config.mesh_shape[0] if config.mesh_shape and len(config.mesh_shape) == 2 else detect_num_nodes(world)
-    resolved, reason = resolve_auto(model, config, world, nodes)
-    log_rank_zero("%s", reason)
-    return resolved
+    # The device the job trains on decides attention kernels and collective buffers (`simdevice`).
+    device_type = mesh.device_type if mesh is not None else ("cpu" if dist.get_backend() == "gloo" else None)
+    return resolve_strategy(model, config, world, nodes, device_type=device_type, **planner_inputs)
 
 
 def _plan_groups(model, config, groups, root_settings, root_mesh, meshes):

@@ -16,6 +16,7 @@ from torch import nn
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 
 import fsdp2_strategy as f2
+from fsdp2_strategy.planner import resolve_strategy
 from fsdp2_strategy.strategies import strategy
 from fsdp2_strategy.tensor_parallel import declared_plan, user_parallelised_modules
 
@@ -51,11 +52,18 @@ def check_start_method(owner: str, start_method: str) -> None:
 def effective_config(config: f2.FSDP2Config, mixed_policy: Optional[str], num_nodes: int, num_processes: int, *,
                      module: Optional[nn.Module] = None, data_parallel_size: Any = None) -> f2.FSDP2Config:
     """`config` plus what Lightning knows: the precision string's FSDP2 policy (unless
-    `mixed_precision` is set), for hybrid sharding the (nodes, devices per node) mesh, and the
-    module's own tensor parallelism (`own_tensor_parallel`)."""
+    `mixed_precision` is set), `sharding_strategy="auto"` resolved by the core planner for
+    Lightning's node and process counts (the mesh depends on the strategy), for hybrid sharding
+    the (nodes, devices per node) mesh, and the module's own tensor parallelism
+    (`own_tensor_parallel`)."""
     changes: dict[str, Any] = {}
     if mixed_policy is not None and config.mixed_precision is None:
         changes["mixed_precision"] = mixed_policy
+    if config.sharding_strategy == "auto":
+        if module is None:
+            raise ValueError("sharding_strategy='auto' is resolved when the module is sharded (the planner needs it).")
+        # The planner sees the precision the run will use.
+        config = resolve_strategy(module, dataclasses.replace(config, **changes), num_nodes * num_processes, num_nodes)
     if strategy(config.sharding_strategy).layout == "hybrid" and config.mesh_shape is None:
         # Replicate across nodes, shard within one: Lightning's launcher may not set the
         # LOCAL_WORLD_SIZE the core would otherwise read.

@@ -210,6 +210,33 @@ def test_automatic_naming_keeps_the_newest(flows):
     assert flows["checkpoints"]["auto_after_resume"] == "checkpoint_3"
 
 
+def test_auto_strategy_picks_what_the_planner_picks_for_the_budget(flows):
+    """FSDP2Plugin(sharding_strategy="auto", memory_budget=B) under accelerate launch: the core
+    planner's choice for B reaches the prepared model and trains like one process; a budget below
+    every estimate fails in `prepare` with the planner's error naming memory_budget."""
+    r = flows["auto_strategy"]
+    est = r["estimates"]
+    assert est["FULL_SHARD"] < est["SHARD_GRAD_OP"] < est["NO_SHARD"]
+    full, zero2 = r["FULL_SHARD"], r["SHARD_GRAD_OP"]
+    assert full["strategies"] == ["FULL_SHARD"] and full["mesh_shapes"] == ["(2,)"]
+    assert [full["reshard"][f"blocks.{i}"] for i in range(8)] == [True] * 7 + [False]  # the last block stays
+    assert zero2["strategies"] == ["SHARD_GRAD_OP"] and set(zero2["reshard"].values()) == {False}
+    assert r["FULL_SHARD_plugin_reshard"] is None  # unknown until prepare picks
+    assert full["param_rel"] < TOL and zero2["param_rel"] < TOL
+    assert r["too_small_error"] and "sharding_strategy='auto'" in r["too_small_error"]
+    assert "smallest peak" in r["too_small_error"] and "memory_budget" in r["too_small_error"]
+
+
+def test_auto_strategy_with_parallelism_config_is_refused_by_name():
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from fsdp2_strategy.integrations.accelerate.parallelism import apply_parallelism_config
+
+    plugin = FSDP2Plugin(read_env=False, sharding_strategy="auto", memory_budget="1GiB")
+    with pytest.raises(ValueError, match="sharding_strategy='auto'.*ParallelismConfig"):
+        apply_parallelism_config(plugin.fsdp2_config, ParallelismConfig(dp_shard_size=2), 2)
+
+
 @pytest.mark.parametrize("how", ["resume", "resume_launched"])
 def test_two_rank_state_resumes_in_one_process(runs, how):
     """DCP reshards the 2-rank shards onto 1 process (plain `python`, or `accelerate launch` with one

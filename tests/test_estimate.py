@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import fsdp2_strategy as f2
 from _harness import run_distributed
@@ -80,7 +84,46 @@ def test_hybrid_shards_inside_a_node_and_all_reduces_across_nodes():
     ({"world_size": 4, "nodes": 3}, "nodes"),
     ({"world_size": 2, "accumulation": "sometimes"}, "accumulation"),
     ({"world_size": 2, "optimizer": "lion"}, "optimizer"),
+    ({"world_size": 2, "device_type": "meta"}, "device_type"),
 ])
 def test_bad_arguments_name_the_keyword(kwargs, word):
     with pytest.raises(ValueError, match=word):
         f2.estimate_memory(_gpt(), **kwargs)
+
+
+def test_gloo_reduce_scatter_holds_a_copy_of_its_input_on_cpu_only():
+    """gloo (CPU) copies a reduce-scatter's whole input; the estimate for "cpu" is higher than for
+    "cuda" by exactly the largest group's padded reduce-scatter input (here the root: embeddings)."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=8191, dim=64, heads=4, layers=2, seq=16)  # odd rows: dim 0 is padded
+    cpu, cuda = (f2.estimate_memory(model, {"sharding_strategy": "FULL_SHARD"}, world_size=2, device_type=d)
+                 for d in ("cpu", "cuda"))
+    root_input = sum(math.ceil(p.shape[0] / 2) * 2 * p[0].numel() * 4 for n, p in model.named_parameters()
+                     if not n.startswith("blocks.") and p.ndim > 0)
+    assert cpu.peak_bytes - cuda.peak_bytes == root_input
+    nosync = f2.estimate_memory(model, {"sharding_strategy": "NO_SHARD"}, world_size=2, device_type="cpu")
+    assert nosync.peak_bytes == f2.estimate_memory(model, {"sharding_strategy": "NO_SHARD"}, world_size=2,
+                                                   device_type="cuda").peak_bytes  # no reduce-scatter: all-reduce
+
+
+class _Attention(nn.Module):
+    def __init__(self, dropout: float, dim: int = 64, heads: int = 4):
+        super().__init__()
+        self.qkv, self.heads, self.dropout = nn.Linear(dim, 3 * dim), heads, dropout
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        return out.transpose(1, 2).reshape(b, s, d)
+
+
+def test_attention_dropout_on_cpu_runs_the_math_kernel_and_saves_the_matrix():
+    """torch's CPU flash kernel is chosen only without dropout: with dropout the estimate for "cpu"
+    counts the saved attention matrix (b*h*s*s floats at least); an accelerator runs a fused kernel."""
+    batch = torch.randn(4, 128, 64)
+    act = {(p, d): f2.estimate_memory(_Attention(p), {"sharding_strategy": "NO_SHARD"}, world_size=2,
+                                      example_batch=batch, device_type=d).activation_peak_bytes
+           for p in (0.0, 0.1) for d in ("cpu", "cuda")}
+    assert act[(0.0, "cpu")] == act[(0.0, "cuda")] == act[(0.1, "cuda")]
+    assert act[(0.1, "cpu")] - act[(0.0, "cpu")] >= 4 * 4 * 128 * 128 * 4

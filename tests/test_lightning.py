@@ -202,6 +202,23 @@ def test_damaged_checkpoint_refused_on_every_rank(flows):
     assert c["damaged_errors_all_ranks"] == [True, True]
 
 
+def test_auto_strategy_picks_what_the_planner_picks_for_the_budget(flows):
+    """FSDP2Strategy(sharding_strategy="auto", memory_budget=B) on 2 ranks: the core planner's choice
+    for B reaches the model (plan, reshard choices), trains like one process, and a budget below
+    every estimate fails with the planner's error naming memory_budget."""
+    r = flows["auto_strategy"]
+    est = r["estimates"]
+    assert est["FULL_SHARD"] < est["SHARD_GRAD_OP"] < est["NO_SHARD"]
+    full, zero2 = r["FULL_SHARD"], r["SHARD_GRAD_OP"]
+    assert full["strategies"] == ["FULL_SHARD"] and full["mesh_shapes"] == ["(2,)"]
+    # FULL_SHARD frees the blocks after forward (not the last, which backward needs at once).
+    assert [full["reshard"][f"blocks.{i}"] for i in range(8)] == [True] * 7 + [False]
+    assert zero2["strategies"] == ["SHARD_GRAD_OP"] and set(zero2["reshard"].values()) == {False}
+    assert full["max_rel_diff"] < TOL and zero2["max_rel_diff"] < TOL
+    assert r["too_small_error"] and "sharding_strategy='auto'" in r["too_small_error"]
+    assert "smallest peak" in r["too_small_error"] and "memory_budget" in r["too_small_error"]
+
+
 def test_spawn_start_method_returns_full_weights(tmp_path):
     out = tmp_path / "spawn.json"
     _run(["spawn.py", str(out)], timeout=180)

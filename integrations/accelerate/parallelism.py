@@ -52,6 +52,10 @@ def apply_parallelism_config(config: f2.FSDP2Config, pc: Any, world_size: int) -
     if config.tensor_parallel_size not in (1, tp):
         raise ValueError(f"FSDP2Plugin(tensor_parallel_size={config.tensor_parallel_size}) disagrees with "
                          f"ParallelismConfig(tp_size={tp}); set the size in one place.")
+    if config.sharding_strategy == "auto":
+        # The sizes fix the mesh, which the planner would choose: one of them has to give way.
+        raise ValueError("FSDP2Plugin(sharding_strategy='auto') cannot be combined with a ParallelismConfig (its sizes "
+                         "fix the mesh the planner would choose); name a sharding_strategy or drop the ParallelismConfig.")
     changes: dict[str, Any] = {"tensor_parallel_size": tp}
     name = strategy(config.sharding_strategy).name
     if rep > 1 or strategy(name).layout == "hybrid":
@@ -72,7 +76,9 @@ def parallelism_mesh(config: f2.FSDP2Config) -> Optional[DeviceMesh]:
     """The whole (dp_replicate?, dp_shard, tp?) mesh for `config`, named as Accelerate names its dims;
     None for plain 1-D sharding (nothing to tell Accelerate)."""
     tp = config.tensor_parallel_size
-    two_dim = strategy(config.sharding_strategy).layout == "hybrid"
+    # "auto" (never with tensor parallelism or a ParallelismConfig) is resolved by `shard_model`,
+    # which then builds the mesh of the strategy it picks.
+    two_dim = config.sharding_strategy != "auto" and strategy(config.sharding_strategy).layout == "hybrid"
     if tp == 1 and not two_dim:
         return None
     shape = tuple(config.mesh_shape)  # set by apply_parallelism_config

@@ -174,8 +174,12 @@ class FSDP2Plugin(FullyShardedDataParallelPlugin):
         """Fill Accelerate's plugin fields from the config, for code that reads them."""
         cfg = self.fsdp2_config
         self.sharding_strategy = None  # deprecated for FSDP2 in Accelerate
-        self.reshard_after_forward = cfg.reshard_after_forward if cfg.reshard_after_forward is not None else (
-            reshards_after_forward(cfg.sharding_strategy))
+        if cfg.reshard_after_forward is not None:
+            self.reshard_after_forward = cfg.reshard_after_forward
+        else:
+            # "auto": the planner picks the strategy per model in `prepare`; unknown until then.
+            self.reshard_after_forward = (None if cfg.sharding_strategy == "auto"
+                                          else reshards_after_forward(cfg.sharding_strategy))
         self.mixed_precision_policy = resolve_mixed_precision(cfg.mixed_precision) if cfg.mixed_precision else None
         self.cpu_offload = resolve_offload(cfg.cpu_offload)
         self.activation_checkpointing = cfg.activation_checkpointing is not None

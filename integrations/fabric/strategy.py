@@ -95,7 +95,7 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         if isinstance(module, FSDPModule):
             return module
         config = effective_config(self.fsdp2_config, getattr(self.precision, "fsdp2_mixed_precision", None),
-                                  self.num_nodes, self.num_processes)
+                                  self.num_nodes, self.num_processes, module=module)
         return f2.shard_model(module, config, mesh=core_mesh(config, device_mesh))
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],

@@ -10,6 +10,7 @@ and the next flow runs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -429,8 +430,48 @@ def launch_variant(out: dict, work: Path) -> None:
         out["fp32_loss"] = lm_loss(initial, xs[global_idx], ys[global_idx]).item()
 
 
+def auto_strategy(out: dict, work: Path) -> None:
+    """FSDP2Plugin(sharding_strategy="auto", memory_budget=...): the planner's pick per budget reaches
+    the prepared model; one SGD step against one process; a budget below every estimate fails.
+
+    Budgets come from the core planner's estimates (2 ranks, AdamW, no batch: what "auto" uses) of
+    this config: one that FULL_SHARD fits and SHARD_GRAD_OP (less communication) does not, one
+    that SHARD_GRAD_OP fits (NO_SHARD communicates as much with a larger peak), one below all.
+    The config file's `fsdp_reshard_after_forward: true` would override either strategy's
+    reshard choice, so the plugins unset it.
+    """
+    layers = dict(layers=8)  # enough blocks that FULL_SHARD's peak is below SHARD_GRAD_OP's
+    probe = FSDP2Plugin(reshard_after_forward=None).fsdp2_config
+    est = {s: f2.estimate_memory(fresh(0, **layers)[0], dataclasses.replace(probe, sharding_strategy=s),
+                                 world_size=2).peak_bytes for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")}
+    budgets = {"FULL_SHARD": (est["FULL_SHARD"] + est["SHARD_GRAD_OP"]) // 2, "SHARD_GRAD_OP": 2 * est["NO_SHARD"]}
+    out["estimates"] = est
+    for expected, budget in budgets.items():
+        plugin = FSDP2Plugin(sharding_strategy="auto", memory_budget=budget, reshard_after_forward=None)
+        out[f"{expected}_plugin_reshard"] = plugin.reshard_after_forward
+        acc = FSDP2Accelerator(fsdp_plugin=plugin, mixed_precision="no")
+        model, initial = fresh(20, **layers)
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        idx, x, y = rank_batch()
+        acc.backward(lm_loss(model, x, y))
+        opt.step()
+        ref, _, _ = reference(initial, [all_indices(idx)])
+        plan = f2.sharding_plan(model)
+        out[expected] = {"strategies": sorted({g.strategy for g in plan.groups}),
+                         "mesh_shapes": sorted({str(g.mesh_shape) for g in plan.groups}),
+                         "reshard": {g.name: g.reshard_after_forward for g in plan.groups},
+                         "param_rel": max_rel_diff(full_params(model), ref)}
+    acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(sharding_strategy="auto", memory_budget=est["FULL_SHARD"] // 2),
+                           mixed_precision="no")
+    try:
+        acc.prepare(fresh(21, **layers)[0])
+        out["too_small_error"] = None
+    except ValueError as exc:
+        out["too_small_error"] = str(exc)
+
+
 FLOWS = [config_from_launch, parity, variants, accumulation, clipping, bf16, fp16, multi_model, evaluation, checkpoints,
-         hf_export, rank0_loading, accumulation_modes]
+         hf_export, rank0_loading, accumulation_modes, auto_strategy]
 """Run under fsdp2.yaml (the default when no flow names are given)."""
 VARIANT_FLOWS = [config_from_launch, launch_variant]
 """Run under fsdp2_variant.yaml."""

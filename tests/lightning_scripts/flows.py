@@ -9,6 +9,7 @@ that flow (the test fails on it) and the next flow runs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import shutil
 import sys
 import traceback
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from torch import nn
 from common import (
+    Block,
     LitMLP,
     dataset,
     full_params,
@@ -299,7 +302,53 @@ def checkpoints(out: dict, work: Path) -> None:
     out["damaged_errors_all_ranks"] = gather(out["damaged_error"] is not None)
 
 
-FLOWS = [one_step_parity, registry_variants, accumulation, accumulation_modes, clipping, precision, evaluation, manual_configure_model, meta_init, checkpoints]
+def _auto_budgets(config: f2.FSDP2Config, model) -> dict:
+    """Budgets from the core planner's estimates (2 ranks, AdamW, no batch: what "auto" uses):
+    one that FULL_SHARD fits and SHARD_GRAD_OP (less communication) does not, one that
+    SHARD_GRAD_OP fits (NO_SHARD communicates as much with a larger peak), one below all."""
+    est = {s: f2.estimate_memory(model, dataclasses.replace(config, sharding_strategy=s), world_size=2).peak_bytes
+           for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")}
+    return {"estimates": est, "FULL_SHARD": (est["FULL_SHARD"] + est["SHARD_GRAD_OP"]) // 2,
+            "SHARD_GRAD_OP": est["NO_SHARD"] * 2, "too_small": est["FULL_SHARD"] // 2}
+
+
+def _chosen(model) -> dict:
+    """What the sharded model shows of the strategy: plan strategies, mesh shapes, reshard choices."""
+    plan = f2.sharding_plan(model)
+    return {"strategies": sorted({g.strategy for g in plan.groups}),
+            "mesh_shapes": sorted({str(g.mesh_shape) for g in plan.groups}),
+            "reshard": {g.name: g.reshard_after_forward for g in plan.groups}}
+
+
+class AutoMLP(LitMLP):
+    """LitMLP with 8 blocks of width 64: enough blocks that FULL_SHARD's peak is below SHARD_GRAD_OP's."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 64), nn.Linear(64, 1)
+        self.blocks = nn.ModuleList(Block(64) for _ in range(8))
+
+
+def auto_strategy(out: dict, work: Path) -> None:
+    """FSDP2Strategy(sharding_strategy="auto", memory_budget=...): the planner's pick per budget."""
+    budgets = _auto_budgets(FSDP2Strategy(sharding_strategy="FULL_SHARD").fsdp2_config, AutoMLP())
+    out["estimates"] = budgets["estimates"]
+    for expected in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        torch.manual_seed(0)
+        model = AutoMLP()
+        initial = copy.deepcopy(model)
+        trainer(FSDP2Strategy(sharding_strategy="auto", memory_budget=budgets[expected]), max_steps=1).fit(
+            model, loader(BATCH))
+        ref, _ = reference_step(initial, _all_indices(model))
+        out[expected] = dict(_chosen(model), max_rel_diff=max_rel_diff(full_params(model), ref))
+    try:
+        trainer(FSDP2Strategy(sharding_strategy="auto", memory_budget=budgets["too_small"]), max_steps=1).fit(
+            AutoMLP(), loader(BATCH))
+        out["too_small_error"] = None
+    except ValueError as exc:
+        out["too_small_error"] = str(exc)
+
+FLOWS = [one_step_parity, registry_variants, accumulation, accumulation_modes, clipping, precision, evaluation, manual_configure_model, meta_init, checkpoints, auto_strategy]
 
 
 def main(out_path: str, work: str) -> None:

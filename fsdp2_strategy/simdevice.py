@@ -1,0 +1,90 @@
+"""What the training device changes in the meta simulation behind `estimate_memory`.
+
+The meta run has no device, but two things it imitates depend on one:
+
+- Which scaled-dot-product-attention kernel runs. A fused kernel keeps O(sequence) statistics
+  for backward; the math fallback saves the attention matrix (with dropout also the mask and
+  the dropped matrix). Meta tensors always get the math fallback. Accelerators run a fused
+  kernel; on CPU torch 2.13 picks its flash kernel only without dropout, so a model training
+  with attention dropout (BERT's 0.1) runs the math path there. `attention_kernels` asks
+  torch's own selection (`torch._fused_sdp_choice`) on CPU stand-ins of the meta shapes.
+- gloo's reduce-scatter (the CPU backend) copies its whole input before reducing, so while a
+  group's gradients are reduce-scattered its flat input, that copy and the output shard are
+  alive together; NCCL reduces without the copy. Measured with torch's MemTracker on torch
+  2.13 (`reduce_scatter_tensor` of an 8 MiB input: 8 MiB more than input and output); gloo's
+  all-gather and all-reduce make no such copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch.nn.attention import SDPBackend
+from torch.utils._python_dispatch import _disable_current_modes
+
+
+def default_device_type() -> str:
+    """The accelerator's device type ("cuda", "xpu", ...) when one is available, else "cpu"."""
+    if torch.accelerator.is_available():
+        return torch.accelerator.current_accelerator().type
+    return "cpu"
+
+
+def resolve_device_type(value: Optional[str]) -> str:
+    """`value` checked ("cpu" or an accelerator type such as "cuda"), or the default when None."""
+    if value is None:
+        return default_device_type()
+    if not isinstance(value, str) or not value or value == "meta":
+        raise ValueError(f"estimate_memory: device_type={value!r} is invalid; use 'cpu' or an accelerator type "
+                         "such as 'cuda' (the device the job trains on), or None for this machine's.")
+    return value
+
+
+def reduce_scatter_copies_input(device_type: str) -> bool:
+    """Whether the backend of `device_type` (gloo on CPU) holds a copy of a reduce-scatter's input."""
+    return device_type == "cpu"
+
+
+def _stand_in(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A CPU tensor of `t`'s shape and dtype that owns one row: zero strides but the last (the
+    kernel checks look at shapes, dtypes and the last stride, never at values)."""
+    if t is None or not isinstance(t, torch.Tensor) or t.dim() == 0:
+        return t
+    row = torch.empty(t.shape[-1], dtype=t.dtype)
+    return row.as_strided(t.shape, (0,) * (t.dim() - 1) + (1,))
+
+
+def _cpu_runs_fused(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
+    with _disable_current_modes():
+        choice = torch._fused_sdp_choice(_stand_in(query), _stand_in(key), _stand_in(value), _stand_in(attn_mask),
+                                         dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return SDPBackend(choice) == SDPBackend.FLASH_ATTENTION
+
+
+def _sdpa_for(original, device_type: str):
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        fused = not enable_gqa and query.dim() == 4
+        if fused and device_type == "cpu":
+            fused = _cpu_runs_fused(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if not fused:
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        # The CPU flash kernel's meta implementation stands for every fused kernel: its saved
+        # statistics are the O(sequence) log-sum-exp, as the accelerators' kernels keep.
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+
+    return sdpa
+
+
+@contextlib.contextmanager
+def attention_kernels(device_type: str) -> Iterator[None]:
+    """Route `F.scaled_dot_product_attention` on meta tensors to what `device_type` would run:
+    a fused kernel's meta implementation, or the math fallback where the device falls back."""
+    original = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _sdpa_for(original, device_type)
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
