@@ -16,57 +16,22 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
 
 import fsdp2_strategy as f2
 
-PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
-        "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+# The tests' tensor-parallel GPT and its plan (as memory_accuracy.py borrows the tests' models).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _models import TP_PLAN, TPGPT  # noqa: E402
+
 VOCAB, SEQ = 256, 64
-
-
-class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.head_dim = dim // heads
-        self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = (m(x).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.ln1, self.attn, self.ln2 = nn.LayerNorm(dim), Attention(dim, heads), nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, dim: int, layers: int, heads: int = 8):
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB)
-
-    def forward(self, idx):
-        x = self.tok(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
 
 
 def kind(op: object) -> str:
@@ -83,8 +48,8 @@ def kind(op: object) -> str:
 def step_counts(args: argparse.Namespace, tp: int) -> Counter:
     """Collectives of one step (after a warm-up step) of the GPT sharded with `tp`."""
     torch.manual_seed(0)
-    model = f2.shard_model(GPT(args.dim, args.layers), wrap_policy=["Block"], tensor_parallel_size=tp,
-                           tensor_parallel_plan=PLAN, log_plan=False)
+    model = f2.shard_model(TPGPT(vocab=VOCAB, dim=args.dim, heads=8, layers=args.layers), wrap_policy=["TPBlock"],
+                           tensor_parallel_size=tp, tensor_parallel_plan=TP_PLAN, log_plan=False)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     dp = dist.get_world_size() // tp
     g = torch.Generator().manual_seed(1 + dist.get_rank() // tp)  # one batch per data-parallel rank

@@ -82,11 +82,11 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ---------------------------------------------------------------------- tensor parallel
-"""A GPT whose attention has separate q/k/v projections and `-1` heads in `view`, as column-wise
-tensor parallelism needs; `TP_PLAN` splits it (globs relative to `TPGPT`)."""
-
+# A GPT whose attention has separate q/k/v projections and `-1` heads in `view`, as column-wise
+# tensor parallelism needs; `TP_PLAN` splits it (globs relative to `TPGPT`). Also used by
+# benchmarks/collectives_2d.py.
 TP_PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
-        "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+           "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 
 
 class TPAttention(nn.Module):
