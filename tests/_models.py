@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -127,3 +129,28 @@ class TPGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+def lm_data(vocab: int, seq: int, samples: int, seed: int) -> "torch.utils.data.TensorDataset":
+    """(row index, tokens, next-token targets): the row index lets a test rebuild the global batches."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (samples, seq), generator=g)
+    return torch.utils.data.TensorDataset(torch.arange(samples), idx, torch.roll(idx, -1, dims=1))
+
+
+def lm_loss(model: nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def sgd_reference(initial: nn.Module, data: "torch.utils.data.TensorDataset", steps: list[list[int]], lr: float,
+                  prefix: str = "") -> dict[str, torch.Tensor]:
+    """One process, SGD: step s on the rows every rank saw at step s; parameters named `prefix + name`."""
+    model = copy.deepcopy(initial)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    _, idx, target = data.tensors
+    for rows in steps:
+        opt.zero_grad()
+        lm_loss(model, idx[rows], target[rows]).backward()
+        opt.step()
+    return {f"{prefix}{n}": p.detach().clone() for n, p in model.named_parameters()}

@@ -16,7 +16,6 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate.parallelism_config import ParallelismConfig
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _coll
 from _collect import full_params, gather, max_rel_diff, write_json  # noqa: E402
 from _models import TP_PLAN as PLAN  # noqa: E402  the 2-D tests' small GPT (separate q/k/v)
 from _models import TPGPT as GPT  # noqa: E402
+from _models import lm_data, lm_loss, sgd_reference  # noqa: E402
 
 import fsdp2_strategy as f2  # noqa: E402
 from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin  # noqa: E402
@@ -37,25 +37,7 @@ ENV = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD
 
 
 def data() -> TensorDataset:
-    g = torch.Generator().manual_seed(3)
-    idx = torch.randint(0, VOCAB, (N_SAMPLES, SEQ), generator=g)
-    return TensorDataset(torch.arange(N_SAMPLES), idx, torch.roll(idx, -1, dims=1))
-
-
-def loss_of(model, idx, target):
-    return F.cross_entropy(model(idx).reshape(-1, VOCAB), target.reshape(-1))
-
-
-def reference(initial: GPT, steps: list[list[int]]) -> dict:
-    """One process, SGD, step s on the rows of global batch s."""
-    model = copy.deepcopy(initial)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    _, idx, target = data().tensors
-    for rows in steps:
-        opt.zero_grad()
-        loss_of(model, idx[rows], target[rows]).backward()
-        opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return lm_data(VOCAB, SEQ, N_SAMPLES, seed=3)
 
 
 def train(parallelism_config) -> dict:
@@ -72,14 +54,14 @@ def train(parallelism_config) -> dict:
             break
         rows_seen.append(rows.tolist())
         opt.zero_grad()
-        acc.backward(loss_of(model, idx, target))
+        acc.backward(lm_loss(model, idx, target))
         opt.step()
     per_rank = gather(rows_seen)
     steps = [sorted({r for rank in per_rank for r in rank[s]}) for s in range(STEPS)]
     mesh = acc.state.device_mesh
     q = model.blocks[0].attn.q.weight
     return {
-        "max_rel_diff": max_rel_diff(full_params(model), reference(initial, steps)),
+        "max_rel_diff": max_rel_diff(full_params(model), sgd_reference(initial, data(), steps, LR)),
         "global_batch_sizes": [len(s) for s in steps],
         "tp_group_same_rows": all(per_rank[r] == per_rank[r ^ 1] for r in range(len(per_rank))),  # tp pairs (0,1), (2,3)
         "mesh": [list(mesh.mesh_dim_names), list(mesh.shape)],

@@ -17,8 +17,6 @@ import traceback
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -28,6 +26,7 @@ from common import full_params, gather, max_rel_diff, trainer, write_json
 
 from _models import TP_PLAN  # noqa: E402  (tests/ is on the path once `common` is imported)
 from _models import TPGPT as GPT  # noqa: E402
+from _models import lm_data, lm_loss, sgd_reference  # noqa: E402
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy
@@ -35,10 +34,6 @@ from fsdp2_strategy.integrations.lightning import FSDP2Strategy
 VOCAB, SEQ, N_SAMPLES, BATCH, STEPS, LR = 64, 12, 16, 4, 2, 0.1  # BATCH per data-parallel rank
 PLAN = {f"model.{glob}": style for glob, style in TP_PLAN.items()}
 """Module-name globs relative to the LightningModule (the GPT is its `model`)."""
-
-
-def loss_of(model: nn.Module, idx, target):
-    return F.cross_entropy(model(idx).reshape(-1, VOCAB), target.reshape(-1))
 
 
 class LitGPT(pl.LightningModule):
@@ -61,7 +56,7 @@ class LitGPT(pl.LightningModule):
                              getattr(p, "dim", None) == 0 for p in w.placements),  # Shard or FSDP's _StridedShard
                          "mesh_dims": list(self.device_mesh.mesh_dim_names),
                          "mesh_shape": list(self.device_mesh.shape)}
-        return loss_of(self.model, idx, target)
+        return lm_loss(self.model, idx, target)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR)
@@ -81,21 +76,7 @@ class LitGPTHandTP(LitGPT):
 
 
 def data() -> TensorDataset:
-    g = torch.Generator().manual_seed(7)
-    idx = torch.randint(0, VOCAB, (N_SAMPLES, SEQ), generator=g)
-    return TensorDataset(torch.arange(N_SAMPLES), idx, torch.roll(idx, -1, dims=1))
-
-
-def reference(initial: GPT, steps: list[list[int]]) -> dict:
-    """One process, SGD on the global batches: step s on the rows every rank saw at step s."""
-    model = copy.deepcopy(initial)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    _, idx, target = data().tensors
-    for rows in steps:
-        opt.zero_grad()
-        loss_of(model, idx[rows], target[rows]).backward()
-        opt.step()
-    return {f"model.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    return lm_data(VOCAB, SEQ, N_SAMPLES, seed=7)
 
 
 def global_batches(module: LitGPT) -> list[list[int]]:
@@ -109,7 +90,7 @@ def run(module: LitGPT, strategy: FSDP2Strategy, initial: GPT) -> dict:
     t.fit(module, DataLoader(data(), batch_size=BATCH, shuffle=True))
     got = full_params(module)  # collective: every rank
     steps = global_batches(module)
-    expected = reference(initial, steps)
+    expected = sgd_reference(initial, data(), steps, LR, prefix='model.')
     params = list(module.parameters())
     return {
         **module.seen,
