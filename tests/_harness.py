@@ -128,3 +128,9 @@ def run_distributed(
         if bad:
             raise DistributedTestError(f"ranks exited non-zero after returning: {bad}")
         return results
+
+
+def assert_no_flow_failed(results: dict) -> None:
+    """A flow script records a flow that raised as `{"error": traceback}`: fail with every traceback."""
+    errors = {flow: entry["error"] for flow, entry in results.items() if isinstance(entry, dict) and "error" in entry}
+    assert not errors, "\n".join(f"{flow}:\n{tb}" for flow, tb in errors.items())

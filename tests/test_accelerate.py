@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 from _collect import close_lists  # noqa: E402
-from _harness import free_port  # noqa: E402
+from _harness import assert_no_flow_failed, free_port  # noqa: E402
 from fsdp2_strategy.integrations.accelerate import _compat as compat  # noqa: E402
 from fsdp2_strategy.integrations.accelerate import STOCK_ACCELERATOR_ERROR, FSDP2Accelerator, FSDP2Plugin  # noqa: E402
 from fsdp2_strategy.integrations.accelerate.env import accelerate_cpu_requested  # noqa: E402
@@ -47,8 +47,7 @@ def accelerate_launch(config: Path, script: str, *args: str, timeout: int = 300)
 
 def _load(path: Path) -> dict:
     out = json.loads(path.read_text())
-    errors = {flow: entry["error"] for flow, entry in out.items() if isinstance(entry, dict) and "error" in entry}
-    assert not errors, "\n".join(f"{flow}:\n{tb}" for flow, tb in errors.items())
+    assert_no_flow_failed(out)
     return out
 
 

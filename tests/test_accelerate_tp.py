@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from _harness import assert_no_flow_failed
+
 pytest.importorskip("accelerate")
 
 SCRIPTS = Path(__file__).parent / "accelerate_scripts"
@@ -28,8 +30,7 @@ def flows(tmp_path_factory) -> dict:
                           cwd=SCRIPTS, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     result = json.loads(out.read_text())
-    errors = {flow: entry["error"] for flow, entry in result.items() if "error" in entry}
-    assert not errors, "\n".join(f"{flow}:\n{tb}" for flow, tb in errors.items())
+    assert_no_flow_failed(result)
     return result
 
 

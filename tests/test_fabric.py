@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("lightning")
 
-from _harness import free_port  # noqa: E402
+from _harness import assert_no_flow_failed, free_port  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.plugins.precision import DoublePrecision  # noqa: E402
 from lightning.fabric.strategies import STRATEGY_REGISTRY  # noqa: E402
@@ -50,8 +50,7 @@ def runs(tmp_path_factory) -> dict:
     _run(["single.py", str(work / "single.json"), str(work)], timeout=180)
     _run(["spawn.py", str(work / "spawn.json"), str(work)], timeout=300)
     out = {name: json.loads((work / f"{name}.json").read_text()) for name in ("flows", "single", "spawn")}
-    errors = {flow: entry["error"] for flow, entry in out["flows"].items() if "error" in entry}
-    assert not errors, "\n".join(f"{flow}:\n{tb}" for flow, tb in errors.items())
+    assert_no_flow_failed(out["flows"])
     return out
 
 

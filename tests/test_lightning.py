@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("lightning")
 
 from _collect import close_lists  # noqa: E402
-from _harness import free_port  # noqa: E402
+from _harness import assert_no_flow_failed, free_port  # noqa: E402
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "lightning_scripts"
@@ -46,8 +46,7 @@ def runs(tmp_path_factory) -> dict:
     _run(["single.py", "resume", str(work / "resume.json"), str(work / "ckpts" / "epoch=0-step=4.ckpt"),
           str(work / "flows.json")], timeout=120)
     out = {name: json.loads((work / f"{name}.json").read_text()) for name in ("single", "flows", "resume")}
-    errors = {flow: entry["error"] for flow, entry in out["flows"].items() if "error" in entry}
-    assert not errors, "\n".join(f"{flow}:\n{tb}" for flow, tb in errors.items())
+    assert_no_flow_failed(out["flows"])
     return out
 
 

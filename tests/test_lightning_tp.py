@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+from _harness import assert_no_flow_failed
+
 pytest.importorskip("lightning")
 
 from test_lightning import _torchrun  # noqa: E402
@@ -21,8 +23,7 @@ def flows(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("lightning_tp") / "tp.json"
     _torchrun("tensor_parallel.py", str(out), nproc=4, timeout=300)
     result = json.loads(out.read_text())
-    errors = {flow: entry["error"] for flow, entry in result.items() if "error" in entry}
-    assert not errors, "\n".join(f"{flow}:\n{tb}" for flow, tb in errors.items())
+    assert_no_flow_failed(result)
     return result
 
 
