@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench  # noqa: E402
 
 import fsdp2_strategy as f2  # noqa: E402
+from fsdp2_strategy.ring_comms import RingAllGather, RingReduceScatter  # noqa: E402
 
 # name -> (position, keyword) of the payload argument, whose bytes are counted
 COLLECTIVES = {
@@ -45,11 +46,18 @@ KINDS = {"all_gather_single": "all-gather", "all_gather_into_tensor": "all-gathe
          "all_reduce": "all-reduce"}
 
 
+# FSDP's all-gather and reduce-scatter as point-to-point rings (the default on gloo): same payloads
+RINGS = {(RingAllGather, "ring_all_gather"): "all_gather_single",
+         (RingReduceScatter, "ring_reduce_scatter"): "reduce_scatter_single"}
+
+
 @contextlib.contextmanager
 def count_collectives() -> Iterator[Counter]:
-    """Yield a Counter of calls ("all-gather") and payload bytes ("all-gather bytes") inside the block."""
+    """Yield a Counter of calls ("all-gather") and payload bytes ("all-gather bytes") inside the block,
+    whether torch's collectives or the rings (`FSDP2Config.collectives`) carried them."""
     counts: Counter = Counter()
     originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    ring_originals = {key: getattr(*key) for key in RINGS}
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -64,11 +72,15 @@ def count_collectives() -> Iterator[Counter]:
 
     for name, fn in originals.items():
         setattr(dist, name, counted(name, fn))
+    for (cls, attr), name in RINGS.items():
+        setattr(cls, attr, staticmethod(counted(name, ring_originals[(cls, attr)])))
     try:
         yield counts
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+        for (cls, attr), fn in ring_originals.items():
+            setattr(cls, attr, staticmethod(fn))
 
 
 # --------------------------------------------------------------------------- core API

@@ -149,7 +149,8 @@ def estimate_memory(
     `accumulation` and `micro_batches` describe gradient accumulation (`FSDP2Config.accumulation`).
     `device_type` is the device the job trains on ("cpu", "cuda", ...; None: this machine's
     accelerator, else "cpu"): it decides which attention kernel the activations are measured with
-    and whether reduce-scatter holds a copy of its input (gloo on CPU does); see `simdevice`.
+    and the scratch a reduce-scatter holds (gloo's copy of its input, or the ring's receive buffer of
+    `FSDP2Config.collectives`); see `simdevice`.
     """
     config = FSDP2Config.coerce(config, log_plan=False)
     if config.sharding_strategy == "auto":
@@ -174,7 +175,8 @@ def estimate_memory(
     if batch is not None:
         run_step(sim_model, batch, loss_fn, sizes, tracker, base, config, accumulation, micro_batches, device_type)
     else:
-        states_without_batch(sizes, tracker, base, config.backward_prefetch or 1, config.cpu_offload, device_type)
+        states_without_batch(sizes, tracker, base, config.backward_prefetch or 1, config.cpu_offload, device_type,
+                             config.collectives)
     return _result(root.strategy, world_size, shard, replicate, config, accumulation, micro_batches,
                    sizes, opt_bytes, step_temp, tracker)
 

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 from .config import FSDP2Config
 from .groups import settings_for
 from .mesh import default_reshard_after_forward
-from .simdevice import attention_kernels, reduce_scatter_copies_input
+from .simdevice import attention_kernels, reduce_scatter_scratch
 from .simmodel import default_loss
 
 
@@ -201,7 +201,7 @@ class _Schedule:
         self.upcast: dict[str, int] = {}
         """Extra bytes of unsynced gradients held in the reduce dtype, per group."""
         self.offload = config.cpu_offload
-        self.copy_reduce_input = reduce_scatter_copies_input(device_type)
+        self.device_type, self.collectives = device_type, config.collectives
         self.handles: list = []
 
     # --- gathering -------------------------------------------------------------------
@@ -299,15 +299,16 @@ class _Schedule:
         if self.sync:
             new_shard = 0 if name in self.sharded_grads or self.offload else g.sharded
             # Copy-in: the unsharded gradients and the flat reduce-scatter input are alive together;
-            # then the gradients are dropped and the output shard is allocated; gloo then copies
-            # the whole input while it reduces (`simdevice.reduce_scatter_copies_input`).
+            # then the gradients are dropped and the output shard is allocated; the collective's
+            # scratch (gloo's copy of the input, the ring's receive buffer) is alive meanwhile.
             self.tracker.note_virtual(g.reduce_input, "backward")
             for pname in g.params:
                 p = self.model.get_parameter(pname)
                 if p.grad is not None:
                     self.tracker.unsharded_grads -= p.grad.untyped_storage().nbytes()
                     p.grad = None
-            in_flight = g.reduce_input * (2 if self.copy_reduce_input and g.shard_size > 1 else 1)
+            in_flight = g.reduce_input + reduce_scatter_scratch(self.device_type, self.collectives, g.reduce_input,
+                                                                g.shard_size)
             self.tracker.note_virtual(in_flight + new_shard, "backward")
             if new_shard:
                 self.tracker.add("grads", new_shard)
@@ -334,7 +335,7 @@ class _Schedule:
 
 
 def states_without_batch(sizes: dict[str, GroupSizes], tracker: LiveBytes, resident: int, prefetch: int,
-                         offload: bool, device_type: str) -> None:
+                         offload: bool, device_type: str, collectives: str = "auto") -> None:
     """Without an example batch: the moment late in backward when the groups kept gathered, the
     largest resharded group and its prefetched neighbours, an all-gather and a reduce-scatter buffer
     and the sharded gradients are alive together (activations are not counted)."""
@@ -344,8 +345,8 @@ def states_without_batch(sizes: dict[str, GroupSizes], tracker: LiveBytes, resid
     tracker.add("gathered", kept + sum(moving[: 1 + prefetch]))
     tracker.add("grads", 0 if offload else sum(g.sharded for g in sizes.values()))
     # An all-gather (prefetch) and the previous group's reduce-scatter can be in flight together.
-    copies = 2 if reduce_scatter_copies_input(device_type) else 1
-    reduce = max((g.reduce_input * (copies if g.shard_size > 1 else 1) + g.sharded for g in sizes.values()), default=0)
+    reduce = max((g.reduce_input + reduce_scatter_scratch(device_type, collectives, g.reduce_input, g.shard_size)
+                  + g.sharded for g in sizes.values()), default=0)
     tracker.note_virtual(max(moving, default=0) + reduce, "backward")
 
 

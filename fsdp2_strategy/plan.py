@@ -9,6 +9,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .accumulation import DEFAULT_MODE, mode_of
+from .ring_comms import ATTR as RING_ATTR
 from .groups import GROUP_ATTR, own_named_params
 from .precision import describe_precision
 from .replicated import SCALAR_REASON, replicated_params_of
@@ -57,6 +58,9 @@ class ShardingPlan:
     groups: list[GroupPlan] = field(default_factory=list)
     accumulation: str = DEFAULT_MODE
     """The `FSDP2Config.accumulation` mode `f2.no_sync` follows for this model."""
+    ring_groups: int = 0
+    """FSDP groups whose all-gather and reduce-scatter run as point-to-point rings
+    (`FSDP2Config.collectives`); the others use torch's collectives."""
 
     @property
     def total_params(self) -> int:
@@ -81,6 +85,9 @@ class ShardingPlan:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(f"gradient accumulation: {self.accumulation} ({ACCUMULATION_SUMMARY[self.accumulation]})")
+        sharded = sum(g.strategy not in ("REPLICATED", "IGNORED") for g in self.groups)
+        lines.append(f"collectives: point-to-point rings on {self.ring_groups} of {sharded} FSDP groups, torch's on the rest"
+                     if self.ring_groups else "collectives: torch's")
         return "\n".join(lines)
 
 
@@ -101,6 +108,7 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
             continue
         params = _managed_params(module)
         settings = getattr(module, GROUP_ATTR, None)
+        plan.ring_groups += bool(getattr(module, RING_ATTR, False))
         # With tensor parallel, TP'd parameters live on the (data, tp) mesh, the others on data only.
         mesh_shape = max((tuple(p.device_mesh.shape) for p in params), key=len, default=())
         note = ""

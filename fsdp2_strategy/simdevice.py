@@ -8,11 +8,13 @@ The meta run has no device, but two things it imitates depend on one:
   kernel; on CPU torch 2.13 picks its flash kernel only without dropout, so a model training
   with attention dropout (BERT's 0.1) runs the math path there. `attention_kernels` asks
   torch's own selection (`torch._fused_sdp_choice`) on CPU stand-ins of the meta shapes.
-- gloo's reduce-scatter (the CPU backend) copies its whole input before reducing, so while a
-  group's gradients are reduce-scattered its flat input, that copy and the output shard are
-  alive together; NCCL reduces without the copy. Measured with torch's MemTracker on torch
-  2.13 (`reduce_scatter_tensor` of an 8 MiB input: 8 MiB more than input and output); gloo's
-  all-gather and all-reduce make no such copy.
+- The scratch memory of a reduce-scatter. gloo's (the CPU backend) copies its whole input
+  before reducing, so while a group's gradients are reduce-scattered its flat input, that copy
+  and the output shard are alive together; NCCL reduces without the copy. Measured with torch's
+  MemTracker on torch 2.13 (`reduce_scatter_tensor` of an 8 MiB input: 8 MiB more than input and
+  output); gloo's all-gather and all-reduce make no such copy. The point-to-point ring that
+  replaces gloo's by default (`ring_comms`, `FSDP2Config.collectives`) holds one receive buffer
+  of the output's size instead.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Iterator, Optional
 import torch
 from torch.nn.attention import SDPBackend
 from torch.utils._python_dispatch import _disable_current_modes
+
+from .ring_comms import uses_ring_comms
 
 
 def default_device_type() -> str:
@@ -42,9 +46,14 @@ def resolve_device_type(value: Optional[str]) -> str:
     return value
 
 
-def reduce_scatter_copies_input(device_type: str) -> bool:
-    """Whether the backend of `device_type` (gloo on CPU) holds a copy of a reduce-scatter's input."""
-    return device_type == "cpu"
+def reduce_scatter_scratch(device_type: str, collectives: str, input_bytes: int, shard_size: int) -> int:
+    """Bytes a reduce-scatter of `input_bytes` over `shard_size` ranks holds besides its input and
+    output on `device_type` (gloo on CPU) with `FSDP2Config.collectives`."""
+    if shard_size <= 1:
+        return 0
+    if uses_ring_comms(device_type, collectives):
+        return input_bytes // shard_size
+    return input_bytes if device_type == "cpu" else 0
 
 
 def _stand_in(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -153,7 +153,7 @@ def _modes_world():
         out[(variant, "mode_spread")] = max(
             rel_diff(finals[m][n], finals["sync_last"][n]) for m in MODES for n in finals[m]
         )
-    out["plan"] = str(f2.sharding_plan(model)).splitlines()[-1]
+    out["plan"] = next(line for line in str(f2.sharding_plan(model)).splitlines() if line.startswith("gradient accumulation"))
     out["exception"] = _exception_checks(ref, idx, target)
     return out
 

@@ -91,17 +91,25 @@ def test_bad_arguments_name_the_keyword(kwargs, word):
         f2.estimate_memory(_gpt(), **kwargs)
 
 
-def test_gloo_reduce_scatter_holds_a_copy_of_its_input_on_cpu_only():
-    """gloo (CPU) copies a reduce-scatter's whole input; the estimate for "cpu" is higher than for
-    "cuda" by exactly the largest group's padded reduce-scatter input (here the root: embeddings)."""
+@pytest.mark.parametrize("device_type, collectives, extra_halves", [
+    ("cpu", "torch", 2),  # gloo's reduce-scatter copies its whole input
+    ("cpu", "auto", 1),  # the ring's receive buffer: one output, half the input on 2 ranks
+    ("cuda", "ring", 1),
+    ("cuda", "auto", 0),  # NCCL: no scratch
+])
+def test_reduce_scatter_scratch_follows_backend_and_collectives(device_type, collectives, extra_halves):
+    """The estimate exceeds NCCL's by the largest group's reduce-scatter scratch (here the root's:
+    embeddings, padded input): gloo's copy of the input, or the ring's output-sized receive buffer."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=8191, dim=64, heads=4, layers=2, seq=16)  # odd rows: dim 0 is padded
-    cpu, cuda = (f2.estimate_memory(model, {"sharding_strategy": "FULL_SHARD"}, world_size=2, device_type=d)
-                 for d in ("cpu", "cuda"))
+    got = f2.estimate_memory(model, {"sharding_strategy": "FULL_SHARD", "collectives": collectives}, world_size=2,
+                             device_type=device_type)
+    nccl = f2.estimate_memory(model, {"sharding_strategy": "FULL_SHARD"}, world_size=2, device_type="cuda")
     root_input = sum(math.ceil(p.shape[0] / 2) * 2 * p[0].numel() * 4 for n, p in model.named_parameters()
                      if not n.startswith("blocks.") and p.ndim > 0)
-    assert cpu.peak_bytes - cuda.peak_bytes == root_input
-    nosync = f2.estimate_memory(model, {"sharding_strategy": "NO_SHARD"}, world_size=2, device_type="cpu")
+    assert got.peak_bytes - nccl.peak_bytes == root_input // 2 * extra_halves
+    nosync = f2.estimate_memory(model, {"sharding_strategy": "NO_SHARD", "collectives": collectives}, world_size=2,
+                                device_type=device_type)
     assert nosync.peak_bytes == f2.estimate_memory(model, {"sharding_strategy": "NO_SHARD"}, world_size=2,
                                                    device_type="cuda").peak_bytes  # no reduce-scatter: all-reduce
 

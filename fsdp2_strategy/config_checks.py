@@ -1,0 +1,110 @@
+"""Per-field checks behind `FSDP2Config.__post_init__` (and `ModuleOverride`'s): each raises
+`ValueError` naming the field and the values it accepts."""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Any, Optional
+
+from torch import nn
+
+from . import strategies
+
+PRECISION_NAMES = ("bf16", "fp16", "fp32")
+"""Accepted strings for `FSDP2Config.mixed_precision`."""
+
+
+def _strategy_name(value: Any, allow_auto: bool = False) -> str:
+    """Normalise a strategy given as a string or torch's FSDP1 `ShardingStrategy` enum."""
+    if isinstance(value, enum.Enum):
+        value = value.name
+    if allow_auto and isinstance(value, str) and value.lower() == "auto":
+        return "auto"
+    if isinstance(value, str) and value.upper() in strategies.NAMES:
+        return value.upper()
+    auto = "'auto' (chosen by the memory planner), " if allow_auto else ""
+    raise ValueError(
+        f"FSDP2Config.sharding_strategy={value!r} is not supported; use {auto}one of "
+        f"{', '.join(strategies.NAMES)} (or torch.distributed.fsdp.ShardingStrategy)."
+    )
+
+
+def parse_bytes(value: Any, name: str = "memory_budget") -> Optional[int]:
+    """None, an int of bytes, or text such as "80GiB", "80GB", "512MiB"."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    units = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
+             "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(value)) if isinstance(value, str) else None
+    if match and match.group(2).upper() in units and float(match.group(1)) > 0:
+        return int(float(match.group(1)) * units[match.group(2).upper()])
+    raise ValueError(f"{name}={value!r} is invalid; use None, a positive int of bytes, or text like '80GiB' or '512MB'.")
+
+
+
+def _check_reshard(value: Any, name: str) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if isinstance(value, int) and value >= 1:
+        return
+    raise ValueError(
+        f"{name}={value!r} is invalid; use None (follow the sharding strategy), True, False, "
+        "or a positive int that divides the shard group size (reshard to that many ranks)."
+    )
+
+
+def _check_mixed_precision(value: Any, name: str) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from .precision import resolve_mixed_precision
+
+    if isinstance(value, dict):
+        resolve_mixed_precision(value, name)  # unknown keys and dtype names fail now, not at shard_model
+        return
+    if value is None or isinstance(value, MixedPrecisionPolicy):
+        return
+    if isinstance(value, str) and value.lower() in PRECISION_NAMES:
+        return
+    raise ValueError(
+        f"{name}={value!r} is invalid; use None, one of {PRECISION_NAMES}, a dict of "
+        "MixedPrecisionPolicy fields (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs), "
+        "or a torch.distributed.fsdp.MixedPrecisionPolicy."
+    )
+
+
+def _check_wrap_policy(value: Any, name: str) -> None:
+    if value is None or value == "auto" or callable(value) and not isinstance(value, type):
+        return
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is invalid; use 'auto', classes, class names, an int or a callable.")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"{name}={value} is invalid; a min-params threshold must be a positive int.")
+        return
+    items = [value] if isinstance(value, (str, type)) else value
+    if isinstance(items, (list, tuple, set, frozenset)) and all(
+        isinstance(v, str) or (isinstance(v, type) and issubclass(v, nn.Module)) for v in items
+    ):
+        return
+    raise ValueError(
+        f"{name}={value!r} is invalid; use 'auto', None (only the root), nn.Module classes, "
+        "class-name strings, an int min-params threshold, or a callable (module, name) -> bool."
+    )
+
+
+def _check_module_list(value: Any, name: str, allow_auto: bool) -> None:
+    if value is None or (allow_auto and value == "auto"):
+        return
+    items = [value] if isinstance(value, (str, type)) else value
+    if isinstance(items, (list, tuple, set, frozenset)) and all(
+        isinstance(v, str) or (isinstance(v, type) and issubclass(v, nn.Module)) for v in items
+    ):
+        return
+    auto = "'auto', " if allow_auto else ""
+    raise ValueError(f"{name}={value!r} is invalid; use None, {auto}nn.Module classes or class-name strings.")
+
+
+def _check_nonneg_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} is invalid; use an int >= 0 (how many blocks ahead; 0 disables).")

@@ -1,0 +1,156 @@
+"""FSDP's all-gather and reduce-scatter as point-to-point rings, for gloo process groups.
+
+gloo has no reduce-scatter of its own: `reduce_scatter_tensor` all-reduces a copy of its whole
+input and keeps one chunk, and its `all_gather_into_tensor` takes longer than an all-reduce of
+the output's size. Measured on 2 CPU ranks (gloo, torch 2.13, 64 MiB gathered / reduced):
+all-gather 57 ms and reduce-scatter 77 ms through gloo, 17-20 ms and 24 ms as the rings below
+(`benchmarks/results/accumulation.txt`). A ring step sends one chunk to the next rank and
+receives one from the previous, so each rank sends (N-1)/N of the buffer once, the least any
+all-gather or reduce-scatter sends, through gloo's `isend`/`irecv`.
+
+FSDP2 takes replacements for its two collectives per parameter group (`FSDPModule.
+set_custom_all_gather` / `set_custom_reduce_scatter`); `install_ring_comms` sets them where
+`FSDP2Config.collectives` says. Memory: the reduce-scatter holds one output-sized receive buffer
+while it runs, instead of gloo's copy of the whole input.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+COLLECTIVES = ("auto", "ring", "torch")
+"""Accepted values for `FSDP2Config.collectives`."""
+
+ATTR = "_fsdp2_ring_comms"
+"""Set (True) on each FSDP module given the rings, for `sharding_plan`."""
+
+
+class _Pending(dist.Work):
+    """One ring step's send and receive as a single `Work` (FSDP waits on the `Work` it is given)."""
+
+    def __init__(self, works: list) -> None:
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+
+def _start_ring_step(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup) -> _Pending:
+    """Start sending `send` to the next rank of the ring and receiving `recv` from the previous one."""
+    rank, world = group.rank(), group.size()
+    ops = [dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % world),
+           dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % world)]
+    return _Pending(dist.batch_isend_irecv(ops))
+
+
+def _empty(size: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(*size, dtype=dtype, device=device)
+
+
+class RingAllGather(AllGather):
+    """All-gather of equal chunks into a flat output, in N-1 ring steps."""
+
+    def allocate(self, size: Sequence, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return _empty(size, dtype, device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> Optional[dist.Work]:
+        return self.ring_all_gather(output_tensor, input_tensor, group, async_op)
+
+    @staticmethod
+    def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                        async_op: bool = False) -> Optional[dist.Work]:
+        rank, world = group.rank(), group.size()
+        chunks = output.view(world, -1)
+        if chunks[rank].data_ptr() != input.data_ptr():  # FSDP's copy-in usually wrote it in place
+            chunks[rank].copy_(input.view(-1))
+        if async_op and world == 2:
+            # A single step: returned unfinished, so FSDP's forward prefetch overlaps it with compute.
+            return _start_ring_step(chunks[rank], chunks[1 - rank], group)
+        for step in range(world - 1):
+            # Step s forwards the chunk received at step s-1 (at s=0 the rank's own).
+            _start_ring_step(chunks[(rank - step) % world], chunks[(rank - step - 1) % world], group).wait()
+        return None  # finished: FSDP waits only on a returned Work
+
+
+class RingReduceScatter(ReduceScatter):
+    """Sum or average of a flat input, each rank keeping its chunk, in N-1 ring steps.
+
+    The input is reduced in place (FSDP does not read it afterwards); FSDP's premultiplied sums,
+    which gloo does not offer anyway, go to torch's collective.
+    """
+
+    def allocate(self, size: Sequence, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return _empty(size, dtype, device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op=dist.ReduceOp.SUM, async_op: bool = False) -> Optional[dist.Work]:
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        self.ring_reduce_scatter(output_tensor, input_tensor, group, average=op == dist.ReduceOp.AVG)
+        return None
+
+    @staticmethod
+    def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
+                            average: bool = False) -> None:
+        rank, world = group.rank(), group.size()
+        chunks, out = input.view(world, -1), output.view(-1)
+        recv = torch.empty_like(out)
+        partial = chunks[(rank - 1) % world]
+        for step in range(world - 1):
+            # Rank r sends its running sum of chunk r-s-1 and receives the previous rank's sum of
+            # chunk r-s-2, adding its own part; after N-1 steps it holds the whole sum of chunk r.
+            _start_ring_step(partial, recv, group).wait()
+            index = (rank - step - 2) % world
+            partial = out if step == world - 2 else chunks[index]
+            torch.add(chunks[index], recv, out=partial)
+        if average:
+            out.div_(world)
+
+
+def _shard_group(module: FSDPModule) -> Optional[dist.ProcessGroup]:
+    """The process group `module`'s parameters are sharded over (None: not sharded, or several groups)."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if len(groups) != 1:
+        return None
+    info = groups[0].mesh_info
+    return info.shard_process_group if getattr(info, "shard_mesh_size", 1) > 1 else None
+
+
+def install_ring_comms(model: nn.Module, collectives: str = "auto") -> int:
+    """Give the FSDP groups of `model` the ring all-gather and reduce-scatter as `collectives` says:
+    "auto" where the shard group's backend is gloo, "ring" on every sharded group, "torch" on none.
+    Returns how many groups got them. Call after `fully_shard` (`shard_model` does)."""
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"FSDP2Config.collectives={collectives!r} is invalid; use one of {', '.join(COLLECTIVES)}.")
+    if collectives == "torch":
+        return 0
+    # Stateless, so one of each serves every group.
+    all_gather, reduce_scatter = RingAllGather(), RingReduceScatter()
+    installed = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = _shard_group(module)
+        if group is None or (collectives == "auto" and dist.get_backend(group) != "gloo"):
+            continue
+        module.set_custom_all_gather(all_gather)
+        module.set_custom_reduce_scatter(reduce_scatter)
+        setattr(module, ATTR, True)
+        installed += 1
+    return installed
+
+
+def uses_ring_comms(device_type: str, collectives: str) -> bool:
+    """Whether a job on `device_type` with `FSDP2Config.collectives` runs the rings (for the memory
+    model: gloo is the CPU backend)."""
+    return collectives == "ring" or (collectives == "auto" and device_type == "cpu")
