@@ -10,8 +10,9 @@
   (torch's `MemTracker`: every live tensor of this rank, parameters, gradients, activations and
   optimizer state included).
 `time`: seconds per optimizer step (AdamW, clipping at 1.0) of a hand-written DDP loop
-  (`DistributedDataParallel`, `no_sync` on k-1 micro-batches) and of the core API in each mode,
-  same model, weights and global batch, interleaved; medians, spread and ratio to DDP.
+  (`DistributedDataParallel`, `no_sync` on k-1 micro-batches) and of the core API in each mode
+  (and with each `--collectives`: "auto" runs FSDP's collectives as rings on gloo, "torch" as
+  gloo's own), same model, weights and global batch, interleaved; medians, spread and ratio to DDP.
 `lightning`: `Trainer(strategy="ddp")` vs `FSDP2Strategy(accumulation=mode)`, accumulate_grad_batches=k
   (the largest of --ks), interleaved. Accelerate's comparison is benchmarks/accelerate_step_time.py
   --cpu-env --accumulation ... (each variant needs its own `accelerate launch`).
@@ -55,8 +56,9 @@ def _micro_step(model, opt, data, no_sync, on_backward=None) -> None:
     opt.zero_grad()
 
 
-def _sharded(args, mode: str):
-    model = f2.shard_model(_bench.make_net(args.dim, args.layers), wrap_policy="auto", accumulation=mode, log_plan=False)
+def _sharded(args, mode: str, collectives: str = "auto"):
+    model = f2.shard_model(_bench.make_net(args.dim, args.layers), wrap_policy="auto", accumulation=mode,
+                           collectives=collectives, log_plan=False)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), lambda: f2.no_sync(model)
 
 
@@ -136,7 +138,8 @@ def run_counts(args) -> dict:
 def run_time(args) -> None:
     for k in args.ks:
         variants, models = {}, {}
-        for name, build in [(DDP, lambda: _ddp(args))] + [(m, (lambda m=m: _sharded(args, m))) for m in MODES]:
+        sharded = [(_variant_name(m, c), (lambda m=m, c=c: _sharded(args, m, c))) for c in args.collectives for m in MODES]
+        for name, build in [(DDP, lambda: _ddp(args))] + sharded:
             model, opt, no_sync = build()
             data = [_bench.batches(k, args.batch, seed=_bench.BATCH_SEED + s) for s in range(args.steps)]
             variants[name] = (lambda model=model, opt=opt, no_sync=no_sync, data=data:
@@ -145,6 +148,10 @@ def run_time(args) -> None:
         results = _bench.interleave(variants, args.rounds)
         _bench.print_ratio_table(results, DDP, f"[time] core API vs hand-written DDP, k={k}, AdamW, clip 1.0")
         _check_same_weights(models)
+
+
+def _variant_name(mode: str, collectives: str) -> str:
+    return mode if collectives == "auto" else f"{mode} ({collectives} collectives)"
 
 
 def _check_same_weights(models: dict) -> None:
@@ -226,6 +233,8 @@ def main() -> None:
     parser.add_argument("--lightning-k", type=int, default=None, help="accumulate_grad_batches (default: max of --ks)")
     parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps per variant per round")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (plus one warm-up round)")
+    parser.add_argument("--collectives", nargs="+", choices=["auto", "ring", "torch"], default=["auto"],
+                        help="FSDP2Config.collectives of the timed core-API variants (auto: rings on gloo)")
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")

@@ -160,9 +160,9 @@ class FSDP2Config:
 
     Why: gloo has no reduce-scatter (it all-reduces a copy of the whole input) and its all-gather
     is slower than an all-reduce; the rings send the least bytes through `isend`/`irecv`. On 2 CPU
-    ranks they took 20 ms and 24 ms for a 64 MiB all-gather and reduce-scatter against gloo's
-    57 ms and 77 ms. Results equal torch's to float rounding (a different summation order for
-    more than 2 ranks)."""
+    ranks they took 20 ms and 43 ms for a 64 MiB all-gather and reduce-scatter against gloo's
+    62 ms and 79 ms (`benchmarks/ring_collectives.py`). Results equal torch's (bitwise on 2 ranks;
+    on more, the sum runs in another order)."""
 
     log_plan: bool = True
     """Log the sharding plan table on rank 0 after `shard_model`."""

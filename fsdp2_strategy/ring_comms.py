@@ -3,10 +3,11 @@
 gloo has no reduce-scatter of its own: `reduce_scatter_tensor` all-reduces a copy of its whole
 input and keeps one chunk, and its `all_gather_into_tensor` takes longer than an all-reduce of
 the output's size. Measured on 2 CPU ranks (gloo, torch 2.13, 64 MiB gathered / reduced):
-all-gather 57 ms and reduce-scatter 77 ms through gloo, 17-20 ms and 24 ms as the rings below
-(`benchmarks/results/accumulation.txt`). A ring step sends one chunk to the next rank and
-receives one from the previous, so each rank sends (N-1)/N of the buffer once, the least any
-all-gather or reduce-scatter sends, through gloo's `isend`/`irecv`.
+all-gather 62 ms and reduce-scatter 79 ms through gloo, 20 ms and 43 ms as the rings below;
+gloo's all-reduce of the buffer takes 41 ms (`benchmarks/ring_collectives.py`). A ring step
+sends one chunk to the next rank and receives one from the previous, so each rank sends (N-1)/N
+of the buffer once, the least any all-gather or reduce-scatter sends, through gloo's
+`isend`/`irecv`.
 
 FSDP2 takes replacements for its two collectives per parameter group (`FSDPModule.
 set_custom_all_gather` / `set_custom_reduce_scatter`); `install_ring_comms` sets them where
@@ -56,6 +57,12 @@ def _empty(size: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Te
     return torch.empty(*size, dtype=dtype, device=device)
 
 
+def _check_sizes(name: str, full: torch.Tensor, chunk: torch.Tensor, world: int) -> None:
+    if full.numel() != chunk.numel() * world:
+        raise ValueError(f"{name}: the full buffer has {full.numel()} elements, not {world} x {chunk.numel()} "
+                         f"(the chunk's) for a group of {world} ranks.")
+
+
 class RingAllGather(AllGather):
     """All-gather of equal chunks into a flat output, in N-1 ring steps."""
 
@@ -70,6 +77,7 @@ class RingAllGather(AllGather):
     def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
                         async_op: bool = False) -> Optional[dist.Work]:
         rank, world = group.rank(), group.size()
+        _check_sizes("RingAllGather", output, input, world)
         chunks = output.view(world, -1)
         if chunks[rank].data_ptr() != input.data_ptr():  # FSDP's copy-in usually wrote it in place
             chunks[rank].copy_(input.view(-1))
@@ -95,7 +103,7 @@ class RingReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.SUM, async_op: bool = False) -> Optional[dist.Work]:
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         self.ring_reduce_scatter(output_tensor, input_tensor, group, average=op == dist.ReduceOp.AVG)
         return None
 
@@ -103,6 +111,7 @@ class RingReduceScatter(ReduceScatter):
     def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
                             average: bool = False) -> None:
         rank, world = group.rank(), group.size()
+        _check_sizes("RingReduceScatter", input, output, world)
         chunks, out = input.view(world, -1), output.view(-1)
         recv = torch.empty_like(out)
         partial = chunks[(rank - 1) % world]

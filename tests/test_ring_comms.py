@@ -62,6 +62,10 @@ def _collective_checks() -> dict:
             work.wait()
         out[f"async_{gname}"] = (work is not None, buf.view(n, 5)[:, 0].tolist())
     out["scratch"] = _scratch_bytes(pair)
+    try:  # refused before anything is sent, so no rank waits on another
+        RingReduceScatter()(torch.empty(3), torch.empty(7), pair)
+    except ValueError as exc:
+        out["size_error"] = str(exc)
     return out
 
 
@@ -157,6 +161,11 @@ def test_async_all_gather(world):
         assert firsts == ([0.0, 1.0] if rank < 2 else [2.0, 3.0])
         returned_work, firsts = checks["async_world"]
         assert not returned_work and firsts == [0.0, 1.0, 2.0, 3.0]  # more ranks: finished on return
+
+
+def test_mismatched_sizes_are_refused(world):
+    assert world[0]["collectives"]["size_error"] == (
+        "RingReduceScatter: the full buffer has 7 elements, not 2 x 3 (the chunk's) for a group of 2 ranks.")
 
 
 def test_ring_scratch_is_one_output(world):

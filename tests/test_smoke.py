@@ -86,6 +86,21 @@ def test_collectives_benchmark_counts_skipped_reductions():
         assert "reduce-scatter bytes 0.250" in line, line
 
 
+def test_ring_collectives_benchmark_checks_and_times_both():
+    out = _torchrun("benchmarks/ring_collectives.py", "--mib", "0.25", "--repeats", "1", "--rounds", "1")
+    for row in ("gloo all_gather_into_tensor", "ring all-gather", "gloo reduce_scatter_tensor", "ring reduce-scatter"):
+        assert row in out, out[-2000:]  # each row was timed after its result matched gloo's
+
+
+def test_accumulation_time_benchmark_compares_collectives():
+    out = _torchrun("benchmarks/accumulation.py", "--dim", "32", "--layers", "2", "--batch", "2", "--ks", "2",
+                    "--steps", "1", "--rounds", "1", "--part", "time", "--collectives", "auto", "torch")
+    assert "keep_gathered (torch collectives)" in out, out[-2000:]
+    line = next(line for line in out.splitlines() if line.startswith("weights after all timed steps"))
+    diffs = [float(part.split()[-1]) for part in line.split(":", 1)[1].split(",")]
+    assert len(diffs) == 6 and max(diffs) < 1e-5, line  # every mode, both collectives: DDP's weights
+
+
 def test_checkpoint_load_benchmark_reshards_correctly():
     out = _python("benchmarks/checkpoint_load.py", "--dim", "64", "--layers", "2", "--repeats", "1", "--inner", "1")
     assert "load on 1 / load on 2 ranks time ratio" in out
