@@ -88,7 +88,7 @@ def _scratch_bytes(group) -> dict:
     return result
 
 
-def _train(collectives: str, ref: torch.nn.Module) -> dict:
+def _train(collectives: str, ref: torch.nn.Module, **config) -> dict:
     import torch.distributed as dist
 
     from torch.distributed.fsdp import FSDPModule
@@ -97,7 +97,8 @@ def _train(collectives: str, ref: torch.nn.Module) -> dict:
     from fsdp2_strategy.ring_comms import RingAllGather
 
     rank = dist.get_rank()
-    model = f2.shard_model(copy.deepcopy(ref), collectives=collectives, accumulation="keep_gathered", log_plan=False)
+    model = f2.shard_model(copy.deepcopy(ref), collectives=collectives, accumulation="keep_gathered", log_plan=False,
+                           **config)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # AdamW would magnify rounding where a gradient is ~0
     idx, target = make_batch(n=4 * WORLD * 2, seed=3)
     with count_collectives() as counts:
@@ -123,6 +124,9 @@ def _world() -> dict:
     ref = TinyGPT()
     out = {"collectives": _collective_checks(), "auto": _train("auto", ref), "torch": _train("torch", ref),
            "ring": _train("ring", ref)}
+    # HSDP 2x2: rings inside each 2-rank shard group, torch's all-reduce across the replicas.
+    hsdp = {"sharding_strategy": "HYBRID_SHARD", "mesh_shape": (2, 2)}
+    out["hsdp_auto"], out["hsdp_torch"] = _train("auto", ref, **hsdp), _train("torch", ref, **hsdp)
     try:
         f2.FSDP2Config(collectives="nccl")
     except ValueError as exc:
@@ -180,6 +184,17 @@ def test_training_with_rings_equals_torch_collectives(world):
         for variant in ("auto", "ring"):
             for name, want in result["torch"]["weights"].items():
                 assert rel_diff(result[variant]["weights"][name], want) < 1e-5, (variant, name)
+
+
+def test_hsdp_shard_groups_use_rings_and_match(world):
+    for result in world:
+        auto, torch_ = result["hsdp_auto"], result["hsdp_torch"]
+        assert auto["rings"] == 4 and torch_["rings"] == 0
+        assert auto["counts"]["all_reduce"] == torch_["counts"]["all_reduce"] > 0  # across replicas, unchanged
+        for name, want in torch_["weights"].items():
+            assert rel_diff(auto["weights"][name], want) < 1e-5, name
+            # and the same training as 1-D FSDP over all four ranks
+            assert rel_diff(want, result["torch"]["weights"][name]) < 1e-5, name
 
 
 def test_rings_carry_every_fsdp_collective_on_gloo(world):
