@@ -53,8 +53,11 @@ def _start_ring_step(send: torch.Tensor, recv: torch.Tensor, group: dist.Process
     return _Pending(dist.batch_isend_irecv(ops))
 
 
-def _empty(size: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(*size, dtype=dtype, device=device)
+class _FreshBuffers:
+    """`Comm.allocate` for both rings: a new buffer per call, as FSDP's default comms allocate."""
+
+    def allocate(self, size: Sequence, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
 
 
 def _check_sizes(name: str, full: torch.Tensor, chunk: torch.Tensor, world: int) -> None:
@@ -63,11 +66,8 @@ def _check_sizes(name: str, full: torch.Tensor, chunk: torch.Tensor, world: int)
                          f"(the chunk's) for a group of {world} ranks.")
 
 
-class RingAllGather(AllGather):
+class RingAllGather(_FreshBuffers, AllGather):
     """All-gather of equal chunks into a flat output, in N-1 ring steps."""
-
-    def allocate(self, size: Sequence, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return _empty(size, dtype, device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> Optional[dist.Work]:
@@ -90,15 +90,12 @@ class RingAllGather(AllGather):
         return None  # finished: FSDP waits only on a returned Work
 
 
-class RingReduceScatter(ReduceScatter):
+class RingReduceScatter(_FreshBuffers, ReduceScatter):
     """Sum or average of a flat input, each rank keeping its chunk, in N-1 ring steps.
 
     The input is reduced in place (FSDP does not read it afterwards); FSDP's premultiplied sums,
     which gloo does not offer anyway, go to torch's collective.
     """
-
-    def allocate(self, size: Sequence, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return _empty(size, dtype, device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.SUM, async_op: bool = False) -> Optional[dist.Work]:
