@@ -70,22 +70,18 @@ def _collective_checks() -> dict:
 
 
 def _scratch_bytes(group) -> dict:
-    """Peak bytes of the tensors a reduce-scatter touches or allocates (MemTracker)."""
+    """Peak bytes of the tensors the ring reduce-scatter touches or allocates (MemTracker)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from fsdp2_strategy.ring_comms import RingReduceScatter
 
-    result = {}
     numel = 2**18  # 1 MiB of fp32
-    for name, call in (("ring", lambda o, i: RingReduceScatter()(o, i, group)),):
-        full, output = torch.randn(numel), torch.empty(numel // group.size())
-        tracker = MemTracker()
-        with tracker:
-            call(output, full)
-        peak = sum(v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items() if k == "Total")
-        result[name] = peak
-    result["input"], result["output"] = numel * 4, numel // group.size() * 4
-    return result
+    full, output = torch.randn(numel), torch.empty(numel // group.size())
+    tracker = MemTracker()
+    with tracker:
+        RingReduceScatter()(output, full, group)
+    peak = sum(v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items() if k == "Total")
+    return {"ring": peak, "input": numel * 4, "output": numel // group.size() * 4}
 
 
 def _train(collectives: str, ref: torch.nn.Module, **config) -> dict:
