@@ -3,8 +3,9 @@
 Ray Train keeps the checkpoints of a run in its storage (`RunConfig(storage_path=...)`) and
 hands the latest reported one to the train function after a restart (`ray.train.get_checkpoint()`).
 Only a committed step directory (`.metadata` present, every rank's shards written) is reported,
-so a worker killed during a save leaves an unreported `.tmp-*` directory, never resumed. Rank 0 uploads the whole step directory: every rank wrote its shards into it, so the
-Checkpointer root must be on storage all ranks share (one machine, or NFS/Lustre across nodes).
+so a worker killed during a save leaves an unreported `.tmp-*` directory, never resumed. Rank 0
+uploads the whole step directory: every rank wrote its shards into it, so the Checkpointer root
+must be on storage all ranks share (one machine, or NFS/Lustre across nodes).
 """
 
 from __future__ import annotations
