@@ -33,10 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench  # noqa: E402
 
 import fsdp2_strategy as f2  # noqa: E402
-from fsdp2_strategy.ring_comms import RingAllGather, RingReduceScatter  # noqa: E402
+
+# The tests' collective hook (torch's functions and the rings), as collectives_2d.py borrows the tests' models.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from _comm import observe_collectives  # noqa: E402
 
 # name -> (position, keyword) of the payload argument, whose bytes are counted
-COLLECTIVES = {
+PAYLOAD = {
     "all_gather_single": (0, "output_tensor"), "all_gather_into_tensor": (0, "output_tensor"),  # gathered params
     "reduce_scatter_single": (1, "input"), "reduce_scatter_tensor": (1, "input"),  # unsharded gradients
     "all_reduce": (0, "tensor"),
@@ -46,41 +49,22 @@ KINDS = {"all_gather_single": "all-gather", "all_gather_into_tensor": "all-gathe
          "all_reduce": "all-reduce"}
 
 
-# FSDP's all-gather and reduce-scatter as point-to-point rings (the default on gloo): same payloads
-RINGS = {(RingAllGather, "ring_all_gather"): "all_gather_single",
-         (RingReduceScatter, "ring_reduce_scatter"): "reduce_scatter_single"}
-
-
 @contextlib.contextmanager
 def count_collectives() -> Iterator[Counter]:
     """Yield a Counter of calls ("all-gather") and payload bytes ("all-gather bytes") inside the block,
-    whether torch's collectives or the rings (`FSDP2Config.collectives`) carried them."""
+    whether torch's collectives or the rings (`FSDP2Config.collectives`) carried them (the tests'
+    `observe_collectives` intercepts both)."""
     counts: Counter = Counter()
-    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-    ring_originals = {key: getattr(*key) for key in RINGS}
 
-    def counted(name, fn):
-        def call(*args, **kwargs):
-            position, keyword = COLLECTIVES[name]
-            tensor = args[position] if len(args) > position else kwargs.get(keyword)
-            counts[KINDS[name]] += 1
-            if isinstance(tensor, torch.Tensor):
-                counts[KINDS[name] + " bytes"] += tensor.numel() * tensor.element_size()
-            return fn(*args, **kwargs)
+    def count(name: str, args: tuple, kwargs: dict) -> None:
+        position, keyword = PAYLOAD[name]
+        tensor = args[position] if len(args) > position else kwargs.get(keyword)
+        counts[KINDS[name]] += 1
+        if isinstance(tensor, torch.Tensor):
+            counts[KINDS[name] + " bytes"] += tensor.numel() * tensor.element_size()
 
-        return call
-
-    for name, fn in originals.items():
-        setattr(dist, name, counted(name, fn))
-    for (cls, attr), name in RINGS.items():
-        setattr(cls, attr, staticmethod(counted(name, ring_originals[(cls, attr)])))
-    try:
+    with observe_collectives(count):
         yield counts
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-        for (cls, attr), fn in ring_originals.items():
-            setattr(cls, attr, staticmethod(fn))
 
 
 # --------------------------------------------------------------------------- core API

@@ -1,11 +1,14 @@
-"""Count FSDP's collectives by patching the torch.distributed functions it calls, and the
+"""Watch FSDP's collectives by patching the torch.distributed functions it calls, and the
 point-to-point rings (`fsdp2_strategy.ring_comms`) that replace its all-gather and reduce-scatter
-on gloo: a ring call counts as the `*_single` collective FSDP would have called instead."""
+on gloo: a ring call is reported as the `*_single` collective FSDP would have called instead
+(same argument positions: output first, input second). `benchmarks/collectives.py` counts bytes
+through the same hook."""
 
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -17,27 +20,34 @@ RINGS = ((RingAllGather, "ring_all_gather", "all_gather_single"),
 
 
 @contextlib.contextmanager
-def count_collectives():
-    """Yield a Counter of collective calls made through `torch.distributed` or the rings inside the block."""
-    counts: Counter = Counter()
+def observe_collectives(on_call: Callable[[str, tuple, dict], Any]):
+    """Inside the block, `on_call(name, args, kwargs)` runs before each collective call."""
     originals = {n: getattr(dist, n) for n in NAMES if hasattr(dist, n)}
     ring_originals = {(cls, attr): getattr(cls, attr) for cls, attr, _ in RINGS}
 
     def wrap(name, fn):
-        def counted(*args, **kwargs):
-            counts[name] += 1
+        def observed(*args, **kwargs):
+            on_call(name, args, kwargs)
             return fn(*args, **kwargs)
 
-        return counted
+        return observed
 
     for name, fn in originals.items():
         setattr(dist, name, wrap(name, fn))
     for cls, attr, name in RINGS:
         setattr(cls, attr, staticmethod(wrap(name, ring_originals[(cls, attr)])))
     try:
-        yield counts
+        yield
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
         for (cls, attr), fn in ring_originals.items():
             setattr(cls, attr, staticmethod(fn))
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Yield a Counter of collective calls made through `torch.distributed` or the rings inside the block."""
+    counts: Counter = Counter()
+    with observe_collectives(lambda name, args, kwargs: counts.update([name])):
+        yield counts
