@@ -196,7 +196,8 @@ class _Schedule:
         self.backward_prefetch = config.backward_prefetch or 1
         self.forward_prefetch = config.forward_prefetch
         self.sync = True
-        self.keep = False
+        self.keep_forward = self.keep_backward = False
+        """"keep_gathered": no reshard after forward (every micro-batch) / after backward (all but the last)."""
         self.pending: dict[str, int] = {}
         self.upcast: dict[str, int] = {}
         """Extra bytes of unsynced gradients held in the reduce dtype, per group."""
@@ -205,14 +206,14 @@ class _Schedule:
         self.handles: list = []
 
     # --- gathering -------------------------------------------------------------------
-    def gather(self, name: str) -> None:
+    def gather(self, name: str, outputs_alive: Optional[int] = None) -> None:
         g = self.sizes[name]
         held = self.gathered.get(name, 0)
         if held >= g.gathered or not g.gathered:
             return
-        # All-gather output (flat, padded) alive while it is copied out into the parameters; an
-        # offloaded shard is first copied to the device.
-        transient = g.gathered + (g.sharded if self.offload else 0)
+        # All-gather output (flat, padded; `outputs_alive`: all outputs still in flight) alive while
+        # it is copied out into the parameters; an offloaded shard is first copied to the device.
+        transient = (g.gathered if outputs_alive is None else outputs_alive) + (g.sharded if self.offload else 0)
         self.tracker.add("gathered", g.gathered - held)
         self.tracker.add("mp", g.mp_copy - (g.mp_copy * held // g.gathered))
         self.gathered[name] = g.gathered
@@ -260,7 +261,7 @@ class _Schedule:
         g = self.sizes[name]
         if name not in self.post_forward_order:
             self.post_forward_order.append(name)
-        if not g.keep_after_forward and not self.keep:
+        if not g.keep_after_forward and not self.keep_forward:
             self.reshard(name, g.reshard_to)
         fired = []
 
@@ -294,7 +295,7 @@ class _Schedule:
     def post_backward(self, name: str) -> None:
         g = self.sizes[name]
         # FSDP2 reshards a group before reducing its gradients.
-        if not self.keep:
+        if not self.keep_backward:
             self.reshard(name)
         if self.sync:
             new_shard = 0 if name in self.sharded_grads or self.offload else g.sharded
@@ -322,10 +323,21 @@ class _Schedule:
             self.tracker.add("grads", self.upcast[name])
         self.tracker.note_virtual(0, "backward")
 
-    def start_micro_batch(self, sync: bool, keep: bool) -> None:
-        self.sync, self.keep = sync, keep
+    def start_micro_batch(self, sync: bool, keep_forward: bool, keep_backward: bool) -> None:
+        self.sync, self.keep_forward, self.keep_backward = sync, keep_forward, keep_backward
         self.pending = {}
         self._counted: set[int] = set()
+        if keep_backward and self.device_type == "cpu":
+            self.gather_all()
+
+    def gather_all(self) -> None:
+        """"keep_gathered" on CPU (`accumulation._KeptGroups.keep`): every group's all-gather
+        starts at once, then each is copied out in turn, its output freed after its copy-out."""
+        names = [n for n, g in self.sizes.items() if g.gathered and self.gathered.get(n, 0) < g.gathered]
+        alive = sum(self.sizes[n].gathered for n in names)
+        for name in names:
+            self.gather(name, outputs_alive=alive)
+            alive -= self.sizes[name].gathered
 
     def flush(self) -> None:
         """Groups whose parameters got no gradient still reshard at the end of backward."""
@@ -365,9 +377,12 @@ def run_step(model: nn.Module, batch: Any, loss_fn, sizes: dict[str, GroupSizes]
         with attention_kernels(device_type), tracker:
             for i in range(runs):
                 last = i == runs - 1
-                schedule.start_micro_batch(sync=last or accumulation == "sync_each",
-                                           keep=accumulation == "keep_gathered" and not last)
                 tracker.phase = "forward"
+                # "keep_gathered": the last micro-batch's forward still keeps every group gathered
+                # (accumulation._KeptGroups restores each group's choice after it); its backward reshards.
+                kept = accumulation == "keep_gathered" and micro_batches > 1
+                schedule.start_micro_batch(sync=last or accumulation == "sync_each", keep_forward=kept,
+                                           keep_backward=kept and not last)
                 loss = loss_fn(model, batch)
                 tracker.phase = "backward"
                 loss.backward()

@@ -155,6 +155,21 @@ def _modes_world():
         )
     out["plan"] = next(line for line in str(f2.sharding_plan(model)).splitlines() if line.startswith("gradient accumulation"))
     out["exception"] = _exception_checks(ref, idx, target)
+    out["gathered_on_entry"] = _gathered_on_entering_no_sync(ref)
+    return out
+
+
+def _gathered_on_entering_no_sync(ref) -> dict:
+    """Per mode: which groups are gathered inside `f2.no_sync` before any forward has run."""
+    import fsdp2_strategy as f2
+    from torch.distributed.fsdp import FSDPModule
+
+    out = {}
+    for mode in MODES:
+        model = f2.shard_model(copy.deepcopy(ref), accumulation=mode, log_plan=False)
+        groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
+        with f2.no_sync(model):
+            out[mode] = sum(g.is_unsharded for g in groups)
     return out
 
 
@@ -263,6 +278,12 @@ def test_micro_batch_that_skips_a_block(results, mode):
     assert r["reduce_scatters"] == {"sync_each": 3 + 4 + 3, "sync_last": GROUPS, "keep_gathered": GROUPS}[mode], r
     if mode == "keep_gathered":
         assert r["all_gathers"] == GROUPS, r
+
+
+def test_keep_gathered_gathers_every_group_up_front_on_cpu(results):
+    # All-gathers started together when the step's first no_sync begins, not one per forward;
+    # the other modes gather nothing before the forward.
+    assert results["gathered_on_entry"] == {"sync_each": 0, "sync_last": 0, "keep_gathered": GROUPS}
 
 
 def test_plan_names_the_mode(results):
