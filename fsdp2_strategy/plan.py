@@ -9,6 +9,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .accumulation import DEFAULT_MODE, mode_of
+from .host_memory import freed_memory_kept
 from .ring_comms import ATTR as RING_ATTR
 from .groups import GROUP_ATTR, own_named_params
 from .precision import describe_precision
@@ -61,6 +62,8 @@ class ShardingPlan:
     ring_groups: int = 0
     """FSDP groups whose all-gather and reduce-scatter run as point-to-point rings
     (`FSDP2Config.collectives`); the others use torch's collectives."""
+    freed_memory_kept: bool = False
+    """Whether this process's malloc keeps freed host memory (`FSDP2Config.host_allocator`)."""
 
     @property
     def total_params(self) -> int:
@@ -88,6 +91,8 @@ class ShardingPlan:
         sharded = sum(g.strategy not in ("REPLICATED", "IGNORED") for g in self.groups)
         lines.append(f"collectives: point-to-point rings on {self.ring_groups} of {sharded} FSDP groups, torch's on the rest"
                      if self.ring_groups else "collectives: torch's")
+        lines.append("host memory: glibc malloc keeps freed blocks for reuse" if self.freed_memory_kept
+                     else "host memory: malloc's own settings")
         return "\n".join(lines)
 
 
@@ -102,7 +107,7 @@ def _local_bytes(p) -> int:
 
 def sharding_plan(model: nn.Module) -> ShardingPlan:
     """Describe every FSDP group of `model` plus replicated scalars, one row each."""
-    plan = ShardingPlan(accumulation=mode_of(model))
+    plan = ShardingPlan(accumulation=mode_of(model), freed_memory_kept=freed_memory_kept())
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue

@@ -21,6 +21,7 @@ from .plan import sharding_plan
 from .policy import modules_matching, resolve_classes
 from .replicated import ATTR as REPLICATED_ATTR
 from .replicated import ReplicatedParams, find_scalar_params
+from .host_memory import apply_host_allocator
 from .ring_comms import install_ring_comms
 from .tensor_parallel import apply_tensor_parallel, mark_user_parallelised, split_mesh
 from .training import mark_replaced_params
@@ -86,6 +87,7 @@ def shard_model(
     mark_replaced_params(params_before, model)
     record_mode(model, config.accumulation)
     install_ring_comms(model, config.collectives)
+    apply_host_allocator(config.host_allocator, root_mesh.device_type)
 
     _set_prefetch(model, top_level(groups), config.forward_prefetch, config.backward_prefetch)
     _guard_direct_forward(model)

@@ -35,6 +35,8 @@ from _models import Block, TinyGPT
         (dict(module_overrides={"blocks.*": {"precision": "bf16"}}), "module_overrides"),
         (dict(module_overrides={"blocks.*": {"sharding_strategy": "ZERO"}}), "sharding_strategy"),
         (dict(module_overrides=["blocks"]), "module_overrides"),
+        (dict(collectives="mpi"), "collectives"),
+        (dict(host_allocator="jemalloc"), "host_allocator"),
     ],
 )
 def test_invalid_field_names_the_field(kwargs, field):

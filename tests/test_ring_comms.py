@@ -107,7 +107,7 @@ def _train(collectives: str, ref: torch.nn.Module, **config) -> dict:
             opt.step()
             opt.zero_grad()
     weights = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
-    plan = str(f2.sharding_plan(model)).splitlines()[-1]
+    plan = next(line for line in str(f2.sharding_plan(model)).splitlines() if line.startswith("collectives:"))
     rings = sum(isinstance(g._all_gather_comm, RingAllGather) for m in model.modules() if isinstance(m, FSDPModule)
                 for g in m._get_fsdp_state()._fsdp_param_groups)
     return {"weights": weights, "counts": dict(counts), "plan": plan, "rings": rings}
