@@ -56,7 +56,9 @@ def _accelerator(variant: str, accumulate: int):
         from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin
 
         mode = variant.partition(" ")[2]  # "FSDP2Accelerator keep_gathered": FSDP2Config.accumulation
-        plugin = FSDP2Plugin(accumulation=mode) if mode else None
+        # "one_group": keep_gathered with the root the only FSDP group (wrap_policy=None over the config's).
+        fields = {"accumulation": "keep_gathered", "wrap_policy": None} if mode == "one_group" else {"accumulation": mode}
+        plugin = FSDP2Plugin(**fields) if mode else None
         return FSDP2Accelerator(fsdp_plugin=plugin, gradient_accumulation_steps=accumulate)
     from accelerate import Accelerator
 
@@ -163,7 +165,8 @@ def main() -> None:
     parser.add_argument("--cpu-env", action="store_true",
                         help="also set ACCELERATE_USE_CPU=true (needed for CPU runs on a machine with GPUs)")
     parser.add_argument("--accumulation", nargs="+", default=None,
-                        help="FSDP2Config.accumulation modes to run as separate FSDP2Accelerator variants")
+                        help="FSDP2Config.accumulation modes to run as separate FSDP2Accelerator variants "
+                             "('one_group': keep_gathered with wrap_policy=None)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -1,7 +1,8 @@
 """Accumulation modes (`FSDP2Config.accumulation`): communication, memory and step time against DDP.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/accumulation.py [--part counts time lightning]
-        [--dim 512 --layers 8 --batch 16 --ks 1 2 4 8 --steps 4 --rounds 3] [--plot out.png]
+        [--dim 512 --layers 8 --batch 16 --ks 1 2 4 8 --steps 4 --rounds 3] [--host-allocator auto|system]
+        [--plot out.png]
 
 `counts` (counted, not timed): per mode and k micro-batches per optimizer step, the all-gathers
   and reduce-scatters per FSDP group per step with their bytes (rank 0, after a warm-up step), the
@@ -9,6 +10,7 @@
   buffers, the largest after any backward of the step) and the peak tensor memory of the step
   (torch's `MemTracker`: every live tensor of this rank, parameters, gradients, activations and
   optimizer state included).
+`one_group` rows: "keep_gathered" with `wrap_policy=None` (the root the only FSDP group).
 `time`: seconds per optimizer step (AdamW, clipping at 1.0) of a hand-written DDP loop
   (`DistributedDataParallel`, `no_sync` on k-1 micro-batches) and of the core API in each mode
   (and with each `--collectives`: "auto" runs FSDP's collectives as rings on gloo, "torch" as
@@ -39,6 +41,17 @@ from collectives import count_collectives  # noqa: E402
 import fsdp2_strategy as f2  # noqa: E402
 
 MODES = ("sync_each", "sync_last", "keep_gathered")
+ONE_GROUP = "one_group"
+"""A variant: "keep_gathered" with `wrap_policy=None`, the root the only FSDP group (one all-gather
+and one reduce-scatter of the whole model per step: fewer, larger collectives and FSDP hooks)."""
+VARIANTS = MODES + (ONE_GROUP,)
+
+
+def _config(mode: str) -> dict:
+    """The FSDP2Config fields a variant sets."""
+    if mode == ONE_GROUP:
+        return {"accumulation": "keep_gathered", "wrap_policy": None}
+    return {"accumulation": mode, "wrap_policy": "auto"}
 DDP = "DDP (hand-written loop)"
 
 def _micro_step(model, opt, data, no_sync, on_backward=None) -> None:
@@ -57,8 +70,8 @@ def _micro_step(model, opt, data, no_sync, on_backward=None) -> None:
 
 
 def _sharded(args, mode: str, collectives: str = "auto"):
-    model = f2.shard_model(_bench.make_net(args.dim, args.layers), wrap_policy="auto", accumulation=mode,
-                           collectives=collectives, log_plan=False)
+    model = f2.shard_model(_bench.make_net(args.dim, args.layers), **_config(mode), collectives=collectives,
+                           host_allocator=args.host_allocator, log_plan=False)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), lambda: f2.no_sync(model)
 
 
@@ -114,7 +127,7 @@ def count_one(args, mode: str, k: int) -> dict:
 
 
 def run_counts(args) -> dict:
-    rows = {(mode, k): count_one(args, mode, k) for mode in MODES for k in args.ks}
+    rows = {(mode, k): count_one(args, mode, k) for mode in VARIANTS for k in args.ks}
     model = _bench.make_net(args.dim, args.layers)
     ddp, opt, no_sync = _ddp(args)
     rows[("ddp", max(args.ks))] = {"peak_mib": _peak_bytes(ddp, opt, _bench.batches(max(args.ks), args.batch), no_sync) / 2**20}
@@ -138,7 +151,8 @@ def run_counts(args) -> dict:
 def run_time(args) -> None:
     for k in args.ks:
         variants, models = {}, {}
-        sharded = [(_variant_name(m, c), (lambda m=m, c=c: _sharded(args, m, c))) for c in args.collectives for m in MODES]
+        sharded = [(_variant_name(m, c), (lambda m=m, c=c: _sharded(args, m, c))) for c in args.collectives
+                   for m in (VARIANTS if c == "auto" else MODES)]
         for name, build in [(DDP, lambda: _ddp(args))] + sharded:
             model, opt, no_sync = build()
             data = [_bench.batches(k, args.batch, seed=_bench.BATCH_SEED + s) for s in range(args.steps)]
@@ -176,7 +190,8 @@ def fit_once(args, k: int, variant: str) -> list[float]:
     from fsdp2_strategy.integrations.lightning import FSDP2Strategy
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    strategy = "ddp" if variant == "ddp" else FSDP2Strategy(accumulation=variant, log_plan=False)
+    strategy = "ddp" if variant == "ddp" else FSDP2Strategy(**_config(variant), host_allocator=args.host_allocator,
+                                                            log_plan=False)
     module = _bench.lightning_module(args.dim, args.layers, shard_in_configure_model=False)
     timer = _bench.step_timer()
     trainer = pl.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy,
@@ -188,7 +203,7 @@ def fit_once(args, k: int, variant: str) -> list[float]:
 
 def run_lightning(args) -> None:
     k = max(args.ks) if args.lightning_k is None else args.lightning_k
-    names = {'Trainer(strategy="ddp")': "ddp", **{f"fsdp2 {m}": m for m in MODES}}
+    names = {'Trainer(strategy="ddp")': "ddp", **{f"fsdp2 {m}": m for m in VARIANTS}}
     results = _bench.interleave({n: (lambda v=v: fit_once(args, k, v)) for n, v in names.items()}, args.rounds)
     _bench.print_ratio_table(results, 'Trainer(strategy="ddp")', f"[lightning] accumulate_grad_batches={k}")
 
@@ -235,6 +250,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (plus one warm-up round)")
     parser.add_argument("--collectives", nargs="+", choices=["auto", "ring", "torch"], default=["auto"],
                         help="FSDP2Config.collectives of the timed core-API variants (auto: rings on gloo)")
+    parser.add_argument("--host-allocator", choices=["auto", "system"], default="auto",
+                        help="FSDP2Config.host_allocator of every sharded variant; process-wide, so DDP "
+                             "in the same run gets it too (auto: glibc malloc keeps freed memory on CPU)")
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -242,7 +260,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if dist.get_rank() == 0:
         print(f"world {dist.get_world_size()} (gloo, CPU), torch {torch.__version__}, dim {args.dim}, {args.layers} blocks, "
-              f"batch {args.batch}/rank/micro-batch")
+              f"batch {args.batch}/rank/micro-batch, host_allocator {args.host_allocator}")
     if "counts" in args.part:
         rows = run_counts(args)
         if args.plot and dist.get_rank() == 0:

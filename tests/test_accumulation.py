@@ -319,9 +319,10 @@ def test_accumulation_benchmark_counts_each_mode():
     proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {(line.split()[0], int(line.split()[1])): [float(v) for v in line.split()[2:]]
-            for line in proc.stdout.splitlines() if line.split()[:1] and line.split()[0] in MODES}
+            for line in proc.stdout.splitlines() if line.split()[:1] and line.split()[0] in MODES + ("one_group",)}
     # columns: all-gathers/group, reduce-scatters/group, AG MiB, RS MiB, held gradient MiB, peak MiB
     assert rows[("keep_gathered", 4)][:2] == [1.0, 1.0]  # each group gathered and reduced once per step
+    assert rows[("one_group", 4)][:4] == rows[("keep_gathered", 4)][:4]  # the same bytes, in one group
     assert rows[("sync_each", 4)][1] == 4.0 and rows[("sync_last", 4)][1] == 1.0
     # Held gradients: sync_each keeps only the shards, half of sync_last's full gradients on 2 ranks.
     each, last = rows[("sync_each", 4)][4], rows[("sync_last", 4)][4]
