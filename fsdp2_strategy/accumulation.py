@@ -97,10 +97,12 @@ class _KeptGroups:
         each a blocking exchange with the other ranks in turn; started together they stream back
         to back (`benchmarks/accumulation.py`, 2 CPU ranks, k=4: about 20 ms less per step). All
         of them are waited for here, because FSDP drops an all-gather nobody waited for at the end
-        of a backward (a group this micro-batch does not use), which would gather it twice. It
-        holds no more than the mode does anyway: every group gathered, which this micro-batch's
-        backward reaches. On an accelerator each group is gathered by its own forward, where FSDP
-        overlaps the next group's all-gather with compute. Groups already gathered do nothing.
+        of a backward (a group this micro-batch does not use), which would gather it twice.
+        Memory: the all-gather outputs and the gathered parameters reach at most twice the gathered
+        parameters, no more than the backward holds (gathered parameters and unsharded gradients of
+        at least their size); `memsim` plays it. On an accelerator each group is gathered by its
+        own forward, where FSDP overlaps the next group's all-gather with compute. Groups already
+        gathered do nothing.
         """
         self.drop_pending()
         for module in self.modules:

@@ -144,9 +144,10 @@ class FSDP2Config:
       (G per rank) are held across the micro-batches. 1 reduce-scatter of G and 2k all-gathers
       of P per step.
     - "keep_gathered": "sync_last", and parameters also stay unsharded from the first forward
-      of the step to the last backward (ZeRO-1/2 style). Memory of DDP: P + G per rank during
-      the step; 1 all-gather of P and 1 reduce-scatter of G per step (the bytes of DDP's one
-      all-reduce).
+      of the step to the last backward (ZeRO-1/2 style; on CPU every group is gathered when the
+      step's first `no_sync` begins, the all-gathers started together). Memory of DDP: P + G per
+      rank during the step; 1 all-gather of P and 1 reduce-scatter of G per step (the bytes of
+      DDP's one all-reduce).
 
     With HSDP the all-reduce across replicas runs on the last micro-batch only, in every mode.
     Without `no_sync` (k = 1) the modes do not differ."""
