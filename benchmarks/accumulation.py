@@ -52,6 +52,8 @@ def _config(mode: str) -> dict:
     if mode == ONE_GROUP:
         return {"accumulation": "keep_gathered", "wrap_policy": None}
     return {"accumulation": mode, "wrap_policy": "auto"}
+
+
 DDP = "DDP (hand-written loop)"
 
 def _micro_step(model, opt, data, no_sync, on_backward=None) -> None:

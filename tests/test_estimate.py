@@ -45,7 +45,10 @@ def test_estimates_match_measured_peaks_of_two_rank_runs():
         config = SETTINGS.get(name) or ONLY_AT_K[name]
         estimate = estimate_peak(model, config, 2, micro_batches=k, accumulation=config.get("accumulation", "sync_last"))
         peak = max(r[key] for r in measured)
-        assert abs(estimate.peak_bytes - peak) / peak < 0.10, (key, estimate.peak_bytes, peak)
+        # Checkpointing's recomputation temporaries and bf16 casts are approximated (measured -5.3 %
+        # and +3.2 %); everything else is played exactly (measured within 0.02 %).
+        tol = 0.10 if name in ("FULL_SHARD+AC", "FULL_SHARD+bf16") else 0.01
+        assert abs(estimate.peak_bytes - peak) / peak < tol, (key, estimate.peak_bytes, peak)
 
 
 def _gpt():
