@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from .config import ACCUMULATION_MODES
+from .config_checks import _check_choice
 from .replicated import replicated_params_of
 
 MODE_ATTR = "_fsdp2_accumulation"
@@ -35,8 +36,7 @@ _PREPARED_ATTR = "_fsdp2_accumulation_ready"
 
 def record_mode(model: nn.Module, mode: str) -> None:
     """Remember the accumulation mode `no_sync` follows for `model`."""
-    if mode not in ACCUMULATION_MODES:
-        raise ValueError(f"accumulation={mode!r} is invalid; use one of {', '.join(ACCUMULATION_MODES)}.")
+    _check_choice(mode, ACCUMULATION_MODES, "accumulation")
     setattr(model, MODE_ATTR, mode)
 
 

@@ -19,8 +19,8 @@ from torch import nn
 
 from . import strategies
 from .config_checks import PRECISION_NAMES  # noqa: F401  (part of this module's names)
-from .config_checks import (_check_mixed_precision, _check_module_list, _check_nonneg_int, _check_reshard,
-                            _check_wrap_policy, _strategy_name, parse_bytes)
+from .config_checks import (_check_choice, _check_mixed_precision, _check_module_list, _check_nonneg_int,
+                            _check_reshard, _check_wrap_policy, _strategy_name, parse_bytes)
 from .host_memory import HOST_ALLOCATORS
 from .ring_comms import COLLECTIVES
 
@@ -202,18 +202,9 @@ class FSDP2Config:
         _check_nonneg_int(self.forward_prefetch, "FSDP2Config.forward_prefetch")
         _check_nonneg_int(self.backward_prefetch, "FSDP2Config.backward_prefetch")
         self.module_overrides = self._validated_overrides(self.module_overrides)
-        if self.accumulation not in ACCUMULATION_MODES:
-            raise ValueError(
-                f"FSDP2Config.accumulation={self.accumulation!r} is invalid; use one of {', '.join(ACCUMULATION_MODES)}."
-            )
-        if self.collectives not in COLLECTIVES:
-            raise ValueError(
-                f"FSDP2Config.collectives={self.collectives!r} is invalid; use one of {', '.join(COLLECTIVES)}."
-            )
-        if self.host_allocator not in HOST_ALLOCATORS:
-            raise ValueError(
-                f"FSDP2Config.host_allocator={self.host_allocator!r} is invalid; use one of {', '.join(HOST_ALLOCATORS)}."
-            )
+        _check_choice(self.accumulation, ACCUMULATION_MODES, "FSDP2Config.accumulation")
+        _check_choice(self.collectives, COLLECTIVES, "FSDP2Config.collectives")
+        _check_choice(self.host_allocator, HOST_ALLOCATORS, "FSDP2Config.host_allocator")
         self._validate_tensor_parallel()
 
     def _validate_tensor_parallel(self) -> None:

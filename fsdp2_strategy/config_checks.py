@@ -105,6 +105,12 @@ def _check_module_list(value: Any, name: str, allow_auto: bool) -> None:
     raise ValueError(f"{name}={value!r} is invalid; use None, {auto}nn.Module classes or class-name strings.")
 
 
+def _check_choice(value: Any, choices: tuple, name: str) -> None:
+    """`value` must be one of `choices` (the error names `name` and lists them)."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is invalid; use one of {', '.join(choices)}.")
+
+
 def _check_nonneg_int(value: Any, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}={value!r} is invalid; use an int >= 0 (how many blocks ahead; 0 disables).")

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .config import ACCUMULATION_MODES, FSDP2Config
+from .config_checks import _check_choice
 from .groups import select_groups, settings_for
 from .memsim import GroupSizes, LiveBytes, group_sizes, run_step, states_without_batch
 from .simmodel import meta_copy
@@ -119,8 +120,7 @@ def _check_args(world_size: Any, nodes: Any, accumulation: Any, micro_batches: A
         raise ValueError(f"estimate_memory: world_size={world_size!r} is invalid; use a positive int (ranks in the job).")
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or world_size % nodes:
         raise ValueError(f"estimate_memory: nodes={nodes!r} is invalid; use a positive int that divides world_size={world_size}.")
-    if accumulation not in ACCUMULATION_MODES:
-        raise ValueError(f"estimate_memory: accumulation={accumulation!r} is invalid; use one of {ACCUMULATION_MODES}.")
+    _check_choice(accumulation, ACCUMULATION_MODES, "estimate_memory: accumulation")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"estimate_memory: micro_batches={micro_batches!r} is invalid; use a positive int.")
 

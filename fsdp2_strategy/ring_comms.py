@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from .config_checks import _check_choice
+
 COLLECTIVES = ("auto", "ring", "torch")
 """Accepted values for `FSDP2Config.collectives`."""
 
@@ -136,8 +138,7 @@ def install_ring_comms(model: nn.Module, collectives: str = "auto") -> int:
     """Give the FSDP groups of `model` the ring all-gather and reduce-scatter as `collectives` says:
     "auto" where the shard group's backend is gloo, "ring" on every sharded group, "torch" on none.
     Returns how many groups got them. Call after `fully_shard` (`shard_model` does)."""
-    if collectives not in COLLECTIVES:
-        raise ValueError(f"FSDP2Config.collectives={collectives!r} is invalid; use one of {', '.join(COLLECTIVES)}.")
+    _check_choice(collectives, COLLECTIVES, "FSDP2Config.collectives")
     if collectives == "torch":
         return 0
     # Stateless, so one of each serves every group.
