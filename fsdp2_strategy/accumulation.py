@@ -75,6 +75,12 @@ def _gather_each_group_once(model: nn.Module) -> None:
 
 
 # --------------------------------------------------------------------------- keep_gathered
+def gathers_up_front(device_type: str) -> bool:
+    """Whether "keep_gathered" gathers every group when a step's first `no_sync` begins, rather than
+    each in its own forward (`_KeptGroups.keep` says why: on CPU). `memsim` plays the same rule."""
+    return device_type == "cpu"
+
+
 class _KeptGroups:
     """The groups "keep_gathered" holds unsharded, with their own reshard-after-forward choice.
 
@@ -88,7 +94,7 @@ class _KeptGroups:
         self.saved = [[(g, g.post_forward_mesh_info) for g in m._get_fsdp_state()._fsdp_param_groups] for m in modules]
         self.pending: list[Any] = []
         groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
-        self.gather_up_front = any(g.device.type == "cpu" for g in groups)
+        self.gather_up_front = any(gathers_up_front(g.device.type) for g in groups)
 
     def keep(self) -> None:
         """Every group stays gathered until the last backward; on CPU, all are gathered now.

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .accumulation import gathers_up_front
 from .config import FSDP2Config
 from .groups import settings_for
 from .mesh import default_reshard_after_forward
@@ -327,7 +328,7 @@ class _Schedule:
         self.sync, self.keep_forward, self.keep_backward = sync, keep_forward, keep_backward
         self.pending = {}
         self._counted: set[int] = set()
-        if keep_backward and self.device_type == "cpu":
+        if keep_backward and gathers_up_front(self.device_type):
             self.gather_all()
 
     def gather_all(self) -> None:
