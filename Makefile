@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: test example venv clean
+.PHONY: test test-matrix example venv clean
 
 $(STAMP):
 	$(PY) -m venv $(VENV)
@@ -19,10 +19,15 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
 
+# One cell of the version matrix in a scratch venv (.venv-matrix/): TORCH=2.15.0 [PINS="lightning==2.6.6"]
+# [PYTEST_ARGS=...]. The README's "Tested versions" lists the cells run and their pass counts.
+test-matrix:
+	TORCH="$(TORCH)" PINS="$(PINS)" PYTEST_ARGS="$(PYTEST_ARGS)" PY="$(PY)" bash .ci/matrix
+
 # Fine-tunes the embedded all-MiniLM-L6-v2 with Trainer(strategy="fsdp2") on 2 CPU processes
 # (Lightning launches them), resumes, exports HF safetensors and reloads them (~2 minutes).
 example: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python examples/lightning_finetune.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-matrix build *.egg-info

@@ -39,6 +39,7 @@ import _bench  # noqa: E402
 from collectives import count_collectives  # noqa: E402
 
 import fsdp2_strategy as f2  # noqa: E402
+from fsdp2_strategy import _torch_compat as tc  # noqa: E402
 
 MODES = ("sync_each", "sync_last", "keep_gathered")
 ONE_GROUP = "one_group"
@@ -86,19 +87,17 @@ def _ddp(args):
 
 # --------------------------------------------------------------------------- counts and memory
 def _held_grad_bytes(model) -> int:
-    """Gradient bytes this rank holds now: sharded `.grad` and FSDP's unsharded accumulation."""
+    """Gradient bytes this rank holds now: sharded `.grad` and FSDP's unsharded accumulation (each
+    tensor once: from torch 2.15 `unsharded_accumulated_grad` is a view of the unsharded `.grad`)."""
     total = 0
     for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
+        for group in tc.param_groups(module):
             for p in group.fsdp_params:
                 sharded = p.sharded_param.grad
                 if sharded is not None:
                     total += sharded.to_local().numel() * sharded.element_size()
-                for g in (p.unsharded_accumulated_grad,
-                          p._unsharded_param.grad if hasattr(p, "_unsharded_param") else None):
-                    if g is not None and g.untyped_storage().size():
+                for g in tc.unreduced_grads(p):
+                    if g.untyped_storage().size():
                         total += g.numel() * g.element_size()
     return total
 

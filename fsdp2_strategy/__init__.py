@@ -5,6 +5,8 @@
     optimizer = torch.optim.AdamW(model.parameters())
 """
 
+from . import _torch_compat  # noqa: F401  (checks the private torch names the core uses; raises ImportError naming them)
+from .versions import warn_untested_versions
 from .checkpoint import Checkpointer
 from .fsdp1 import fully_shard
 from .config import FSDP2Config, ModuleOverride
@@ -43,3 +45,5 @@ __all__ = [
     "shutdown",
 ]
 __version__ = "0.1.0"
+
+warn_untested_versions()

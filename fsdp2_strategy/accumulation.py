@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from . import _torch_compat as tc
 from .config import ACCUMULATION_MODES
 from .config_checks import _check_choice
 from .replicated import replicated_params_of
@@ -91,9 +92,9 @@ class _KeptGroups:
 
     def __init__(self, modules: list[FSDPModule]):
         self.modules = modules
-        self.saved = [[(g, g.post_forward_mesh_info) for g in m._get_fsdp_state()._fsdp_param_groups] for m in modules]
+        self.saved = [[(g, tc.post_forward_mesh_info(g)) for g in tc.param_groups(m)] for m in modules]
         self.pending: list[Any] = []
-        groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
+        groups = [g for m in modules for g in tc.param_groups(m)]
         self.gather_up_front = any(gathers_up_front(g.device.type) for g in groups)
 
     def keep(self) -> None:
@@ -113,8 +114,8 @@ class _KeptGroups:
         self.drop_pending()
         for module in self.modules:
             module.set_reshard_after_backward(False, recurse=False)
-            for group in module._get_fsdp_state()._fsdp_param_groups:
-                group.post_forward_mesh_info = None  # what set_reshard_after_forward(False) writes
+            for group in tc.param_groups(module):
+                tc.set_post_forward_mesh_info(group, None)  # what set_reshard_after_forward(False) writes
         if self.gather_up_front:
             for handle in [module.unshard(async_op=True) for module in self.modules]:
                 handle.wait()
@@ -142,7 +143,7 @@ class _KeptGroups:
 
 def _restore(saved) -> None:
     for group, info in saved:
-        group.post_forward_mesh_info = info
+        tc.set_post_forward_mesh_info(group, info)
 
 
 def _restore_hook(saved):
@@ -162,7 +163,7 @@ def _kept_groups(model: nn.Module) -> _KeptGroups:
         if modules:
             # The root's lazy init (normally at its first forward) decides its reshard choice;
             # run it now so the saved choices are the final ones. It is idempotent.
-            modules[0]._get_fsdp_state()._lazy_init()
+            tc.lazy_init(modules[0])
         kept = _KeptGroups(modules)
         setattr(model, _KEPT_ATTR, kept)
     return kept
@@ -200,14 +201,12 @@ def _drop_unreduced_grads(modules: list[FSDPModule]) -> None:
 
     They live outside `model.parameters()` (so `zero_grad` misses them), and torch 2.13's
     `reset_iter_state` leaves them too: the next synchronised backward would add them to its
-    reduction (measured: gradients of the next step doubled).
+    reduction (measured: gradients of the next step doubled). Where they live changed in torch
+    2.15 (`_torch_compat.drop_unreduced_grads`).
     """
     for module in modules:
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            for param in group.fsdp_params:
-                param.unsharded_accumulated_grad = None
-                if hasattr(param, "_unsharded_param"):
-                    param._unsharded_param.grad = None
+        for group in tc.param_groups(module):
+            tc.drop_unreduced_grads(group)
 
 
 def abandon(model: nn.Module) -> None:
@@ -224,12 +223,9 @@ def abandon(model: nn.Module) -> None:
     if kept is not None:
         kept.restore_flags()
     _drop_unreduced_grads(modules)
-    if modules and hasattr(modules[0], "reset_iter_state"):
+    if modules:
         # The root (outermost group): reshards every group and clears FSDP's per-iteration
         # state, which an aborted forward or backward leaves half-way. It needs the root's lazy
         # init (idempotent), which has not run when the exception came before any forward.
-        modules[0]._get_fsdp_state()._lazy_init()
+        tc.lazy_init(modules[0])
         modules[0].reset_iter_state()
-    else:  # torch before reset_iter_state: free what is gathered
-        for module in modules:
-            module.reshard()

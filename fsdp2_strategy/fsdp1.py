@@ -29,8 +29,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffload, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
-from torch.distributed.utils import _apply_to_tensors
 
+from . import _torch_compat as tc
 from .fsdp1_wrap import policy_groups
 from .groups import GROUP_ATTR
 from .policy import modules_matching
@@ -104,16 +104,16 @@ def _root_input_cast(dtype: torch.dtype):
         return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
 
     def hook(module: nn.Module, args: tuple, kwargs: dict):
-        if module._get_fsdp_state()._is_root is False:
+        if tc.is_root(module) is False:
             return None
-        return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+        return tc.apply_to_tensors(cast, args), tc.apply_to_tensors(cast, kwargs)
 
     return hook
 
 
 def _ignored_class_overrides(module: nn.Module, mp: MixedPrecision, ignored: list[str]) -> dict[str, Any]:
     """FSDP1's `_module_classes_to_ignore`: those modules compute in fp32, own group each."""
-    classes = tuple(mp._module_classes_to_ignore or ())
+    classes = tc.classes_to_ignore(mp)
     if not classes or mp.param_dtype is None:
         return {}
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,

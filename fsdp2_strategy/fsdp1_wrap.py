@@ -20,7 +20,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from torch import nn
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy, _Policy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from . import _torch_compat as tc
 
 
 def policy_groups(model: nn.Module, policy: Any, ignored: list[str]) -> list[str]:
@@ -31,9 +33,9 @@ def policy_groups(model: nn.Module, policy: Any, ignored: list[str]) -> list[str
     """
     ignored_modules = {model.get_submodule(n) for n in ignored}
     if isinstance(policy, ModuleWrapPolicy):
-        classes = tuple(policy._module_classes)
+        classes = tc.wrap_policy_classes(policy)
         chosen = [n for n, m in model.named_modules() if n and isinstance(m, classes)]
-    elif isinstance(policy, _Policy):
+    elif isinstance(policy, tc.WrapPolicy):
         chosen = _run_policy_object(model, policy, ignored_modules)
     elif callable(policy):
         chosen = _recursive_wrap(model, policy, ignored_modules)
@@ -47,8 +49,8 @@ def policy_groups(model: nn.Module, policy: Any, ignored: list[str]) -> list[str
     return [n for n in chosen if n not in inside_ignored]
 
 
-def _run_policy_object(model: nn.Module, policy: _Policy, ignored_modules: set[nn.Module]) -> list[str]:
-    targets = policy._run_policy(model, ignored_modules, {})
+def _run_policy_object(model: nn.Module, policy: Any, ignored_modules: set[nn.Module]) -> list[str]:
+    targets = tc.run_wrap_policy(policy, model, ignored_modules)
     with_kwargs = [type(m).__name__ for m, kwargs in targets.items() if kwargs]
     if with_kwargs:
         raise ValueError(

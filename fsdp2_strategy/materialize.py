@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import _torch_compat as tc
 from .mesh import mesh_device
 
 
@@ -27,7 +28,7 @@ def move_to_meta(model: nn.Module) -> None:
     """
     memo: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for table, make in ((module._parameters, _meta_param), (module._buffers, _meta_buffer)):
+        for table, make in zip(tc.tensor_tables(module), (_meta_param, _meta_buffer)):
             for name, tensor in list(table.items()):
                 if tensor is not None:
                     if id(tensor) not in memo:

@@ -20,9 +20,8 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from . import _torch_compat as tc
 from .accumulation import gathers_up_front
 from .config import FSDP2Config
 from .groups import settings_for
@@ -32,7 +31,7 @@ from .simmodel import default_loss
 
 
 
-class LiveBytes(TorchDispatchMode):
+class LiveBytes(tc.TorchDispatchMode):
     """Peak of live tensor bytes created under the mode, plus virtual bytes noted by hooks."""
 
     def __init__(self) -> None:
@@ -51,7 +50,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
+        for t in tc.tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t)
         self.note_virtual(0, None)
@@ -60,11 +59,11 @@ class LiveBytes(TorchDispatchMode):
     def ignore(self, tensors) -> None:
         """Storages that exist before the step (parameters, buffers, inputs): views of them are free."""
         for t in tensors:
-            self._preexisting.add(t.untyped_storage()._cdata)
+            self._preexisting.add(tc.storage_key(t.untyped_storage()))
 
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
-        key = storage._cdata
+        key = tc.storage_key(storage)
         if key in self._sizes or key in self._preexisting:
             return
         self._sizes[key] = storage.nbytes()
@@ -272,7 +271,7 @@ class _Schedule:
                 self.pre_backward(n)
             return grad
 
-        for t in tree_flatten(output)[0]:
+        for t in tc.tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(hook)
 
@@ -371,7 +370,7 @@ def run_step(model: nn.Module, batch: Any, loss_fn, sizes: dict[str, GroupSizes]
     schedule.install()
     tracker.add("resident", resident)
     tracker.ignore([*model.parameters(), *model.buffers(),
-                    *(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))])
+                    *(t for t in tc.tree_flatten(batch)[0] if isinstance(t, torch.Tensor))])
     loss_fn = loss_fn or default_loss
     runs = min(micro_batches, 2)
     try:

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from . import _torch_compat as tc
 from .config_checks import _check_choice
 
 COLLECTIVES = ("auto", "ring", "torch")
@@ -68,7 +68,7 @@ def _check_sizes(name: str, full: torch.Tensor, chunk: torch.Tensor, world: int)
                          f"(the chunk's) for a group of {world} ranks.")
 
 
-class RingAllGather(_FreshBuffers, AllGather):
+class RingAllGather(_FreshBuffers, tc.AllGather):
     """All-gather of equal chunks into a flat output, in N-1 ring steps."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
@@ -92,7 +92,7 @@ class RingAllGather(_FreshBuffers, AllGather):
         return None  # finished: FSDP waits only on a returned Work
 
 
-class RingReduceScatter(_FreshBuffers, ReduceScatter):
+class RingReduceScatter(_FreshBuffers, tc.ReduceScatter):
     """Sum or average of a flat input, each rank keeping its chunk, in N-1 ring steps.
 
     The input is reduced in place (FSDP does not read it afterwards); FSDP's premultiplied sums,
@@ -127,11 +127,8 @@ class RingReduceScatter(_FreshBuffers, ReduceScatter):
 
 def _shard_group(module: FSDPModule) -> Optional[dist.ProcessGroup]:
     """The process group `module`'s parameters are sharded over (None: not sharded, or several groups)."""
-    groups = module._get_fsdp_state()._fsdp_param_groups
-    if len(groups) != 1:
-        return None
-    info = groups[0].mesh_info
-    return info.shard_process_group if getattr(info, "shard_mesh_size", 1) > 1 else None
+    groups = tc.param_groups(module)
+    return tc.shard_process_group(groups[0]) if len(groups) == 1 else None
 
 
 def install_ring_comms(model: nn.Module, collectives: str = "auto") -> int:

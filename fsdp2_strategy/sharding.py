@@ -9,8 +9,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
-from torch.distributed.tensor import DTensor
 
+from . import _torch_compat as tc
 from .accumulation import record_mode
 from .config import FSDP2Config
 from .distributed import log_rank_zero
@@ -177,12 +177,10 @@ def _apply_activation_checkpointing(model: nn.Module, config: FSDP2Config, group
     else:
         classes = resolve_classes(model, spec, "FSDP2Config.activation_checkpointing")
         names = top_level([n for n, m in model.named_modules() if n and isinstance(m, classes)])
-    from torch.distributed._composable import checkpoint
-
     for name in names:
         # The composable API keeps parameter names unchanged (a wrapper module would add a
         # prefix to every checkpoint key).
-        checkpoint(model.get_submodule(name))
+        tc.composable_checkpoint(model.get_submodule(name))
 
 
 def _compile_blocks(model: nn.Module, groups: list[str], options: bool | dict) -> None:
@@ -224,22 +222,8 @@ class _GuardedForward:
         return self.forward(*args, **kwargs)
 
 
-def _param_groups(module: FSDPModule) -> list:
-    """The module's FSDP parameter groups (torch-private; [] where this torch lacks them)."""
-    state = module._get_fsdp_state() if callable(getattr(module, "_get_fsdp_state", None)) else None
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return [g for g in groups if hasattr(g, "is_unsharded")]
-
-
 def _gathered(module: FSDPModule) -> bool:
-    groups = _param_groups(module)
-    if groups:
-        return all(g.is_unsharded for g in groups)
-    # A torch without that private state: the DTensor test (right unless tensor parallel is used).
-    return not any(isinstance(p, DTensor) for _, p in own_named_params(module))
+    return all(g.is_unsharded for g in tc.param_groups(module))
 
 
 def _guard_direct_forward(model: nn.Module) -> None:

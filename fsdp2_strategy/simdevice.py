@@ -24,8 +24,8 @@ from typing import Iterator, Optional
 
 import torch
 from torch.nn.attention import SDPBackend
-from torch.utils._python_dispatch import _disable_current_modes
 
+from . import _torch_compat as tc
 from .ring_comms import uses_ring_comms
 
 
@@ -66,8 +66,8 @@ def _stand_in(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _cpu_runs_fused(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
-    with _disable_current_modes():
-        choice = torch._fused_sdp_choice(_stand_in(query), _stand_in(key), _stand_in(value), _stand_in(attn_mask),
+    with tc.disable_current_modes():
+        choice = tc.fused_sdp_choice(_stand_in(query), _stand_in(key), _stand_in(value), _stand_in(attn_mask),
                                          dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     return SDPBackend(choice) == SDPBackend.FLASH_ATTENTION
 
@@ -81,7 +81,7 @@ def _sdpa_for(original, device_type: str):
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         # The CPU flash kernel's meta implementation stands for every fused kernel: its saved
         # statistics are the O(sequence) log-sum-exp, as the accelerators' kernels keep.
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        return tc.cpu_flash_attention(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
     return sdpa

@@ -7,7 +7,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map_only
+
+from . import _torch_compat as tc
 
 
 def meta_copy(model: nn.Module, batch: Any, compute_dtype: Optional[torch.dtype], cast_inputs: bool):
@@ -25,7 +26,7 @@ def meta_copy(model: nn.Module, batch: Any, compute_dtype: Optional[torch.dtype]
         dtype = compute_dtype if cast_inputs and compute_dtype is not None and t.is_floating_point() else t.dtype
         return torch.empty_like(t, device="meta", dtype=dtype)
 
-    return sim, (None if batch is None else tree_map_only(torch.Tensor, to_meta, batch))
+    return sim, (None if batch is None else tc.tree_map_only(torch.Tensor, to_meta, batch))
 
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -36,7 +37,7 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         return loss
     if isinstance(out, Mapping):  # Hugging Face ModelOutput is an OrderedDict
         out = list(out.values())
-    first = next(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+    first = next(t for t in tc.tree_flatten(out)[0] if isinstance(t, torch.Tensor))
     return first.float().mean()
 
 

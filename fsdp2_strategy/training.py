@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from . import _torch_compat as tc
 from . import accumulation
 
 _REPLACED = "_fsdp2_replaced_by_sharding"
@@ -117,7 +118,7 @@ def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         local = g.to_local() if isinstance(g, DTensor) else g
         by_device[(local.device, local.dtype)].append(local)
     for (device, _), tensors in by_device.items():
-        torch._foreach_mul_(tensors, coef.to(device))
+        tc.foreach_mul_(tensors, coef.to(device))
 
 
 def clip_grad_value_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], clip_value: float) -> None:

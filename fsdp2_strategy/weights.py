@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from . import _torch_compat as tc
 from .distributed import log_rank_zero
 from .materialize import has_meta_tensors
 from .mesh import mesh_device
@@ -175,9 +176,7 @@ def _local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...
     """(local shape, global offset) of this rank's part of a DTensor (whole tensor if plain)."""
     if not isinstance(tensor, DTensor):
         return tuple(tensor.shape), (0,) * tensor.ndim
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    shape, offset = tc.compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     return tuple(shape), tuple(offset)
 
 

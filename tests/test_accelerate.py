@@ -411,12 +411,8 @@ def test_private_api_change_fails_loudly(monkeypatch):
     with pytest.raises(ImportError) as info:
         compat.check_private_api()
     assert "accelerate.checkpointing.save_accelerator_state" in str(info.value)
-    assert "Pin accelerate==" in str(info.value)
+    assert "Install accelerate>=" in str(info.value) and "tested with accelerate" in str(info.value)
     with pytest.raises(ImportError, match="_models"):
         compat.check_accelerator(object())
 
 
-def test_untested_accelerate_version_warns(monkeypatch):
-    monkeypatch.setattr(compat.accelerate, "__version__", "9.0.0")
-    with pytest.warns(UserWarning, match="tested with Accelerate"):
-        compat.check_private_api()

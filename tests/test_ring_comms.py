@@ -87,9 +87,8 @@ def _scratch_bytes(group) -> dict:
 def _train(collectives: str, ref: torch.nn.Module, **config) -> dict:
     import torch.distributed as dist
 
-    from torch.distributed.fsdp import FSDPModule
-
     import fsdp2_strategy as f2
+    from fsdp2_strategy import _torch_compat as tc
     from fsdp2_strategy.ring_comms import RingAllGather
 
     rank = dist.get_rank()
@@ -108,8 +107,7 @@ def _train(collectives: str, ref: torch.nn.Module, **config) -> dict:
             opt.zero_grad()
     weights = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
     plan = next(line for line in str(f2.sharding_plan(model)).splitlines() if line.startswith("collectives:"))
-    rings = sum(isinstance(g._all_gather_comm, RingAllGather) for m in model.modules() if isinstance(m, FSDPModule)
-                for g in m._get_fsdp_state()._fsdp_param_groups)
+    rings = sum(isinstance(g._all_gather_comm, RingAllGather) for m in model.modules() for g in tc.param_groups(m))
     return {"weights": weights, "counts": dict(counts), "plan": plan, "rings": rings}
 
 

@@ -25,7 +25,6 @@ Accelerate 1.15 has no plugin interface for a sharding engine, so the adapter re
 from __future__ import annotations
 
 import inspect
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +34,8 @@ from accelerate import checkpointing as _checkpointing
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-TESTED_ACCELERATE = ("1.15", "1.15")  # oldest and newest minor versions this was checked against
+from fsdp2_strategy.versions import private_api_error
+
 PRIVATE_ATTRIBUTES = (
     "_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects",
     "_save_model_state_pre_hook", "_load_model_state_pre_hook",
@@ -50,11 +50,6 @@ save_accelerator_state = _checkpointing.save_accelerator_state
 load_accelerator_state = _checkpointing.load_accelerator_state
 save_custom_state = _checkpointing.save_custom_state
 load_custom_state = _checkpointing.load_custom_state
-
-
-def _minor(version: str) -> tuple[int, int]:
-    parts = version.split(".")
-    return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
 
 
 def _problems() -> list[str]:
@@ -83,18 +78,7 @@ def check_private_api() -> None:
     """Raise ImportError if an Accelerate symbol we rely on is gone or changed shape."""
     problems = _problems()
     if problems:
-        raise ImportError(
-            f"fsdp2_strategy's Accelerate adapter (tested with Accelerate {' to '.join(TESTED_ACCELERATE)}) cannot find "
-            f"{'; '.join(problems)} in Accelerate {accelerate.__version__}. "
-            f"Pin accelerate=={TESTED_ACCELERATE[-1]}.* or upgrade fsdp2-strategy."
-        )
-    low, high = (_minor(v) for v in TESTED_ACCELERATE)
-    if not low <= _minor(accelerate.__version__) <= high:
-        warnings.warn(
-            f"fsdp2_strategy's Accelerate adapter was tested with Accelerate {' to '.join(TESTED_ACCELERATE)}, "
-            f"this is {accelerate.__version__}: its private API checks passed, but run your tests.",
-            stacklevel=2,
-        )
+        raise private_api_error("fsdp2_strategy's Accelerate adapter", "accelerate", accelerate.__version__, problems)
 
 
 @dataclass(frozen=True)
@@ -123,12 +107,9 @@ def registries(accelerator: Accelerator) -> Registries:
 
 def check_accelerator(accelerator: Accelerator) -> None:
     """Raise if a constructed Accelerator lacks a private attribute `registries` reads."""
-    missing = [name for name in PRIVATE_ATTRIBUTES if not hasattr(accelerator, name)]
+    missing = [f"Accelerator.{name}" for name in PRIVATE_ATTRIBUTES if not hasattr(accelerator, name)]
     if missing:
-        raise ImportError(
-            f"Accelerate {accelerate.__version__} no longer sets Accelerator.{', '.join(missing)}; "
-            f"fsdp2_strategy's adapter was tested with {' to '.join(TESTED_ACCELERATE)}. Pin accelerate=={TESTED_ACCELERATE[-1]}.*."
-        )
+        raise private_api_error("fsdp2_strategy's Accelerate adapter", "accelerate", accelerate.__version__, missing)
 
 
 def claim_fsdp_state(state: AcceleratorState, plugin: Any, mixed_precision: str) -> None:

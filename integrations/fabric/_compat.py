@@ -22,10 +22,10 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
 from fsdp2_strategy.distributed import shutdown
+from fsdp2_strategy.versions import private_api_error
 
 from .precision import precision_for
 
-TESTED_LIGHTNING = ("2.6",)  # the Lightning minor versions the Fabric adapter was checked against
 META_FILE = "meta.pt"  # Fabric's name for the non-tensor state in a sharded checkpoint (as Lightning's)
 
 
@@ -38,11 +38,7 @@ def check_private_api() -> None:
         ) if not callable(getattr(owner, attr, None))
     ]
     if problems:
-        raise ImportError(
-            f"fsdp2_strategy's Fabric adapter (tested with Lightning {', '.join(TESTED_LIGHTNING)}) cannot find "
-            f"{', '.join(problems)} in Lightning {lightning.__version__}. Pin lightning<={TESTED_LIGHTNING[-1]}.* "
-            "or upgrade fsdp2-strategy."
-        )
+        raise private_api_error("fsdp2_strategy's Fabric adapter", "lightning", lightning.__version__, problems)
 
 
 def install_precision_choice(strategy_cls: type) -> None:

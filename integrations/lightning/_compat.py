@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from fsdp2_strategy import checkpoint_dir as cdir
 from fsdp2_strategy.distributed import shutdown
 from fsdp2_strategy.export import read_full_model_state
+from fsdp2_strategy.versions import private_api_error
 
-TESTED_LIGHTNING = ("2.4", "2.6")  # oldest and newest minor versions this was checked against
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor state in a sharded checkpoint
 
 
@@ -40,11 +40,7 @@ def check_private_api() -> None:
         if not callable(getattr(_MultiProcessingLauncher, method, None)):
             problems.append(f"_MultiProcessingLauncher.{method}")
     if problems:
-        raise ImportError(
-            f"fsdp2_strategy's Lightning adapter (tested with Lightning {' to '.join(TESTED_LIGHTNING)}) cannot find "
-            f"{', '.join(problems)} in Lightning {lightning.__version__}. Pin lightning<={TESTED_LIGHTNING[-1]}.* "
-            "or upgrade fsdp2-strategy."
-        )
+        raise private_api_error("fsdp2_strategy's Lightning adapter", "lightning", lightning.__version__, problems)
 
 
 def is_sharded_checkpoint(path: Any) -> bool:

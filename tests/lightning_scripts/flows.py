@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import fsdp2_strategy as f2
+from fsdp2_strategy import _torch_compat as tc
 from fsdp2_strategy.integrations.lightning import FSDP2MixedPrecision, FSDP2Strategy
 
 BATCH = 4  # per rank
@@ -191,7 +192,7 @@ def manual_configure_model(out: dict, work: Path) -> None:
     trainer(max_steps=1).fit(model, loader(BATCH))
     ref, _ = reference_step(initial, _all_indices(model))
     # The user's reshard_after_forward=False survives: no post-forward mesh (a private attribute).
-    kept = [blk._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None for blk in model.blocks]
+    kept = [tc.post_forward_mesh_info(tc.param_groups(blk)[0]) is None for blk in model.blocks]
     out.update(groups=[g.name for g in f2.sharding_plan(model).groups], user_settings_kept=kept,
                max_rel_diff=max_rel_diff(full_params(model), ref))
 

@@ -1,0 +1,246 @@
+"""Every private torch name the core uses, in one place, checked at import.
+
+FSDP2's public API (`fully_shard`, `FSDPModule`'s methods) cannot say which groups are gathered,
+drop the gradients an aborted accumulation left, hold a group gathered across micro-batches with
+an int reshard choice, or gather around a method without casting its arguments. For that the core
+reads FSDP2's private state, and a few other private torch helpers; only through this module:
+
+- FSDP2 state: `FSDPModule._get_fsdp_state()`, `FSDPState._fsdp_param_groups`, `._is_root`,
+  `._lazy_init`, `._pre_forward`, `._post_forward`; `FSDPParamGroup.fsdp_params`, `.mesh_info`,
+  `.post_forward_mesh_info`, `.device`, `.is_unsharded`; `FSDPParam._unsharded_param` and
+  `.unsharded_accumulated_grad` (an attribute FSDP accumulated into up to torch 2.14, a read-only
+  view of `_unsharded_param.grad` from 2.15: `drop_unreduced_grads` handles both);
+  `FSDPMeshInfo.shard_process_group`, `.shard_mesh_size`; `AllGather`/`ReduceScatter` (the
+  custom-collective interfaces `set_custom_all_gather` takes).
+- FSDP1 vocabulary: `ModuleWrapPolicy._module_classes`, `_Policy._run_policy`,
+  `MixedPrecision._module_classes_to_ignore`, `torch.distributed.utils._apply_to_tensors`.
+- Elsewhere: `torch.distributed._composable.checkpoint` (activation checkpointing without a
+  wrapper module, so parameter names stay), `torch.distributed.tensor._utils.
+  compute_local_shape_and_global_offset`, `torch.utils._python_dispatch.TorchDispatchMode` and
+  `_disable_current_modes`, `torch.utils._pytree`, `torch._fused_sdp_choice`,
+  `aten._scaled_dot_product_flash_attention_for_cpu` and `UntypedStorage._cdata` (the memory
+  simulation), `torch._foreach_mul_` (clipping), `nn.Module._parameters` / `._buffers` (moving a
+  model to meta without untying shared weights).
+
+`check_private_api()` runs when this module is imported (so at `import fsdp2_strategy`) and raises
+ImportError naming every name that moved and the torch releases known to work
+(`versions.TESTED`), instead of failing mid-training.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from .versions import private_api_error
+
+_missing: list[str] = []
+
+
+def _private(module: str, attribute: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError):
+        _missing.append(f"{module}.{attribute}")
+        return None
+
+
+_FSDP = "torch.distributed.fsdp._fully_shard"
+FSDPState = _private(f"{_FSDP}._fsdp_state", "FSDPState")
+FSDPParamGroup = _private(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup")
+FSDPParam = _private(f"{_FSDP}._fsdp_param", "FSDPParam")
+FSDPMeshInfo = _private(f"{_FSDP}._fsdp_common", "FSDPMeshInfo")
+AllGather = _private(f"{_FSDP}._fsdp_api", "AllGather")
+ReduceScatter = _private(f"{_FSDP}._fsdp_api", "ReduceScatter")
+composable_checkpoint = _private("torch.distributed._composable", "checkpoint")
+compute_local_shape_and_global_offset = _private("torch.distributed.tensor._utils",
+                                                 "compute_local_shape_and_global_offset")
+apply_to_tensors = _private("torch.distributed.utils", "_apply_to_tensors")
+TorchDispatchMode = _private("torch.utils._python_dispatch", "TorchDispatchMode")
+disable_current_modes = _private("torch.utils._python_dispatch", "_disable_current_modes")
+tree_flatten = _private("torch.utils._pytree", "tree_flatten")
+tree_map_only = _private("torch.utils._pytree", "tree_map_only")
+WrapPolicy = _private("torch.distributed.fsdp.wrap", "_Policy")
+ModuleWrapPolicy = _private("torch.distributed.fsdp.wrap", "ModuleWrapPolicy")
+MixedPrecision = _private("torch.distributed.fsdp", "MixedPrecision")
+
+
+def _declares(owner: Any, name: str) -> bool:
+    """Whether `owner` has `name`: as an attribute, an annotation, or (instance attributes, set in
+    `__init__`) an assignment `self.<name> =` in its source."""
+    if owner is None:
+        return True  # already reported as missing
+    if hasattr(owner, name):
+        return True
+    if not inspect.isclass(owner):
+        return False
+    for cls in owner.__mro__:
+        if name in getattr(cls, "__annotations__", {}):
+            return True
+        try:
+            if re.search(rf"self\.{re.escape(name)}\s*(:[^=\n]*)?=", inspect.getsource(cls)):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
+_ATTRIBUTES = (
+    (FSDPModule, "_get_fsdp_state"),
+    *((FSDPState, n) for n in ("_fsdp_param_groups", "_is_root", "_lazy_init", "_pre_forward", "_post_forward")),
+    *((FSDPParamGroup, n) for n in ("fsdp_params", "mesh_info", "post_forward_mesh_info", "device", "is_unsharded")),
+    *((FSDPParam, n) for n in ("_unsharded_param", "unsharded_accumulated_grad")),
+    *((FSDPMeshInfo, n) for n in ("shard_process_group", "shard_mesh_size")),
+    (ModuleWrapPolicy, "_module_classes"),
+    (WrapPolicy, "_run_policy"),
+    (MixedPrecision, "_module_classes_to_ignore"),
+    (torch, "_fused_sdp_choice"),
+    (torch, "_foreach_mul_"),
+    (torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
+    (torch.UntypedStorage, "_cdata"),
+    (nn.Module, "_parameters"),
+    (nn.Module, "_buffers"),
+)
+
+
+def missing_private_names() -> list[str]:
+    """The private torch names the core uses that this torch lacks (empty on a supported torch)."""
+    missing = list(_missing)
+    for owner, name in _ATTRIBUTES:
+        if not _declares(owner, name):
+            missing.append(f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{name}")
+    return missing
+
+
+def check_private_api() -> None:
+    """Raise ImportError naming every private torch name that moved, and the tested torch releases."""
+    missing = missing_private_names()
+    if missing:
+        raise private_api_error("fsdp2_strategy", "torch", torch.__version__, missing)
+
+
+# --------------------------------------------------------------------------- FSDP2 state
+def fsdp_state(module: FSDPModule) -> Any:
+    """The module's `FSDPState`."""
+    return module._get_fsdp_state()
+
+
+def param_groups(module: nn.Module) -> list:
+    """The module's FSDP parameter groups ([] for a module `fully_shard` was not applied to)."""
+    if not isinstance(module, FSDPModule):
+        return []
+    return list(fsdp_state(module)._fsdp_param_groups)
+
+
+def lazy_init(module: FSDPModule) -> None:
+    """Run the root's lazy initialisation (FSDP runs it at the first forward; idempotent)."""
+    fsdp_state(module)._lazy_init()
+
+
+def is_root(module: FSDPModule) -> Optional[bool]:
+    """Whether FSDP made `module` the root (None until its first forward decides)."""
+    return fsdp_state(module)._is_root
+
+
+def pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> Any:
+    """FSDP's pre-forward for `module` (gathers its groups)."""
+    return fsdp_state(module)._pre_forward(module, args, kwargs)
+
+
+def post_forward(module: FSDPModule, args: tuple, output: Any) -> Any:
+    """FSDP's post-forward for `module` (reshards as the group's choice says)."""
+    return fsdp_state(module)._post_forward(module, args, output)
+
+
+def post_forward_mesh_info(group: Any) -> Any:
+    """A group's reshard-after-forward choice as torch stores it (None: stay gathered)."""
+    return group.post_forward_mesh_info
+
+
+def set_post_forward_mesh_info(group: Any, info: Any) -> None:
+    """Set a group's reshard-after-forward choice (`set_reshard_after_forward` takes only a bool)."""
+    group.post_forward_mesh_info = info
+
+
+def wrap_policy_classes(policy: Any) -> tuple[type, ...]:
+    """The module classes an FSDP1 `ModuleWrapPolicy` wraps."""
+    return tuple(policy._module_classes)
+
+
+def run_wrap_policy(policy: Any, model: nn.Module, ignored_modules: set[nn.Module]) -> dict[nn.Module, dict]:
+    """Ask an FSDP1 `_Policy` object which modules of `model` it wraps (module -> its FSDP kwargs)."""
+    return policy._run_policy(model, ignored_modules, {})
+
+
+def classes_to_ignore(mixed_precision: Any) -> tuple[type, ...]:
+    """FSDP1 `MixedPrecision._module_classes_to_ignore` (modules kept in fp32)."""
+    return tuple(mixed_precision._module_classes_to_ignore or ())
+
+
+def shard_process_group(group: Any) -> Optional[torch.distributed.ProcessGroup]:
+    """The process group a parameter group is sharded over (None when it is not sharded)."""
+    info = group.mesh_info
+    return info.shard_process_group if getattr(info, "shard_mesh_size", 1) > 1 else None
+
+
+# --------------------------------------------------------------------------- other private helpers
+def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every tensor in place by `factor` (one fused kernel per device and dtype)."""
+    torch._foreach_mul_(tensors, factor)
+
+
+def fused_sdp_choice(*args: Any, **kwargs: Any) -> int:
+    """Which `SDPBackend` `scaled_dot_product_attention` would pick for these arguments."""
+    return torch._fused_sdp_choice(*args, **kwargs)
+
+
+def cpu_flash_attention(*args: Any, **kwargs: Any) -> Any:
+    """The CPU flash-attention kernel (its meta implementation stands for every fused kernel)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args, **kwargs)
+
+
+def tensor_tables(module: nn.Module) -> tuple[dict, dict]:
+    """The module's own parameter and buffer tables (assigning there keeps a tied tensor tied)."""
+    return module._parameters, module._buffers
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """An id of the storage itself, the same for every tensor viewing it."""
+    return storage._cdata
+
+
+def _accumulated_grad_is_attribute() -> bool:
+    # torch <= 2.14: FSDP accumulated unreduced gradients in this instance attribute; torch 2.15
+    # made it a read-only property over `_unsharded_param.grad` (the autograd leaf accumulates).
+    return not isinstance(inspect.getattr_static(FSDPParam, "unsharded_accumulated_grad", None), property)
+
+
+def unreduced_grads(fsdp_param: Any) -> list[torch.Tensor]:
+    """The distinct unreduced gradient tensors a parameter holds between micro-batches."""
+    grads: list[torch.Tensor] = []
+    candidates = [getattr(fsdp_param, "unsharded_accumulated_grad", None)]
+    if hasattr(fsdp_param, "_unsharded_param"):
+        candidates.append(fsdp_param._unsharded_param.grad)
+    for grad in candidates:
+        if grad is not None and not any(grad is g for g in grads):
+            grads.append(grad)
+    return grads
+
+
+def drop_unreduced_grads(group: Any) -> None:
+    """Forget the gradients unsynchronised backwards accumulated on a group's unsharded parameters."""
+    attribute = _accumulated_grad_is_attribute()
+    for param in group.fsdp_params:
+        if attribute:
+            param.unsharded_accumulated_grad = None
+        if hasattr(param, "_unsharded_param"):
+            param._unsharded_param.grad = None
+
+
+check_private_api()
