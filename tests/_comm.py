@@ -51,3 +51,19 @@ def count_collectives():
     counts: Counter = Counter()
     with observe_collectives(lambda name, args, kwargs: counts.update([name])):
         yield counts
+
+
+@contextlib.contextmanager
+def collective_dtypes():
+    """Yield a set of (collective, dtype name) for the gradient reductions made inside the block: the
+    input of each reduce-scatter, the tensor of each all-reduce (what the reduce dtype decides)."""
+    seen: set = set()
+
+    def record(name: str, args: tuple, kwargs: dict) -> None:
+        if name.startswith("reduce_scatter") and len(args) > 1:
+            seen.add((name, str(args[1].dtype).removeprefix("torch.")))
+        elif name == "all_reduce" and args:
+            seen.add((name, str(args[0].dtype).removeprefix("torch.")))
+
+    with observe_collectives(record):
+        yield seen

@@ -130,6 +130,26 @@ def run_distributed(
         return results
 
 
+def run_agreeing(fn: Callable, world_size: int = 2, *args: Any, **kwargs: Any) -> Any:
+    """`run_distributed`, asserting that every rank returned the same result; returns that result.
+
+    For worlds whose results are computed from collectively gathered values (full tensors,
+    counts of symmetric collectives): a rank that diverged fails the test instead of being ignored.
+    """
+    results = run_distributed(fn, world_size, *args, **kwargs)
+    for rank, result in enumerate(results[1:], start=1):
+        assert result == results[0], f"rank {rank} disagrees with rank 0:\n{_first_difference(results[0], result)}"
+    return results[0]
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in a.keys() | b.keys():
+            if a.get(key) != b.get(key):
+                return _first_difference(a.get(key), b.get(key), f"{path}[{key!r}]")
+    return f"{path or 'result'}: {a!r} != {b!r}"
+
+
 def assert_no_flow_failed(results: dict) -> None:
     """A flow script records a flow that raised as `{"error": traceback}`: fail with every traceback."""
     errors = {flow: entry["error"] for flow, entry in results.items() if isinstance(entry, dict) and "error" in entry}
