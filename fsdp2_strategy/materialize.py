@@ -2,16 +2,31 @@
 
 A model built under `torch.device("meta")` has shapes but no storage. After `fully_shard`
 its parameters are sharded DTensors, so `to_empty` allocates only each rank's shard; the
-model's own initialisation then fills them (DTensor random ops keep ranks consistent).
+model's own initialisation then fills them.
+
+On accelerators DTensor's random ops keep the shards of one tensor consistent (each rank draws its
+part of one stream). On a CPU mesh torch has no such generator: every rank would draw its shard
+from its own CPU generator, so with equal seeds all shards of a weight came out identical (a
+16x8 Linear's rows 8-15 repeated rows 0-7). There, each module's `reset_parameters()` runs on
+full-size CPU tensors of that module alone (a model's `init_weights()`: of the whole model), from
+rank 0's generator state on every rank, and each rank keeps its shard: the weights equal a
+one-process `torch.manual_seed(s); Model()`, at the cost of one module's (or the model's) full
+tensors at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from . import _torch_compat as tc
+from .distributed import log_rank_zero
 from .mesh import mesh_device
 
 
@@ -76,9 +91,83 @@ def check_initialisable(model: nn.Module) -> None:
 def materialize(model: nn.Module, mesh: DeviceMesh) -> None:
     """Allocate each rank's shards on the mesh device and run the model's initialisation."""
     model.to_empty(device=mesh_device(mesh))
-    if _has_init_weights(model):
-        model.init_weights()
+    if mesh.device_type != "cpu":  # DTensor's random ops draw consistent shards
+        if _has_init_weights(model):
+            model.init_weights()
+        else:
+            for module in model.modules():
+                if callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()
         return
-    for module in model.modules():
-        if callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
+    with _rank_zero_rng():
+        if _has_init_weights(model):
+            log_rank_zero("Initialising the meta-device model on a CPU mesh: init_weights() runs on full-size "
+                          "tensors of the whole model, then each rank keeps its shards (define reset_parameters() "
+                          "on the modules instead to hold one module at a time).")
+            _on_full_size(list(model.modules()), model.init_weights)
+        else:
+            for module in model.modules():
+                if callable(getattr(module, "reset_parameters", None)):
+                    _on_full_size([module], module.reset_parameters)
+
+
+@contextlib.contextmanager
+def _rank_zero_rng() -> Iterator[None]:
+    """Inside: every rank's CPU generator in rank 0's state (so all draw the same full tensors);
+    afterwards each rank's own state is back."""
+    state = torch.get_rng_state()
+    if dist.is_available() and dist.is_initialized():
+        box = [state]
+        dist.broadcast_object_list(box, src=0)
+        state = box[0]
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(state)
+        yield
+
+
+def _on_full_size(modules: list[nn.Module], initialise) -> None:
+    """Run `initialise()` with the modules' own tensors replaced by full-size CPU stand-ins (tied
+    tensors share one), then copy each rank's region of every stand-in into the real tensor."""
+    stand_ins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(real) -> (real, stand-in)
+    swapped = []
+    for module in modules:
+        for table in tc.tensor_tables(module):
+            for name, tensor in list(table.items()):
+                if tensor is None:
+                    continue
+                if id(tensor) not in stand_ins:
+                    full = torch.empty(tensor.shape, dtype=tensor.dtype)  # a DTensor's shape is the global one
+                    if isinstance(tensor, nn.Parameter):
+                        full = nn.Parameter(full, requires_grad=tensor.requires_grad)
+                    stand_ins[id(tensor)] = (tensor, full)
+                table[name] = stand_ins[id(tensor)][1]
+                swapped.append((table, name, tensor))
+    try:
+        initialise()
+        # What initialise() left in the tables (it may have assigned new tensors) is the result.
+        results = {id(tensor): table[name] for table, name, tensor in swapped}
+    finally:
+        for table, name, tensor in swapped:
+            table[name] = tensor
+    for key, (tensor, _) in stand_ins.items():
+        copy_from_full(tensor, results[key].detach())
+
+
+def local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of this rank's part of a DTensor (whole tensor if plain)."""
+    if not isinstance(tensor, DTensor):
+        return tuple(tensor.shape), (0,) * tensor.ndim
+    shape, offset = tc.compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(shape), tuple(offset)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor: a DTensor's local part, a plain tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def copy_from_full(tensor: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's region of `full` (the whole tensor) into `tensor` (sharded or plain)."""
+    shape, offset = local_region(tensor)
+    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    local_tensor(tensor).copy_(full[index])

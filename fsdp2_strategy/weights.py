@@ -18,9 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import _torch_compat as tc
 from .distributed import log_rank_zero
-from .materialize import has_meta_tensors
+from .materialize import copy_from_full, has_meta_tensors, local_region, local_tensor
 from .mesh import mesh_device
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -172,14 +171,6 @@ def _open_torch_file(path: Path) -> dict:
     return state
 
 
-def _local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(local shape, global offset) of this rank's part of a DTensor (whole tensor if plain)."""
-    if not isinstance(tensor, DTensor):
-        return tuple(tensor.shape), (0,) * tensor.ndim
-    shape, offset = tc.compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return tuple(shape), tuple(offset)
-
-
 def _model_tensors(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]:
     """Each parameter and persistent buffer once, with all the names it has (tied weights)."""
     names: dict[int, list[str]] = {}
@@ -253,27 +244,17 @@ def load_full_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool
         if key is None:
             continue
         if is_torch_file:
-            _copy_from_full(tensor, state[key], key)
+            copy_from_full(tensor, state[key])
         else:
             _copy_from_safetensors(tensor, files[key], key)
     log_rank_zero("Loaded full weights from %s into %d tensors.", path, len(entries))
     return model
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _copy_from_full(tensor: torch.Tensor, full: torch.Tensor, key: str) -> None:
-    shape, offset = _local_region(tensor)
-    index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-    _local(tensor).copy_(full[index])
-
-
 def _copy_from_safetensors(tensor: torch.Tensor, source: _SafetensorsFile, key: str) -> None:
     dtype, shape, _ = source.entries[key]
-    local_shape, offset = _local_region(tensor)
-    local = _local(tensor)
+    local_shape, offset = local_region(tensor)
+    local = local_tensor(tensor)
     rows_only = tensor.ndim == 0 or tuple(local_shape[1:]) == tuple(shape[1:])
     if rows_only and local.is_contiguous() and local.device.type == "cpu":
         target = local if local.dtype == dtype else torch.empty(local.shape, dtype=dtype)

@@ -136,11 +136,20 @@ def _meta_world():
     import fsdp2_strategy as f2
 
     out = {}
+    torch.manual_seed(7)
     with torch.device("meta"):
         model = TinyGPT(temperature=True)
     f2.shard_model(model, log_plan=False)
     out["on_meta"] = any(p.is_meta for p in model.parameters())
     full = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
+    # The model's own initialisation (init_weights), reproduced in one process from the same generator
+    # state (building on meta draws nothing); on a CPU mesh torch would otherwise give every rank the
+    # same draws for its shard.
+    own = TinyGPT(temperature=True)
+    torch.manual_seed(7)
+    own.init_weights()
+    out["init_diffs"] = {n: float((full[n] - p.detach()).abs().max()) for n, p in own.named_parameters()}
+    out["pos_halves_differ"] = not torch.equal(full["pos"][:8], full["pos"][8:])
     out["ln_ones"] = bool(torch.equal(full["ln_f.weight"], torch.ones_like(full["ln_f.weight"])))
     out["finite"] = all(bool(torch.isfinite(t).all()) for t in full.values())
     out["temperature"] = float(full["temperature"])
@@ -163,11 +172,13 @@ def _meta_world():
 
 def test_meta_device_model_is_materialised_and_trains():
     results = run_distributed(_meta_world, 2)
+    assert results[0] == results[1]  # from gathered values: the ranks agree
     res = results[0]
     assert not res["on_meta"] and res["ln_ones"] and res["finite"]
+    assert set(res["init_diffs"].values()) == {0.0}, res["init_diffs"]  # bit for bit the one-process init
+    assert res["pos_halves_differ"]
     assert res["temperature"] == 1.5 and res["plan_has_scalar"]
     assert res["err"] < 1e-5
-    assert results[0]["temp_grad"] == results[1]["temp_grad"]  # scalar grads averaged: ranks agree
 
 
 def _fsdp1_and_errors_world():
