@@ -16,6 +16,7 @@ import torch
 from _comm import collective_dtypes, count_collectives
 from _harness import run_agreeing
 from _models import TinyGPT, loss_fn, make_batch, rel_diff
+from _precision import TIED_TOL, policy_grads, with_weights
 
 MODES = ("sync_each", "sync_last", "keep_gathered")
 K = 3  # micro-batches per optimizer step
@@ -25,7 +26,6 @@ GROUPS = 4  # blocks.0, blocks.1, blocks.2 and the root
 TOL = 1e-5
 LR = 0.5
 TIED = ["tok.weight"]  # TinyGPT's embedding, tied to its head
-TIED_TOL = 2.0**-8  # bf16's unit roundoff: one rounding of a sum
 
 
 class SkipGPT(TinyGPT):
@@ -83,40 +83,13 @@ def _reference(model: torch.nn.Module, idx, target, world: int, skips) -> tuple[
 
 def _step_grads_in_dtype(template: torch.nn.Module, weights: dict, idx, target, world: int, skips, step: int,
                          dtype: torch.dtype) -> dict:
-    """One process and no engine: the gradients of optimizer step `step` from `weights` (fp32), as a
-    mixed-precision policy (compute `dtype`, fp32 reduction) promises them, written out. Each rank's
-    micro-batch runs on a copy of the weights cast to `dtype`; its gradients, cast to fp32, are
-    averaged over the ranks and summed over the micro-batches in fp32. Two details follow the
-    engine: replicated scalars (0-dim, outside FSDP's groups) are not cast, and each use of a tied
-    weight gets its own leaf, so its contributions are added in fp32 (torch 2.15 does; earlier
-    releases add them in `dtype` within one backward: `TIED_TOL`)."""
-    model = copy.deepcopy(template)
-    for name, param in model.named_parameters():
-        param.data.copy_(weights[name])
-    canonical = {}  # every name a parameter has -> the name named_parameters() reports
-    for name, param in model.named_parameters(remove_duplicate=False):
-        canonical[name] = next(n for n, p in model.named_parameters() if p is param)
-    total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-    for i in range(K):
-        sl = _global_micro(step, i, world)
-        for r in range(world):
-            low = _cast_copy(model, dtype)
-            local = slice(sl.start + r * MICRO, sl.start + (r + 1) * MICRO)
-            (_ce(low, idx[local], target[local], skips[i]) / K).backward()
-            for n, p in low.named_parameters(remove_duplicate=False):
-                if p.grad is not None:
-                    total[canonical[n]] += p.grad.float() / world
-    return total
+    """The gradients of optimizer step `step` from `weights` as the policy promises them (tests/_precision.py)."""
+    def loss(model, rank, i):
+        start = _global_micro(step, i, world).start + rank * MICRO
+        return _ce(model, idx[start:start + MICRO], target[start:start + MICRO], skips[i])
 
-
-def _cast_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """`model` with every floating parameter of 1 or more dims cast to `dtype`, tied weights untied."""
-    low = copy.deepcopy(model)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owner, attr = low.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
-        value = param.detach().clone() if param.ndim == 0 else param.detach().to(dtype)
-        setattr(owner, attr, torch.nn.Parameter(value))
-    return low
+    rank_batches = [[(r, i) for i in range(K)] for r in range(world)]
+    return policy_grads(with_weights(template, weights), rank_batches, loss, dtype, scale=1 / K)
 
 
 def _train(model, idx, target, rank: int, world: int, skips) -> dict:

@@ -40,7 +40,8 @@ from common import (
     reference,
     write_json,
 )
-from _comm import count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
+from _comm import collective_dtypes, count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
+from _precision import policy_grads, tied_names  # noqa: E402
 from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 from torch.distributed.fsdp import FSDPModule
@@ -202,6 +203,30 @@ def clipping(out: dict, work: Path) -> None:
                param_rel=max_rel_diff(full_params(model), ref), unclipped_rel=max_rel_diff(unclipped, ref))
 
 
+def _policy_step(initial, idx: list[int], dtype: torch.dtype, scale: float = 1.0, clip: float | None = None) -> tuple:
+    """The weights one SGD step (lr 0.1) should give under a mixed policy, written out without the engine
+    (tests/_precision.py): each rank's samples on a `dtype` copy under autocast, fp32 gradients averaged
+    (the loss multiplied by `scale`, the gradients divided by it), clipped to `clip` by the global norm,
+    fp32 SGD. Returns (weights, norm before clipping)."""
+    _, xs, ys = dataset().tensors
+
+    def loss(model, samples):
+        with torch.autocast("cpu", dtype=dtype):
+            return lm_loss(model, xs[samples], ys[samples])
+
+    grads = policy_grads(initial, [[(samples,)] for samples in gather(idx)], loss, dtype, scale)
+    grads = {n: g / scale for n, g in grads.items()}
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()])).item()
+    coef = min(1.0, clip / (norm + 1e-6)) if clip else 1.0
+    return {n: p.detach() - 0.1 * coef * grads[n] for n, p in initial.named_parameters()}, norm
+
+
+def _untied_and_tied(got: dict, want: dict, model) -> tuple[float, float]:
+    tied = tied_names(model)
+    return (max_rel_diff({k: v for k, v in got.items() if k not in tied}, {k: v for k, v in want.items() if k not in tied}),
+            max_rel_diff({k: got[k] for k in tied}, {k: want[k] for k in tied}) if tied else 0.0)
+
+
 def bf16(out: dict, work: Path) -> None:
     model, initial = fresh(5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -210,20 +235,23 @@ def bf16(out: dict, work: Path) -> None:
     idx, x, y = rank_batch()
     logits = model(x)
     loss = lm_loss(model, x, y)
-    acc.backward(loss)
+    with collective_dtypes() as reductions:
+        acc.backward(loss)
     grad_dtypes = sorted({str(p.grad.dtype) for p in model.parameters()})
     opt.step()
-    fp32_loss = lm_loss(initial, x, y).item()
+    expected, _ = _policy_step(initial, idx, torch.bfloat16)
+    update_diff, tied_diff = _untied_and_tied(full_params(model), expected, initial)
     out.update(_plan(model), accelerator_precision=acc.mixed_precision, out_dtype=str(logits.dtype),
                stored_dtypes=sorted({str(p.dtype) for p in model.parameters()}), grad_dtypes=grad_dtypes,
-               loss=loss.item(), fp32_loss=fp32_loss, finite=all(torch.isfinite(p).all().item() for p in full_params(model).values()))
+               reductions=sorted(reductions), update_diff=update_diff, tied_update_diff=tied_diff)
 
 
 def fp16(out: dict, work: Path) -> None:
     """fp16 compute with the sharded grad scaler, on CPU too (stock Accelerate refuses fp16 there).
 
     Default scale (65536): the scaled gradients overflow fp16, every rank skips the step and the
-    scale halves. GradScalerKwargs(init_scale=1024): unscaled before clipping, the step matches fp32."""
+    scale halves. GradScalerKwargs(init_scale=1024): unscaled before clipping, the step matches the
+    policy written out."""
     for name, handlers in (("default", []), ("init_1024", [GradScalerKwargs(init_scale=1024)])):
         model, initial = fresh(13)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -231,15 +259,18 @@ def fp16(out: dict, work: Path) -> None:
         model, opt = acc.prepare(model, opt)
         idx, x, y = rank_batch()
         logits = model(x)
-        acc.backward(lm_loss(model, x, y))
+        with collective_dtypes() as reductions:
+            acc.backward(lm_loss(model, x, y))
         norm = acc.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        ref, _, ref_norm = reference(initial, [all_indices(idx)], clip=1.0)
         start, got = full_params(initial), full_params(model)
-        out[name] = dict(_plan(model), out_dtype=str(logits.dtype), scaler=type(acc.scaler).__name__,
-                         scale=acc.scaler.get_scale(), norm=norm.item(), ref_norm=ref_norm,
-                         unchanged=all(torch.equal(got[k], start[k]) for k in start),
-                         update_rel=update_rel_diff(start, got, ref), skipped=gather(opt.step_was_skipped))
+        entry = dict(_plan(model), out_dtype=str(logits.dtype), scaler=type(acc.scaler).__name__,
+                     scale=acc.scaler.get_scale(), norm=norm.item(), reductions=sorted(reductions),
+                     unchanged=all(torch.equal(got[k], start[k]) for k in start), skipped=gather(opt.step_was_skipped))
+        if name == "init_1024":
+            expected, entry["ref_norm"] = _policy_step(initial, idx, torch.float16, scale=1024.0, clip=1.0)
+            entry["update_diff"], entry["tied_update_diff"] = _untied_and_tied(got, expected, initial)
+        out[name] = entry
 
 
 def multi_model(out: dict, work: Path) -> None:

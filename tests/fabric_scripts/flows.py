@@ -8,20 +8,24 @@ flow (the test fails on it) and the next flow runs.
 
 from __future__ import annotations
 
+import copy
 import shutil
 import sys
 import traceback
 from pathlib import Path
 
 import torch
-from common import LR, MLP, fresh, full_params, loss_on, max_rel_diff, params, rank_slice, reference_steps, write_json
-from _comm import count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
+from torch import nn
+from common import LR, MLP, data, fresh, full_params, loss_on, max_rel_diff, params, rank_slice, reference_steps, write_json
+from _comm import collective_dtypes, count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
+from _precision import policy_grads  # noqa: E402
 from lightning.fabric import Fabric
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 import fsdp2_strategy as f2
+from fsdp2_strategy.integrations.fabric import FSDP2FabricMixedPrecision
 
 BATCHES = [slice(0, 8), slice(8, 16)]  # two global batches of 8 (4 per rank)
 
@@ -98,39 +102,85 @@ def clipping(out: dict, work: Path) -> None:
                               ref_norms=ref_norms if algorithm == "norm" else None)
 
 
+def _expected_update(initial: MLP, name: str, scale: float) -> dict:
+    """The weights one SGD step on BATCHES[0] should give under precision `name`, written out without
+    the engine (tests/_precision.py): "-mixed": each rank's part on a low-precision copy under autocast,
+    fp32 gradients averaged (the loss multiplied by `scale`, the gradients divided by it), fp32 SGD;
+    "-true": everything in that dtype; "32-true": one fp32 process."""
+    xs, ys = data()
+    parts = [rank_slice(r, 2, BATCHES[0]) for r in range(2)]
+    if name == "32-true":
+        ref = copy.deepcopy(initial)
+        reference_steps(ref, torch.optim.SGD(ref.parameters(), lr=LR), BATCHES[:1])
+        return params(ref)
+    dtype = torch.float16 if name.startswith("16") else torch.bfloat16
+    if name.endswith("-true"):
+        low = copy.deepcopy(initial).to(dtype)
+        grads = {n: torch.zeros_like(p) for n, p in low.named_parameters()}
+        for part in parts:
+            step = copy.deepcopy(low)
+            nn.functional.mse_loss(step(xs[part].to(dtype)).float(), ys[part]).backward()
+            for n, p in step.named_parameters():
+                grads[n] += p.grad / len(parts)
+        return {n: p.detach().clone().add_(grads[n], alpha=-LR).float() for n, p in low.named_parameters()}
+
+    def loss(model, part):
+        with torch.autocast("cpu", dtype=dtype):
+            return nn.functional.mse_loss(model(xs[part].to(dtype)).float(), ys[part])
+
+    grads = policy_grads(initial, [[(part,)] for part in parts], loss, dtype, scale)
+    return {n: p.detach() - LR * grads[n] / scale for n, p in initial.named_parameters()}
+
+
 def precision(out: dict, work: Path) -> None:
-    """Precision strings -> FSDP2 policies: compute dtype inside a block, stored dtype, scaler."""
+    """Precision strings -> FSDP2 policies: compute dtype inside a block, stored dtype, the reductions'
+    dtype, and one step against the policy written out. "16-mixed" starts at a loss scale of 2**10,
+    which does not overflow, so the step is not skipped."""
     for name in ("bf16-mixed", "16-mixed", "bf16-true", "32-true"):
-        fabric = Fabric(strategy="fsdp2", precision=name)
-        raw, _ = fresh(4)
+        scale = 2.0**10 if name == "16-mixed" else 1.0
+        if name == "16-mixed":
+            scaler = ShardedGradScaler(device="cpu", init_scale=scale, growth_interval=1000)
+            fabric = Fabric(strategy="fsdp2", plugins=[FSDP2FabricMixedPrecision(name, "cpu", scaler=scaler)])
+        else:
+            fabric = Fabric(strategy="fsdp2", precision=name)
+        raw, initial = fresh(4)
         seen = {}
         raw.blocks[0].fc.register_forward_pre_hook(
             lambda mod, args: seen.setdefault("compute", str(mod.weight.dtype)) and None)  # None: args unchanged
         model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR))
-        # fp16: the first steps overflow at the initial loss scale (2**16) and are skipped, as designed.
-        losses = _train(fabric, model, optimizer, batches=[BATCHES[0]] * 4)
+        with collective_dtypes() as reductions:
+            _train(fabric, model, optimizer, batches=BATCHES[:1])
         scaler = getattr(fabric.strategy.precision, "scaler", None)
         out[name] = dict(plugin=type(fabric.strategy.precision).__name__,
                          plan_precision=sorted({g.precision for g in f2.sharding_plan(raw).groups}),
                          compute_dtype=seen["compute"],
                          stored_dtypes=sorted({str(p.dtype) for p in raw.parameters()}),
-                         sharded_scaler=isinstance(scaler, ShardedGradScaler), losses=losses,
-                         scale=scaler.get_scale() if scaler is not None else None)
+                         sharded_scaler=isinstance(scaler, ShardedGradScaler),
+                         scale=scaler.get_scale() if scaler is not None else None,
+                         reductions=sorted(reductions),
+                         update_diff=max_rel_diff(full_params(raw), _expected_update(initial, name, scale)))
 
 
 def meta_init(out: dict, work: Path) -> None:
-    """`fabric.init_module(empty_init=True)` builds on meta; `setup` shards and materialises."""
+    """`fabric.init_module(empty_init=True)` builds on meta; `setup` shards and materialises: the
+    weights are the modules' own reset_parameters() draws as in one process, then one step matches."""
     fabric = Fabric(strategy="fsdp2")
+    torch.manual_seed(5)
     with fabric.init_module(empty_init=True):
         raw = MLP()
     meta_before = all(p.is_meta for p in raw.parameters())
     model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR))
-    full = full_params(raw)
-    losses = _train(fabric, model, optimizer)
+    start = full_params(raw)
+    own = MLP()  # the same draws in one process, from the same generator state (building on meta draws nothing)
+    torch.manual_seed(5)
+    for module in own.modules():
+        if callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+    _train(fabric, model, optimizer, batches=BATCHES[:1])
+    reference_steps(own_start := copy.deepcopy(own), torch.optim.SGD(own_start.parameters(), lr=LR), BATCHES[:1])
     out.update(meta_before=meta_before, meta_after=any(p.is_meta for p in raw.parameters()),
-               finite=all(bool(t.isfinite().all()) for t in full.values()),
-               nonzero=all(bool(t.abs().sum() > 0) for n, t in full.items() if n.endswith("weight")),
-               losses=losses)
+               init_diff=max_rel_diff(start, params(own)),
+               max_rel_diff=max_rel_diff(full_params(raw), params(own_start)))
 
 
 class Counter:

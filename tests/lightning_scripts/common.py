@@ -88,7 +88,8 @@ class LitMLP(pl.LightningModule):
     def configure_optimizers(self):
         if self.hparams.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.hparams.lr * 0.1)
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        momentum = 0.9 if self.hparams.optimizer == "momentum" else 0.0  # momentum: fp32 optimizer state to check
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=momentum)
 
 
 def dataset() -> TensorDataset:

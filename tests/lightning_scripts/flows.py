@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from common import (
+    LR,
     Block,
     LitMLP,
     dataset,
@@ -30,7 +31,9 @@ from common import (
     trainer,
     write_json,
 )
-from _comm import count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
+from _comm import collective_dtypes, count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
+from _collect import full  # noqa: E402
+from _precision import policy_grads  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -129,29 +132,72 @@ def clipping(out: dict, work: Path) -> None:
                               norm=None if norm is None else float(norm), ref_norm=ref_norm)
 
 
+def _policy_update(initial: LitMLP, model: LitMLP, dtype: torch.dtype, scale: float = 1.0) -> dict:
+    """The weights one SGD step should give under a mixed policy, written out without the engine
+    (tests/_precision.py): each rank's batch on a `dtype` copy under autocast, fp32 gradients averaged
+    over the ranks (the loss multiplied by `scale`, the gradients divided by it), fp32 SGD."""
+    _, xs, ys = dataset().tensors
+
+    def loss(low, x, y):
+        with torch.autocast("cpu", dtype=dtype):
+            return nn.functional.mse_loss(low(x.to(dtype)).float(), y)
+
+    batches = [[(xs[rank[0]], ys[rank[0]])] for rank in gather(model.indices)]
+    grads = policy_grads(initial, batches, loss, dtype, scale)
+    return {n: p.detach() - LR * grads[n] / scale for n, p in initial.named_parameters()}, grads
+
+
+def _state_dtypes(fit) -> list[str]:
+    return sorted({str(v.dtype) for s in fit.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v)})
+
+
 def precision(out: dict, work: Path) -> None:
-    model, initial = _fresh()
+    # bf16-mixed: the update against the policy written out; dtypes of weights, state and reductions.
+    model, initial = _fresh(optimizer="momentum")
     fit = trainer(max_steps=1, precision="bf16-mixed")
-    fit.fit(model, loader(BATCH))
+    with collective_dtypes() as reductions:
+        fit.fit(model, loader(BATCH))
     plan = f2.sharding_plan(model)
-    fp32, _ = _fresh()
-    trainer(max_steps=1).fit(fp32, loader(BATCH))
+    expected, grads = _policy_update(initial, model, torch.bfloat16)
+    momentum = {n: full(fit.optimizers[0].state[p]["momentum_buffer"]) for n, p in model.named_parameters()}
     out["bf16_mixed"] = dict(model.seen, plugin=type(fit.precision_plugin).__name__,
                              stored_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
+                             state_dtypes=_state_dtypes(fit), reductions=sorted(reductions),
                              precision=sorted({g.precision for g in plan.groups}),
-                             loss=model.losses[0], fp32_loss=fp32.losses[0])
+                             update_diff=max_rel_diff(full_params(model), expected),
+                             momentum_diff=max_rel_diff(momentum, grads),
+                             fp32_update_diff=max_rel_diff(full_params(model), reference_step(initial, _all_indices(model))[0]))
 
-    model, _ = _fresh()
-    fit = trainer(FSDP2Strategy(), max_steps=2, plugins=[FSDP2MixedPrecision("16-mixed", "cpu")])
-    fit.fit(model, loader(BATCH))
+    # 16-mixed: an initial scale that does not overflow, so no step is skipped; then the update.
+    model, initial = _fresh()
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**10, growth_interval=1000)
+    fit = trainer(FSDP2Strategy(), max_steps=1, plugins=[FSDP2MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    with collective_dtypes() as reductions:
+        fit.fit(model, loader(BATCH))
+    expected, _ = _policy_update(initial, model, torch.float16, scale=2.0**10)
     out["fp16_mixed"] = dict(model.seen, scaler=type(fit.precision_plugin.scaler).__name__,
                              sharded_scaler=isinstance(fit.precision_plugin.scaler, ShardedGradScaler),
-                             finite=all(torch.isfinite(p).all().item() for p in full_params(model).values()),
-                             losses=model.losses)
+                             scale_after=float(scaler.get_scale()), reductions=sorted(reductions),
+                             stored_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
+                             update_diff=max_rel_diff(full_params(model), expected))
 
-    model, _ = _fresh()
-    trainer(max_steps=1, precision="bf16-true").fit(model, loader(BATCH))
-    out["bf16_true"] = dict(model.seen)
+    # bf16-true: weights, compute and reduction in bf16; the update against one bf16 process.
+    model, initial = _fresh()
+    fit = trainer(max_steps=1, precision="bf16-true")
+    with collective_dtypes() as reductions:
+        fit.fit(model, loader(BATCH))
+    low = copy.deepcopy(initial).to(torch.bfloat16)
+    _, xs, ys = dataset().tensors
+    grads = {n: torch.zeros_like(p) for n, p in low.named_parameters()}
+    for rank in gather(model.indices):
+        step = copy.deepcopy(low)
+        batch = [t.to(torch.bfloat16) for t in (xs[rank[0]], ys[rank[0]])]  # Lightning casts the whole batch
+        nn.functional.mse_loss(step(batch[0]).float(), batch[1].float()).backward()
+        for n, p in step.named_parameters():
+            grads[n] += p.grad / len(gather(model.indices))
+    expected = {n: p.detach().clone().add_(grads[n], alpha=-LR).float() for n, p in low.named_parameters()}
+    out["bf16_true"] = dict(model.seen, reductions=sorted(reductions),
+                            update_diff=max_rel_diff(full_params(model), expected))
     try:
         trainer(precision="64-true")
         out["double_error"] = None
@@ -197,17 +243,32 @@ def manual_configure_model(out: dict, work: Path) -> None:
                max_rel_diff=max_rel_diff(full_params(model), ref))
 
 
+class _WeightsAtStart(pl.Callback):
+    """The full weights when training starts: sharded and materialised, not yet updated."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.weights = full_params(pl_module)
+
+
 def meta_init(out: dict, work: Path) -> None:
-    fit = trainer(max_steps=2)
+    start = _WeightsAtStart()
+    fit = trainer(max_steps=1, callbacks=[start])
+    torch.manual_seed(3)
     with fit.init_module(empty_init=True):
         model = LitMLP()
     out["meta_before"] = all(p.is_meta for p in model.parameters())
     fit.fit(model, loader(BATCH))
-    params = full_params(model)
+    # The module's own initialisation, reproduced in one process from the same generator state
+    # (building on meta draws nothing); then one step from those weights against one process.
+    own = LitMLP()
+    torch.manual_seed(3)
+    for module in own.modules():
+        if callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+    ref, _ = reference_step(own, _all_indices(model))
     out.update(meta_after=any(p.is_meta for p in model.parameters()),
-               finite=all(torch.isfinite(p).all().item() for p in params.values()),
-               nonzero=all(p.abs().sum().item() > 0 for n, p in params.items() if n.endswith("weight")),
-               losses=model.losses)
+               init_diff=max_rel_diff(start.weights, full_params(own)),
+               max_rel_diff=max_rel_diff(full_params(model), ref))
 
 
 def _ckpt_trainer(dirpath: Path, epochs: int, **kwargs) -> pl.Trainer:
