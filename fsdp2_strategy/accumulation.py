@@ -5,7 +5,7 @@
 `resume_sync` before the last one. Per mode (see `FSDP2Config.accumulation`):
 
 - "sync_each": only the replicate all-reduce of HSDP is deferred (`set_requires_all_reduce`);
-  the reduce-scatter runs every micro-batch.
+  the reduce-scatter runs every micro-batch, and so does the average of replicated parameters.
 - "sync_last": no reduction at all until the last micro-batch (`set_requires_gradient_sync`).
 - "keep_gathered": "sync_last", and every group stays unsharded from its first forward of the step
   (on CPU: from the first `pause_sync`, which gathers all groups, their all-gathers started
@@ -177,12 +177,15 @@ def pause_sync(model: nn.Module) -> None:
     if mode == "sync_each":
         for module in modules:
             module.set_requires_all_reduce(False, recurse=False)
-    else:
-        _gather_each_group_once(model)
-        if mode == "keep_gathered":
-            _kept_groups(model).keep()
-        for module in modules:
-            module.set_requires_gradient_sync(False, recurse=False)
+        # Replicated parameters (0-dim, or `f2.replicate`'s) stay averaged on every micro-batch, as the
+        # sharded gradients are reduce-scattered: a scalar's all-reduce is a few bytes. (Averaging the
+        # accumulated gradient again is exact: the part from earlier micro-batches is equal on all ranks.)
+        return
+    _gather_each_group_once(model)
+    if mode == "keep_gathered":
+        _kept_groups(model).keep()
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)
     _set_replicated_sync(model, False)
 
 

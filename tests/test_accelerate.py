@@ -138,6 +138,11 @@ def test_accumulation_modes_through_accumulate(flows):
     assert each["all_gathers"] > kept["all_gathers"]
     assert kept["param_rel"] < TOL and each["param_rel"] < TOL
     assert "sync_each_batch=True" in r["conflict_error"] and "accumulation='keep_gathered'" in r["conflict_error"]
+    # Accelerate's RegressionModel scalars (replicated by the core) follow sync_each too: averaged on the
+    # first micro-batch already, equal on every rank and to one process (its test_sync.py checks this).
+    scalars = r["scalar_sync_each"]
+    assert not scalars["sync_step"] and scalars["grads"][0] == scalars["grads"][1]
+    assert all(abs(g - w) <= 1e-6 * abs(w) for g, w in zip(scalars["grads"][0], scalars["ref"])), scalars
 
 
 def test_clip_grad_norm_is_the_global_norm(flows):

@@ -285,17 +285,20 @@ def test_collectives_per_optimizer_step(results, variant, mode):
     # checkpointing (recomputation finds the parameters gathered) and compiled blocks.
     assert r["all_gathers"] == ALL_GATHERS[mode], r
     assert r["reduce_scatters"] == REDUCE_SCATTERS[mode], r
-    # One all-reduce for the replicated scalar, on the last micro-batch only; "override" adds
-    # blocks.1's HSDP all-reduce (over a replicate group of one), also on the last only.
-    assert r["all_reduces"] == (2 if variant == "override" else 1), r
+    # The replicated scalar follows the mode: averaged on every micro-batch under "sync_each" (as the
+    # sharded gradients are reduce-scattered), on the last one only otherwise; "override" adds
+    # blocks.1's HSDP all-reduce (over a replicate group of one), on the last micro-batch only.
+    scalar = K if mode == "sync_each" else 1
+    assert r["all_reduces"] == scalar + (1 if variant == "override" else 0), r
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_hsdp_all_reduces_on_the_last_micro_batch_only(results, mode):
-    # HSDP 2x1: no shards to scatter; 4 group all-reduces + the scalar's, once per step
-    # (K times as many if sync_each did not defer them with set_requires_all_reduce).
+    # HSDP 2x1: no shards to scatter; 4 group all-reduces once per step (K times as many if sync_each
+    # did not defer them with set_requires_all_reduce), plus the scalar's (every micro-batch under sync_each).
     r = results[("hsdp_2x1", mode)]
-    assert (r["all_reduces"], r["reduce_scatters"], r["all_gathers"]) == (GROUPS + 1, 0, 0), r
+    scalar = K if mode == "sync_each" else 1
+    assert (r["all_reduces"], r["reduce_scatters"], r["all_gathers"]) == (GROUPS + scalar, 0, 0), r
 
 
 @pytest.mark.parametrize("mode", MODES)

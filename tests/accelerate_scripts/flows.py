@@ -10,6 +10,7 @@ and the next flow runs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import shutil
@@ -179,6 +180,7 @@ def accumulation_modes(out: dict, work: Path) -> None:
         out[name] = dict(mode=plan.accumulation, groups=len(plan.groups), reduce_scatters=reduce_scatters(counts),
                          all_gathers=sum(v for k, v in counts.items() if k.startswith("all_gather")),
                          param_rel=max_rel_diff(full_params(model), ref))
+    out["scalar_sync_each"] = _scalars_under_sync_each_batch()
     try:
         FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(accumulation="keep_gathered"), mixed_precision="no",
                          gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)).fsdp2_config
@@ -186,6 +188,41 @@ def accumulation_modes(out: dict, work: Path) -> None:
     except ValueError as exc:
         out["conflict_error"] = str(exc)
     FSDP2Accelerator(mixed_precision="no", gradient_accumulation_steps=1)  # sync_each_batch back off for later flows
+
+
+class _Regression(torch.nn.Module):
+    """Accelerate's test RegressionModel (0-dim `a` and `b`, which the core replicates) plus a Linear
+    for FSDP to shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Parameter(torch.tensor(2.0)), torch.nn.Parameter(torch.tensor(3.0))
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.a * self.lin(x) + self.b
+
+
+def _scalars_under_sync_each_batch() -> dict:
+    """First of 2 micro-batches with sync_each_batch=True: the scalars' gradients are averaged already."""
+    from accelerate.utils import GradientAccumulationPlugin
+
+    torch.manual_seed(0)
+    model = _Regression()
+    ref = copy.deepcopy(model)
+    acc = FSDP2Accelerator(mixed_precision="no", fsdp_plugin=FSDP2Plugin(wrap_policy=["Linear"]),
+                           gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True))
+    model = acc.prepare(model)
+    xs = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with acc.accumulate(model):
+        acc.backward(model(xs[rank * 2:rank * 2 + 2]).pow(2).mean())
+    first = {"grads": gather([float(model.a.grad), float(model.b.grad)]), "sync_step": acc.sync_gradients}
+    with acc.accumulate(model):  # the second micro-batch ends the cycle (Accelerate's step counter is shared)
+        acc.backward(model(xs[4 + rank * 2:4 + rank * 2 + 2]).pow(2).mean())
+    for r in range(world):  # one process: each rank's loss / ranks / micro-batches
+        (ref(xs[r * 2:r * 2 + 2]).pow(2).mean() / world / 2).backward()
+    return {**first, "ref": [float(ref.a.grad), float(ref.b.grad)]}
 
 
 def clipping(out: dict, work: Path) -> None:
