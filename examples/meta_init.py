@@ -77,22 +77,38 @@ def write_weights(path: Path, dim: int, layers: int, seed: int = 0) -> None:
     save_file(state, str(path))
 
 
+def _checksums(rows: torch.Tensor, first_row: int) -> list[float]:
+    """(sum, row-weighted sum) of `rows`, rows numbered from `first_row`: a tensor swapped with another,
+    or rows loaded into the wrong place, changes them; one sum over the model would not see either."""
+    rows = rows.double().reshape(rows.shape[0], -1) if rows.ndim else rows.double().reshape(1, 1)
+    weights = torch.arange(first_row + 1, first_row + 1 + rows.shape[0], dtype=torch.float64)
+    return [float(rows.sum()), float((rows.sum(dim=1) * weights).sum())]
+
+
 @torch.no_grad()
-def weight_checksum(model: nn.Module) -> float:
-    """Sum of every weight, added up over ranks shard by shard (no full tensor is gathered)."""
-    local = sum(float(p.to_local().double().sum()) if hasattr(p, "to_local") else float(p.double().sum())
-                for p in model.parameters())
-    total = torch.tensor([local], dtype=torch.float64)
+def weight_checksums(model: nn.Module) -> dict[str, list[float]]:
+    """Per parameter, `_checksums` added up over ranks shard by shard (no full tensor is gathered).
+    The wrap policy shards dim 0 over a 1-D mesh; rank r holds rows from r * ceil(rows / world)."""
+    world = dist.get_world_size()
+    local = []
+    for name, p in model.named_parameters():
+        if hasattr(p, "to_local"):
+            first = p.device_mesh.get_local_rank() * -(-p.shape[0] // world)
+            local += _checksums(p.to_local(), first) if p.to_local().numel() else [0.0, 0.0]
+        else:  # replicated: every rank holds it whole
+            local += [v / world for v in _checksums(p, 0)]
+    total = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(total)
-    return float(total)
+    names = [n for n, _ in model.named_parameters()]
+    return {n: total[2 * i: 2 * i + 2].tolist() for i, n in enumerate(names)}
 
 
-def file_checksum(path: Path) -> float:
-    """The same sum read from the file (rank 0, one tensor at a time)."""
+def file_checksums(path: Path) -> dict[str, list[float]]:
+    """The same per-tensor checksums read from the file (rank 0, one tensor at a time)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return sum(float(f.get_tensor(k).double().sum()) for k in f.keys())
+        return {k: _checksums(f.get_tensor(k), 0) for k in f.keys()}
 
 
 # --------------------------------------------------------------------------- main
@@ -117,7 +133,7 @@ def main() -> None:
     path = Path(shared[0])
     if rank == 0 and not path.exists():
         write_weights(path, args.dim, args.layers)
-    expected = [file_checksum(path) if rank == 0 else None]
+    expected = [file_checksums(path) if rank == 0 else None]
     dist.broadcast_object_list(expected)  # also a barrier: the file exists from here on
 
     # 2. Measured: build on meta, shard, load this rank's slices.
@@ -135,7 +151,7 @@ def main() -> None:
     shard_mib = f2.sharding_plan(model).local_bytes / MIB
 
     # 3. Proof that the right weights arrived, and that the model runs.
-    checksum = weight_checksum(model)
+    checksum = weight_checksums(model)
     with torch.no_grad():
         out = model(torch.randn(2, args.dim, generator=torch.Generator().manual_seed(0)).to(device))
     rows = [None] * world
@@ -145,7 +161,7 @@ def main() -> None:
     f2.shutdown()
 
 
-def report(rows: list, full_mib: float, checksum: float, expected: float, finite: bool) -> None:
+def report(rows: list, full_mib: float, checksum: dict, expected: dict, finite: bool) -> None:
     """Print the per-rank memory table (rank 0)."""
     print(f"model: {full_mib:.0f} MiB of fp32 parameters in full, sharded over {len(rows)} ranks")
     gpu = rows[0][4] is not None
@@ -155,8 +171,11 @@ def report(rows: list, full_mib: float, checksum: float, expected: float, finite
         print(f"{rank:>4} {before:>17.0f} {growth:>18.0f} {shard:>16.0f}" + (f" {gpu_peak:>15.0f}" if gpu else ""))
     worst = max(r[2] for r in rows)
     print(f"largest per-rank peak growth / full model size: {worst / full_mib:.2f}")
-    match = abs(checksum - expected) <= 1e-6 * max(1.0, abs(expected))
-    print(f"weights match the file: {match} (checksum {checksum:.6f} vs {expected:.6f}); forward output finite: {finite}")
+    wrong = [n for n in expected if n not in checksum
+             or any(abs(a - b) > 1e-6 * max(1.0, abs(b)) for a, b in zip(checksum[n], expected[n]))]
+    match = not wrong and set(checksum) == set(expected)
+    print(f"weights match the file: {match} ({len(expected)} tensors, each by its sum and row-weighted sum"
+          f"{'; differing: ' + ', '.join(wrong[:5]) if wrong else ''}); forward output finite: {finite}")
 
 
 if __name__ == "__main__":

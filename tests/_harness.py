@@ -138,16 +138,24 @@ def run_agreeing(fn: Callable, world_size: int = 2, *args: Any, **kwargs: Any) -
     """
     results = run_distributed(fn, world_size, *args, **kwargs)
     for rank, result in enumerate(results[1:], start=1):
-        assert result == results[0], f"rank {rank} disagrees with rank 0:\n{_first_difference(results[0], result)}"
+        difference = _first_difference(results[0], result)
+        assert difference is None, f"rank {rank} disagrees with rank 0: {difference}"
     return results[0]
 
 
-def _first_difference(a: Any, b: Any, path: str = "") -> str:
+def _first_difference(a: Any, b: Any, path: str = "result") -> str | None:
+    """Where `a` and `b` first differ (tensors compared by value), None when they are equal."""
+    import torch
+
     if isinstance(a, dict) and isinstance(b, dict):
-        for key in a.keys() | b.keys():
-            if a.get(key) != b.get(key):
-                return _first_difference(a.get(key), b.get(key), f"{path}[{key!r}]")
-    return f"{path or 'result'}: {a!r} != {b!r}"
+        if a.keys() != b.keys():
+            return f"{path}: keys {sorted(map(repr, a.keys() ^ b.keys()))} on one side only"
+        return next((d for k in a if (d := _first_difference(a[k], b[k], f"{path}[{k!r}]")) is not None), None)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and type(a) is type(b) and len(a) == len(b):
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _first_difference(x, y, f"{path}[{i}]"))), None)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return None if a.dtype == b.dtype and torch.equal(a, b) else f"{path}: tensors differ"
+    return None if a == b else f"{path}: {a!r} != {b!r}"
 
 
 def assert_no_flow_failed(results: dict) -> None:

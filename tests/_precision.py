@@ -41,11 +41,13 @@ def tied_names(model: nn.Module) -> list[str]:
 
 
 def policy_grads(model: nn.Module, rank_batches: Sequence[Sequence[tuple]], loss: Callable[..., torch.Tensor],
-                 dtype: torch.dtype, scale: float = 1.0) -> dict[str, torch.Tensor]:
+                 dtype: torch.dtype, scale: float = 1.0,
+                 cast: Callable[[nn.Module], nn.Module] | None = None) -> dict[str, torch.Tensor]:
     """fp32 gradients of `model`'s weights as the policy promises them.
 
     `rank_batches[r]` lists rank r's micro-batches, each the argument tuple of `loss(low_model, *args)`;
-    every micro-batch loss is multiplied by `scale` (1/k for k micro-batches).
+    every micro-batch loss is multiplied by `scale` (1/k for k micro-batches). `cast(model)` makes the
+    low-precision copy (default `cast_copy(model, dtype)`; per-module policies write their own).
     """
     canonical = {}  # every name a parameter has -> the name named_parameters() reports
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -54,7 +56,7 @@ def policy_grads(model: nn.Module, rank_batches: Sequence[Sequence[tuple]], loss
     world = len(rank_batches)
     for batches in rank_batches:
         for args in batches:
-            low = cast_copy(model, dtype)
+            low = cast(model) if cast is not None else cast_copy(model, dtype)
             (loss(low, *args) * scale).backward()
             for name, param in low.named_parameters(remove_duplicate=False):
                 if param.grad is not None:

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from _harness import run_distributed
+from _harness import run_agreeing
 
 
 def _save_world(root: str):
@@ -39,7 +39,7 @@ def test_consolidate_to_hf_safetensors_and_torch(tmp_path):
     import fsdp2_strategy as f2
 
     root = tmp_path / "ckpt"
-    full = run_distributed(_save_world, 2, str(root))[0]
+    full = run_agreeing(_save_world, 2, str(root))
     (root / "step-000004").mkdir()  # a crashed save: no .metadata
 
     info = f2.inspect_checkpoint(root)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from _harness import run_distributed
+from _harness import run_agreeing, run_distributed
 from _models import Block, TinyGPT, loss_fn, make_batch, rel_diff
 
 
@@ -77,7 +77,7 @@ def _memory_ties_plan_world():
 
 
 def test_memory_ties_plan_and_overrides():
-    res = run_distributed(_memory_ties_plan_world, 2)[0]
+    res = run_agreeing(_memory_ties_plan_world, 2)
     # FULL_SHARD: each rank holds half of the parameter bytes (dim-0 padding makes it inexact).
     assert 0.48 < res["ratio"] < 0.53, res["ratio"]
     assert res["plan_names"] == ["<root>", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
@@ -115,7 +115,7 @@ def _hf_world():
 
 
 def test_hf_model_auto_policy_and_tied_embeddings():
-    groups, tied, err = run_distributed(_hf_world, 2)[0]
+    groups, tied, err = run_agreeing(_hf_world, 2)
     assert groups == ["<root>", "transformer.h.0", "transformer.h.1"]  # GPT2Block from _no_split_modules
     assert tied
     assert err < 1e-5
@@ -171,9 +171,7 @@ def _meta_world():
 
 
 def test_meta_device_model_is_materialised_and_trains():
-    results = run_distributed(_meta_world, 2)
-    assert results[0] == results[1]  # from gathered values: the ranks agree
-    res = results[0]
+    res = run_agreeing(_meta_world, 2)
     assert not res["on_meta"] and res["ln_ones"] and res["finite"]
     assert set(res["init_diffs"].values()) == {0.0}, res["init_diffs"]  # bit for bit the one-process init
     assert res["pos_halves_differ"]
@@ -249,7 +247,7 @@ def _fsdp1_and_errors_world():
 
 
 def test_fsdp1_vocabulary_and_clear_errors():
-    res = run_distributed(_fsdp1_and_errors_world, 2)[0]
+    res = run_agreeing(_fsdp1_and_errors_world, 2)
     rows = res["fsdp1_rows"]
     assert [r[0] for r in rows] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
     assert all(r[1] == "SHARD_GRAD_OP" and r[2] == "bf16/fp32" and r[3] and r[4] is False for r in rows)
@@ -301,7 +299,7 @@ def _hybrid_default_mesh_world():
 
 def test_hybrid_mesh_follows_node_count():
     # torchrun's LOCAL_WORLD_SIZE=1 on a world of 2 means two nodes: replicate across, shard within.
-    shapes = run_distributed(_hybrid_default_mesh_world, 2, env={"LOCAL_WORLD_SIZE": 1})[0]
+    shapes = run_agreeing(_hybrid_default_mesh_world, 2, env={"LOCAL_WORLD_SIZE": 1})
     assert set(shapes) == {(2, 1)}
-    shapes = run_distributed(_hybrid_default_mesh_world, 2)[0]
+    shapes = run_agreeing(_hybrid_default_mesh_world, 2)
     assert set(shapes) == {(1, 2)}

@@ -32,7 +32,8 @@ class Cond(torch.nn.Module):
 
 
 def _conditional_block_errors(rank):
-    """Max relative grad error vs. one process, for blocks used only on the last / first micro-batch."""
+    """Max relative grad error against the bf16 policy written out without the engine, for blocks used
+    only on the last / first micro-batch."""
     import fsdp2_strategy as f2
 
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
@@ -45,10 +46,10 @@ def _conditional_block_errors(rank):
             local = x[rank * 4 + i * 2 : rank * 4 + i * 2 + 2]
             with f2.no_sync(model) if i == 0 else contextlib.nullcontext():
                 (model(local, use_b).sum() / 2).backward()
-            both = torch.cat([x[r * 4 + i * 2 : r * 4 + i * 2 + 2] for r in range(2)])
-            (ref(both, use_b).sum() / 4).backward()
-        ref_p = dict(ref.named_parameters())
-        errors[pattern] = max(rel_diff(_full(p.grad), ref_p[n].grad) for n, p in model.named_parameters())
+        batches = [[(x[r * 4 + i * 2 : r * 4 + i * 2 + 2], use_b) for i, use_b in enumerate(pattern)] for r in range(2)]
+        ref_grads = policy_grads(ref, batches, lambda low, xs, use_b: low(xs.to(torch.bfloat16), use_b).sum(),
+                                 torch.bfloat16, scale=1 / 2)
+        errors[pattern] = max(rel_diff(_full(p.grad), ref_grads[n]) for n, p in model.named_parameters())
     return errors
 
 
@@ -68,6 +69,11 @@ def _accumulate_and_clip_world():
         "hsdp_2x1": {"sharding_strategy": "HYBRID_SHARD", "mesh_shape": (2, 1)},
         "bf16": {"mixed_precision": "bf16"},
     }
+    # bf16's reference: the policy written out, each rank's 4 micro-batches; its global norm.
+    batches = [[(idx[r * 8 + i * 2: r * 8 + i * 2 + 2], target[r * 8 + i * 2: r * 8 + i * 2 + 2]) for i in range(4)]
+               for r in range(2)]
+    bf16_grads = policy_grads(ref, batches, loss_fn, torch.bfloat16, scale=1 / 4)
+    bf16_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in bf16_grads.values()]))
     # Reference: the whole global batch in one process, mean loss, torch's own clipping.
     ref_model = copy.deepcopy(ref)
     loss_fn(ref_model, idx, target).backward()
@@ -89,7 +95,13 @@ def _accumulate_and_clip_world():
         out[f"{name}_all_reduces"] = counts["all_reduce"]
         out[f"{name}_groups"] = len(f2.sharding_plan(model).groups) - 1  # minus the scalar row
         norm = f2.clip_grad_norm_(model.parameters(), max_norm=0.5)
-        out[f"{name}_norm"] = (norm.item(), ref_norm.item(), norm.dim(), type(norm).__name__)
+        out[f"{name}_norm"] = (norm.item(), (bf16_norm if name == "bf16" else ref_norm).item(), norm.dim(),
+                               type(norm).__name__)
+        if name == "bf16":  # clipped like the policy's gradients: untied ones to fp32 summation order
+            coef = min(1.0, 0.5 / (bf16_norm.item() + 1e-6))
+            tied = tied_names(ref)
+            out["bf16_policy_err"] = max(rel_diff(_full(p.grad), coef * bf16_grads[n])
+                                         for n, p in model.named_parameters() if n not in tied)
         out[f"{name}_grad_err"] = max(rel_diff(_full(p.grad), ref_grads[n]) for n, p in model.named_parameters())
         if name == "full":
             inf = f2.clip_grad_norm_(model.parameters(), max_norm=1e9, norm_type=float("inf"))
@@ -112,7 +124,7 @@ def _accumulate_and_clip_world():
 
 
 def test_no_sync_accumulation_and_global_norm_clipping():
-    res = run_distributed(_accumulate_and_clip_world, 2, timeout=300)[0]
+    res = run_agreeing(_accumulate_and_clip_world, 2, timeout=300)
     # Gradients are reduced once per group, on the last micro-batch only (not 4 times per group):
     # reduce-scatter when sharded, all-reduce across replicas for HSDP 2x1 (shards of one rank);
     # plus one all-reduce for the replicated scalar parameter.
@@ -126,13 +138,16 @@ def test_no_sync_accumulation_and_global_norm_clipping():
         assert abs(norm - ref_norm) / ref_norm < 1e-5, (name, norm, ref_norm)
         assert ndim == 0 and kind == "Tensor"
         assert res[f"{name}_grad_err"] < 1e-5, (name, res[f"{name}_grad_err"])
-    assert abs(res["bf16_norm"][0] - res["bf16_norm"][1]) / res["bf16_norm"][1] < 5e-2
+    # bf16: the global norm of the policy written out; its tied embedding's gradient may differ by one
+    # bf16 rounding (torch adds the two uses in bf16), so the bound is bf16's.
+    assert abs(res["bf16_norm"][0] - res["bf16_norm"][1]) / res["bf16_norm"][1] < TIED_TOL
+    assert res["bf16_policy_err"] < 1e-5
     assert abs(res["inf"][0] - res["inf"][1]) / res["inf"][1] < 1e-5
     assert res["value_max"] <= 1e-4 + 1e-12
-    assert res["after_exception_reduce_scatters"] > 0
-    # bf16 compute vs. an fp32 reference: ~3e-3 measured; torch 2.13 alone raises AttributeError
-    # ('_unsharded_param') for the block first used on the last micro-batch.
-    assert all(err < 1e-2 for err in res["conditional"].values()), res["conditional"]
+    assert res["after_exception_reduce_scatters"] == 4  # one per group: sync is back on
+    # Against the bf16 policy written out; torch 2.13 alone raises AttributeError ('_unsharded_param')
+    # for the block first used on the last micro-batch.
+    assert all(err < 1e-5 for err in res["conditional"].values()), res["conditional"]
 
 
 def _rebind_world():
