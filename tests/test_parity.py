@@ -31,9 +31,11 @@ CASES = {
                                         "blocks.2": {"reshard_after_forward": False}}),
     "scalar_param": dict(),
     "bf16": dict(mixed_precision="bf16"),
+    "fp16": dict(mixed_precision="fp16"),
     "compile": dict(compile=True),
 }
 FAST = [n for n in CASES if n != "compile"]
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}  # core policies: compute dtype, fp32 weights and reduction
 
 
 def _parity_world(names):
@@ -59,11 +61,11 @@ def _parity_world(names):
         with collective_dtypes() as reductions:
             loss_fn(model, idx[local], target[local]).backward()
         grads = {n: _full(p.grad) for n, p in model.named_parameters()}
-        if name == "bf16":
-            # The policy written out without the engine: each rank's half on a bf16 copy, fp32 gradients
-            # averaged; the update is AdamW on the fp32 weights from the engine's own gradients.
+        if name in LOW:
+            # The policy written out without the engine: each rank's half on a bf16 (fp16) copy, fp32
+            # gradients averaged; the update is AdamW on the fp32 weights from the engine's own gradients.
             ref_grads = policy_grads(ref, [[(idx[r * 4:(r + 1) * 4], target[r * 4:(r + 1) * 4])] for r in range(world)],
-                                     loss_fn, torch.bfloat16)
+                                     loss_fn, LOW[name])
             for n, p in ref.named_parameters():
                 p.grad = grads[n].clone()
         else:
@@ -92,12 +94,12 @@ def _full(t):
 
 def _check(report):
     for name, r in report.items():
-        # fp32: against one process on the global batch. bf16: gradients against the policy written out
-        # (untied parameters: only fp32 summation order differs; the tied embedding: one bf16 rounding,
-        # torch adds its two contributions in bf16), the update against AdamW on the engine's own
-        # fp32 gradients (the same arithmetic: measured 0).
-        tied_tol = TIED_TOL if name == "bf16" else TOL_FP32
-        param_tol = UPDATE_TOL if name == "bf16" else TOL_FP32
+        # fp32: against one process on the global batch. bf16 and fp16: gradients against the policy
+        # written out (untied parameters: only fp32 summation order differs; the tied embedding: one
+        # rounding of the compute dtype, torch adds its two contributions in it), the update against
+        # AdamW on the engine's own fp32 gradients (the same arithmetic: measured 0).
+        tied_tol = TIED_TOL if name in LOW else TOL_FP32
+        param_tol = UPDATE_TOL if name in LOW else TOL_FP32
         assert r["grad_err"] < TOL_FP32, f"{name}: gradient relative difference {r['grad_err']:.2e} >= {TOL_FP32}"
         assert r["tied_grad_err"] < tied_tol, f"{name}: tied gradient difference {r['tied_grad_err']:.2e} >= {tied_tol}"
         assert r["param_err"] < param_tol, f"{name}: parameter difference after one step {r['param_err']:.2e} >= {param_tol}"
