@@ -91,24 +91,25 @@ def check_initialisable(model: nn.Module) -> None:
 def materialize(model: nn.Module, mesh: DeviceMesh) -> None:
     """Allocate each rank's shards on the mesh device and run the model's initialisation."""
     model.to_empty(device=mesh_device(mesh))
-    if mesh.device_type != "cpu":  # DTensor's random ops draw consistent shards
+    # Elsewhere DTensor's random ops draw consistent shards; on CPU they would not (module docstring).
+    on_cpu = mesh.device_type == "cpu"
+    run = _on_full_size if on_cpu else _in_place
+    with _rank_zero_rng() if on_cpu else contextlib.nullcontext():
         if _has_init_weights(model):
-            model.init_weights()
+            if on_cpu:
+                log_rank_zero("Initialising the meta-device model on a CPU mesh: init_weights() runs on full-size "
+                              "tensors of the whole model, then each rank keeps its shards (define "
+                              "reset_parameters() on the modules instead to hold one module at a time).")
+            run(list(model.modules()), model.init_weights)
         else:
             for module in model.modules():
                 if callable(getattr(module, "reset_parameters", None)):
-                    module.reset_parameters()
-        return
-    with _rank_zero_rng():
-        if _has_init_weights(model):
-            log_rank_zero("Initialising the meta-device model on a CPU mesh: init_weights() runs on full-size "
-                          "tensors of the whole model, then each rank keeps its shards (define reset_parameters() "
-                          "on the modules instead to hold one module at a time).")
-            _on_full_size(list(model.modules()), model.init_weights)
-        else:
-            for module in model.modules():
-                if callable(getattr(module, "reset_parameters", None)):
-                    _on_full_size([module], module.reset_parameters)
+                    run([module], module.reset_parameters)
+
+
+def _in_place(modules: list[nn.Module], initialise) -> None:
+    """Run `initialise()` on the modules' own (sharded) tensors."""
+    initialise()
 
 
 @contextlib.contextmanager
