@@ -64,6 +64,21 @@ def policy_grads(model: nn.Module, rank_batches: Sequence[Sequence[tuple]], loss
     return total
 
 
+def true_precision_update(model: nn.Module, rank_batches: Sequence[tuple], loss: Callable[..., torch.Tensor],
+                          dtype: torch.dtype, lr: float) -> dict[str, torch.Tensor]:
+    """The weights (as fp32) one SGD step gives in pure `dtype` ("bf16-true"): weights, compute, the
+    average over ranks and the update all in `dtype`. `rank_batches[r]` is rank r's argument tuple of
+    `loss(low_model, *args)`."""
+    low = copy.deepcopy(model).to(dtype)
+    grads = {n: torch.zeros_like(p) for n, p in low.named_parameters()}
+    for args in rank_batches:
+        step = copy.deepcopy(low)
+        loss(step, *args).backward()
+        for n, p in step.named_parameters():
+            grads[n] += p.grad / len(rank_batches)
+    return {n: p.detach().clone().add_(grads[n], alpha=-lr).float() for n, p in low.named_parameters()}
+
+
 def with_weights(template: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Module:
     """A copy of `template` holding `weights` (full fp32 tensors by parameter name)."""
     model = copy.deepcopy(template)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from common import LR, MLP, data, fresh, full_params, loss_on, max_rel_diff, params, rank_slice, reference_steps, write_json
 from _comm import collective_dtypes, count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
-from _precision import policy_grads  # noqa: E402
+from _precision import policy_grads, true_precision_update  # noqa: E402
 from lightning.fabric import Fabric
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -115,14 +115,9 @@ def _expected_update(initial: MLP, name: str, scale: float) -> dict:
         return params(ref)
     dtype = torch.float16 if name.startswith("16") else torch.bfloat16
     if name.endswith("-true"):
-        low = copy.deepcopy(initial).to(dtype)
-        grads = {n: torch.zeros_like(p) for n, p in low.named_parameters()}
-        for part in parts:
-            step = copy.deepcopy(low)
-            nn.functional.mse_loss(step(xs[part].to(dtype)).float(), ys[part]).backward()
-            for n, p in step.named_parameters():
-                grads[n] += p.grad / len(parts)
-        return {n: p.detach().clone().add_(grads[n], alpha=-LR).float() for n, p in low.named_parameters()}
+        return true_precision_update(initial, [(part,) for part in parts],
+                                     lambda m, part: nn.functional.mse_loss(m(xs[part].to(dtype)).float(), ys[part]),
+                                     dtype, LR)
 
     def loss(model, part):
         with torch.autocast("cpu", dtype=dtype):

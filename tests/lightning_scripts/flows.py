@@ -33,7 +33,7 @@ from common import (
 )
 from _comm import collective_dtypes, count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
 from _collect import full  # noqa: E402
-from _precision import policy_grads  # noqa: E402
+from _precision import policy_grads, true_precision_update  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -186,16 +186,10 @@ def precision(out: dict, work: Path) -> None:
     fit = trainer(max_steps=1, precision="bf16-true")
     with collective_dtypes() as reductions:
         fit.fit(model, loader(BATCH))
-    low = copy.deepcopy(initial).to(torch.bfloat16)
     _, xs, ys = dataset().tensors
-    grads = {n: torch.zeros_like(p) for n, p in low.named_parameters()}
-    for rank in gather(model.indices):
-        step = copy.deepcopy(low)
-        batch = [t.to(torch.bfloat16) for t in (xs[rank[0]], ys[rank[0]])]  # Lightning casts the whole batch
-        nn.functional.mse_loss(step(batch[0]).float(), batch[1].float()).backward()
-        for n, p in step.named_parameters():
-            grads[n] += p.grad / len(gather(model.indices))
-    expected = {n: p.detach().clone().add_(grads[n], alpha=-LR).float() for n, p in low.named_parameters()}
+    batches = [(xs[rank[0]].to(torch.bfloat16), ys[rank[0]].to(torch.bfloat16)) for rank in gather(model.indices)]
+    expected = true_precision_update(initial, batches, lambda m, x, y: nn.functional.mse_loss(m(x).float(), y.float()),
+                                     torch.bfloat16, LR)  # Lightning casts the whole batch, targets too
     out["bf16_true"] = dict(model.seen, reductions=sorted(reductions),
                             update_diff=max_rel_diff(full_params(model), expected))
     try:
