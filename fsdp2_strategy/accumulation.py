@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from . import _torch_compat as tc
 from .config import ACCUMULATION_MODES
-from .config_checks import _check_choice
+from .config_checks import check_choice
 from .replicated import replicated_params_of
 
 MODE_ATTR = "_fsdp2_accumulation"
@@ -37,7 +37,7 @@ _PREPARED_ATTR = "_fsdp2_accumulation_ready"
 
 def record_mode(model: nn.Module, mode: str) -> None:
     """Remember the accumulation mode `no_sync` follows for `model`."""
-    _check_choice(mode, ACCUMULATION_MODES, "accumulation")
+    check_choice(mode, ACCUMULATION_MODES, "accumulation")
     setattr(model, MODE_ATTR, mode)
 
 

@@ -4,7 +4,7 @@ A config is built from keyword arguments, a dict (`FSDP2Config.from_dict`) or a 
 (`FSDP2Config.from_yaml`). Validation happens once, in `__post_init__`, field by field, and
 every error names the field and the values it accepts. Values stay close to what the user
 wrote (strings, classes, callables); they are resolved against a concrete model and mesh
-later, by `policy.py`, `precision.py` and `mesh.py`.
+later, by `wrap_policy.py`, `precision.py` and `mesh.py`.
 """
 
 from __future__ import annotations
@@ -17,18 +17,23 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 from torch import nn
 
-from . import strategies
+from . import sharding_strategies as strategies
+from .tensor_parallel import check_plan as _check_tensor_parallel_plan
 from .config_checks import PRECISION_NAMES  # noqa: F401  (part of this module's names)
-from .config_checks import (_check_choice, _check_mixed_precision, _check_module_list, _check_nonneg_int,
-                            _check_reshard, _check_wrap_policy, _strategy_name, parse_bytes)
-from .host_memory import HOST_ALLOCATORS
-from .ring_comms import COLLECTIVES
+from .config_checks import (_check_mixed_precision, _check_module_list, _check_nonneg_int, _check_reshard,
+                            _check_wrap_policy, _strategy_name, check_choice, parse_bytes)
 
 SHARDING_STRATEGIES = strategies.NAMES
-"""Accepted names for `FSDP2Config.sharding_strategy` (FSDP1's vocabulary; see `strategies`)."""
+"""Accepted names for `FSDP2Config.sharding_strategy` (FSDP1's vocabulary; see `sharding_strategies`)."""
 
 ACCUMULATION_MODES = ("sync_each", "sync_last", "keep_gathered")
 """Accepted values for `FSDP2Config.accumulation` (see its docstring for the trade-off)."""
+
+COLLECTIVES = ("auto", "ring", "torch")
+"""Accepted values for `FSDP2Config.collectives` (see `shard.ring_comms`)."""
+
+HOST_ALLOCATORS = ("auto", "cache", "system")
+"""Accepted values for `FSDP2Config.host_allocator` (see `shard.host_memory`)."""
 
 WrapPolicy = Union[str, int, Callable[[nn.Module, str], bool], Sequence[Union[str, type]], type, None]
 
@@ -202,18 +207,16 @@ class FSDP2Config:
         _check_nonneg_int(self.forward_prefetch, "FSDP2Config.forward_prefetch")
         _check_nonneg_int(self.backward_prefetch, "FSDP2Config.backward_prefetch")
         self.module_overrides = self._validated_overrides(self.module_overrides)
-        _check_choice(self.accumulation, ACCUMULATION_MODES, "FSDP2Config.accumulation")
-        _check_choice(self.collectives, COLLECTIVES, "FSDP2Config.collectives")
-        _check_choice(self.host_allocator, HOST_ALLOCATORS, "FSDP2Config.host_allocator")
+        check_choice(self.accumulation, ACCUMULATION_MODES, "FSDP2Config.accumulation")
+        check_choice(self.collectives, COLLECTIVES, "FSDP2Config.collectives")
+        check_choice(self.host_allocator, HOST_ALLOCATORS, "FSDP2Config.host_allocator")
         self._validate_tensor_parallel()
 
     def _validate_tensor_parallel(self) -> None:
-        from .tensor_parallel import check_plan
-
         size = self.tensor_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"FSDP2Config.tensor_parallel_size={size!r} is invalid; use an int >= 1 (1: no tensor parallelism).")
-        check_plan(self.tensor_parallel_plan, "FSDP2Config.tensor_parallel_plan")
+        _check_tensor_parallel_plan(self.tensor_parallel_plan, "FSDP2Config.tensor_parallel_plan")
         if size > 1 and self.sharding_strategy == "auto":
             raise ValueError(
                 f"FSDP2Config(sharding_strategy='auto', tensor_parallel_size={size}): the memory planner does not model "

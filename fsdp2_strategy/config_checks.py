@@ -8,8 +8,10 @@ import re
 from typing import Any, Optional
 
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from . import strategies
+from . import sharding_strategies as strategies
+from .precision import resolve_mixed_precision
 
 PRECISION_NAMES = ("bf16", "fp16", "fp32")
 """Accepted strings for `FSDP2Config.mixed_precision`."""
@@ -55,10 +57,6 @@ def _check_reshard(value: Any, name: str) -> None:
 
 
 def _check_mixed_precision(value: Any, name: str) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from .precision import resolve_mixed_precision
-
     if isinstance(value, dict):
         resolve_mixed_precision(value, name)  # unknown keys and dtype names fail now, not at shard_model
         return
@@ -105,7 +103,7 @@ def _check_module_list(value: Any, name: str, allow_auto: bool) -> None:
     raise ValueError(f"{name}={value!r} is invalid; use None, {auto}nn.Module classes or class-name strings.")
 
 
-def _check_choice(value: Any, choices: tuple, name: str) -> None:
+def check_choice(value: Any, choices: tuple, name: str) -> None:
     """`value` must be one of `choices` (the error names `name` and lists them)."""
     if value not in choices:
         raise ValueError(f"{name}={value!r} is invalid; use one of {', '.join(choices)}.")

@@ -20,14 +20,15 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch import nn
 
+from .activation_checkpoint import apply_activation_checkpointing
 from .config import ACCUMULATION_MODES, FSDP2Config
-from .config_checks import _check_choice
+from .config_checks import check_choice
 from .groups import select_groups, settings_for
 from .memsim import GroupSizes, LiveBytes, group_sizes, run_step, states_without_batch
 from .simmodel import meta_copy
 from .optim_state import measure_optimizer
 from .simdevice import resolve_device_type
-from .policy import modules_matching
+from .wrap_policy import modules_matching
 
 
 @dataclass
@@ -120,7 +121,7 @@ def _check_args(world_size: Any, nodes: Any, accumulation: Any, micro_batches: A
         raise ValueError(f"estimate_memory: world_size={world_size!r} is invalid; use a positive int (ranks in the job).")
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or world_size % nodes:
         raise ValueError(f"estimate_memory: nodes={nodes!r} is invalid; use a positive int that divides world_size={world_size}.")
-    _check_choice(accumulation, ACCUMULATION_MODES, "estimate_memory: accumulation")
+    check_choice(accumulation, ACCUMULATION_MODES, "estimate_memory: accumulation")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"estimate_memory: micro_batches={micro_batches!r} is invalid; use a positive int.")
 
@@ -165,10 +166,7 @@ def estimate_memory(
     groups = select_groups(sim_model, config, ignored)
     sizes = group_sizes(model, [""] + groups, ignored, config,
                         lambda s: _shard_and_replicate(s, config, world_size, nodes))
-    if config.activation_checkpointing is not None:
-        from .sharding import _apply_activation_checkpointing
-
-        _apply_activation_checkpointing(sim_model, config, groups)
+    apply_activation_checkpointing(sim_model, config.activation_checkpointing, groups)
     opt_bytes, step_temp = measure_optimizer(optimizer, sizes)
     base = _resident_bytes(sizes, opt_bytes, config.cpu_offload)
     tracker = LiveBytes()

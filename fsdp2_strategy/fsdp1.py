@@ -33,7 +33,7 @@ from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from . import _torch_compat as tc
 from .fsdp1_wrap import policy_groups
 from .groups import GROUP_ATTR
-from .policy import modules_matching
+from .wrap_policy import modules_matching
 
 FSDP1_KEYWORDS = ("sharding_strategy", "mixed_precision", "cpu_offload", "ignored_modules", "auto_wrap_policy",
                   "fsdp_auto_wrap_policy", "device_mesh", "process_group")

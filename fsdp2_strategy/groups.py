@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 
 from .config import FSDP2Config
 from .distributed import log_rank_zero
-from .policy import match_override, select_wrapped, wrappable
+from .wrap_policy import match_override, select_wrapped, wrappable
 from .precision import resolve_mixed_precision, resolve_offload
 
 GROUP_ATTR = "_fsdp2_group"

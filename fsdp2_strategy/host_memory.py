@@ -24,10 +24,9 @@ import logging
 import platform
 from typing import Optional
 
-from .config_checks import _check_choice
+from .config import HOST_ALLOCATORS
+from .config_checks import check_choice
 
-HOST_ALLOCATORS = ("auto", "cache", "system")
-"""Accepted values for `FSDP2Config.host_allocator`."""
 
 MMAP_THRESHOLD = 1 << 30
 """Blocks below 1 GiB come from malloc's heap (reused) instead of a fresh mmap each time."""
@@ -75,7 +74,7 @@ def apply_host_allocator(host_allocator: str, device_type: str) -> bool:
     """What `shard_model` does with `FSDP2Config.host_allocator` for a mesh on `device_type`:
     "cache" tunes malloc (an error without glibc), "auto" does where the mesh is on CPU and the C
     library is glibc, "system" never. Returns whether malloc keeps freed memory now."""
-    _check_choice(host_allocator, HOST_ALLOCATORS, "FSDP2Config.host_allocator")
+    check_choice(host_allocator, HOST_ALLOCATORS, "FSDP2Config.host_allocator")
     if host_allocator == "cache":
         if not keep_freed_memory():
             raise ValueError(f"FSDP2Config.host_allocator='cache' needs glibc's malloc, and this process runs on "

@@ -1,6 +1,6 @@
 """Device meshes for sharding strategies, and the one place that reads the launch environment.
 
-Sharding strategies become meshes here; what each strategy means is in `strategies`.
+Sharding strategies become meshes here; what each strategy means is in `sharding_strategies`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from . import strategies
+from . import sharding_strategies as strategies
 from .tensor_parallel import TP_DIM
 
 REPLICATE_DIM, SHARD_DIM = "dp_replicate", "dp_shard"

@@ -25,10 +25,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from . import _torch_compat as tc
-from .config_checks import _check_choice
+from .config import COLLECTIVES
+from .config_checks import check_choice
 
-COLLECTIVES = ("auto", "ring", "torch")
-"""Accepted values for `FSDP2Config.collectives`."""
 
 ATTR = "_fsdp2_ring_comms"
 """Set (True) on each FSDP module given the rings, for `sharding_plan`."""
@@ -135,7 +134,7 @@ def install_ring_comms(model: nn.Module, collectives: str = "auto") -> int:
     """Give the FSDP groups of `model` the ring all-gather and reduce-scatter as `collectives` says:
     "auto" where the shard group's backend is gloo, "ring" on every sharded group, "torch" on none.
     Returns how many groups got them. Call after `fully_shard` (`shard_model` does)."""
-    _check_choice(collectives, COLLECTIVES, "FSDP2Config.collectives")
+    check_choice(collectives, COLLECTIVES, "FSDP2Config.collectives")
     if collectives == "torch":
         return 0
     # Stateless, so one of each serves every group.

@@ -12,13 +12,14 @@ from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 from . import _torch_compat as tc
 from .accumulation import record_mode
+from .activation_checkpoint import apply_activation_checkpointing
 from .config import FSDP2Config
 from .distributed import log_rank_zero
 from .groups import GROUP_ATTR, GroupSettings, own_named_params, select_groups, settings_for, top_level
 from .materialize import check_initialisable, has_meta_tensors, materialize
 from .mesh import MeshCache, mesh_device, check_reshard_factor, default_reshard_after_forward, shard_group_size
 from .plan import sharding_plan
-from .policy import modules_matching, resolve_classes
+from .wrap_policy import modules_matching
 from .replicated import ATTR as REPLICATED_ATTR
 from .replicated import ReplicatedParams, find_scalar_params
 from .host_memory import apply_host_allocator
@@ -76,7 +77,7 @@ def shard_model(
         # Before FSDP: fully_shard then shards the TP DTensors over the data-parallel dims.
         apply_tensor_parallel(model, config.tensor_parallel_plan, meshes.tp_mesh)
     mark_user_parallelised(model)  # after FSDP every managed parameter is a DTensor
-    _apply_activation_checkpointing(model, config, groups)
+    apply_activation_checkpointing(model, config.activation_checkpointing, groups)
     if config.compile:
         _compile_blocks(model, groups, config.compile)
 
@@ -161,26 +162,6 @@ def _shard_one(module: nn.Module, name: str, settings: GroupSettings, mesh: Devi
     # torch's None means False for the root and True elsewhere: record what really happens.
     settings.reshard_after_forward = reshard if reshard is not None else name != ""
     setattr(module, GROUP_ATTR, settings)
-
-
-def _apply_activation_checkpointing(model: nn.Module, config: FSDP2Config, groups: list[str]) -> None:
-    spec = config.activation_checkpointing
-    if spec is None:
-        return
-    if spec == "auto":
-        names = top_level(groups)
-        if not names:
-            raise ValueError(
-                "FSDP2Config.activation_checkpointing='auto' checkpoints the wrapped blocks, but the wrap "
-                "policy selected none; name the block classes explicitly."
-            )
-    else:
-        classes = resolve_classes(model, spec, "FSDP2Config.activation_checkpointing")
-        names = top_level([n for n, m in model.named_modules() if n and isinstance(m, classes)])
-    for name in names:
-        # The composable API keeps parameter names unchanged (a wrapper module would add a
-        # prefix to every checkpoint key).
-        tc.composable_checkpoint(model.get_submodule(name))
 
 
 def _compile_blocks(model: nn.Module, groups: list[str], options: bool | dict) -> None:

@@ -17,7 +17,7 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.planner import resolve_strategy
-from fsdp2_strategy.strategies import strategy
+from fsdp2_strategy.sharding_strategies import strategy
 from fsdp2_strategy.tensor_parallel import declared_plan, user_parallelised_modules
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")

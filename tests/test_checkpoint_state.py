@@ -183,7 +183,7 @@ def test_replace_leaves_no_trash(tmp_path):
 
 # ---------------------------------------------------------------------- one table of strategies
 def test_every_layer_reads_the_strategy_table():
-    from fsdp2_strategy import strategies
+    from fsdp2_strategy import sharding_strategies as strategies
     from fsdp2_strategy.config import SHARDING_STRATEGIES
     from fsdp2_strategy.mesh import default_reshard_after_forward, strategy_mesh_shape
 

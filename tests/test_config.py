@@ -9,7 +9,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.mesh import strategy_mesh_shape, check_reshard_factor
-from fsdp2_strategy.policy import auto_block_classes, select_wrapped
+from fsdp2_strategy.wrap_policy import auto_block_classes, select_wrapped
 from fsdp2_strategy.precision import resolve_mixed_precision
 from _models import Block, TinyGPT
 

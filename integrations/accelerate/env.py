@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from fsdp2_strategy.strategies import NAMES as STRATEGIES
+from fsdp2_strategy.sharding_strategies import NAMES as STRATEGIES
 
 TRUE = ("true", "1", "yes", "y", "on")
 FALSE = ("false", "0", "no", "n", "off")

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.mesh import REPLICATE_DIM, SHARD_DIM, mesh_device_type
-from fsdp2_strategy.strategies import strategy
+from fsdp2_strategy.sharding_strategies import strategy
 from fsdp2_strategy.tensor_parallel import TP_DIM
 
 _HYBRID_OF = {"FULL_SHARD": "HYBRID_SHARD", "SHARD_GRAD_OP": "HYBRID_SHARD_ZERO2"}

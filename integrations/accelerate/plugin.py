@@ -23,7 +23,7 @@ from torch.distributed.fsdp import StateDictType
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.precision import resolve_mixed_precision, resolve_offload
-from fsdp2_strategy.strategies import reshards_after_forward
+from fsdp2_strategy.sharding_strategies import reshards_after_forward
 
 from .env import ADAPTER_KEYS, PRECISIONS, read_accelerate_env
 
