@@ -18,7 +18,7 @@ from .export import export_full, inspect_checkpoint
 from .estimate import MemoryEstimate, estimate_memory
 from .planner import StrategyComparison, compare_strategies
 from .weights import load_full_weights
-from .training import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, set_gradient_sync
+from .train import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, set_gradient_sync
 
 __all__ = [
     "Checkpointer",

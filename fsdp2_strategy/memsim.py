@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import _torch_compat as tc
-from .accumulation import gathers_up_front
+from .train import gathers_up_front
 from .config import FSDP2Config
 from .groups import settings_for
 from .mesh import default_reshard_after_forward

@@ -8,12 +8,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from .accumulation import DEFAULT_MODE, mode_of
+from .train import DEFAULT_MODE, SCALAR_REASON, mode_of, replicated_params_of
 from .host_memory import freed_memory_kept
 from .ring_comms import ATTR as RING_ATTR
 from .groups import GROUP_ATTR, own_named_params
 from .precision import describe_precision
-from .replicated import SCALAR_REASON, replicated_params_of
 from .tensor_parallel import tp_summary
 
 

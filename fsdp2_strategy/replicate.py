@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from .distributed import log_rank_zero
 from .mesh import mesh_device, mesh_device_type
-from .replicated import ATTR, ReplicatedParams, replicated_params_of
+from .train import REPLICATED_ATTR as ATTR
+from .train import ReplicatedParams, replicated_params_of
 
 REPLICATE_REASON = "no fully_shard group owns it: f2.replicate averages grads"
 

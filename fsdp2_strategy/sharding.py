@@ -11,7 +11,6 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 from . import _torch_compat as tc
-from .accumulation import record_mode
 from .activation_checkpoint import apply_activation_checkpointing
 from .config import FSDP2Config
 from .distributed import log_rank_zero
@@ -20,12 +19,10 @@ from .materialize import check_initialisable, has_meta_tensors, materialize
 from .mesh import MeshCache, mesh_device, check_reshard_factor, default_reshard_after_forward, shard_group_size
 from .plan import sharding_plan
 from .wrap_policy import modules_matching
-from .replicated import ATTR as REPLICATED_ATTR
-from .replicated import ReplicatedParams, find_scalar_params
 from .host_memory import apply_host_allocator
 from .ring_comms import install_ring_comms
 from .tensor_parallel import apply_tensor_parallel, mark_user_parallelised, split_mesh
-from .training import mark_replaced_params
+from .train import REPLICATED_ATTR, ReplicatedParams, find_scalar_params, mark_replaced_params, record_mode
 
 
 def shard_model(

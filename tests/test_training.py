@@ -154,7 +154,7 @@ def _rebind_world():
     import torch.distributed as dist
 
     import fsdp2_strategy as f2
-    from fsdp2_strategy.rebind import parameters_by_name, rebind_optimizer
+    from fsdp2_strategy.train.optimizer import parameters_by_name, rebind_optimizer
 
     torch.manual_seed(0)
     model = TinyGPT()
@@ -210,7 +210,7 @@ def _step_method_world():
     from torch.distributed.tensor import DTensor
 
     import fsdp2_strategy as f2
-    from fsdp2_strategy.step_methods import register_step_method
+    from fsdp2_strategy.train.step_methods import register_step_method
 
     torch.manual_seed(0)
     model = Stepper()
@@ -248,7 +248,7 @@ def test_step_method_placeholder_survives_the_root_input_move():
     placeholder the step wrapper passes must come back as one argument tuple."""
     from torch.distributed.utils import _to_kwargs
 
-    from fsdp2_strategy.step_methods import _PLACEHOLDER_ARGS
+    from fsdp2_strategy.train.step_methods import _PLACEHOLDER_ARGS
 
     assert _to_kwargs((), {}, torch.device("cpu"), False) == ((), ())  # what 2.11 indexed
     args, kwargs = _to_kwargs(_PLACEHOLDER_ARGS, {}, torch.device("cpu"), False)

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.distributed import log_rank_zero
-from fsdp2_strategy.rebind import parameters_by_name, rebind_optimizer
+from fsdp2_strategy.train import parameters_by_name, rebind_optimizer
 
 from . import checkpoint
 from . import _compat as compat

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 import fsdp2_strategy as f2
-from fsdp2_strategy.rebind import parameters_by_name, rebind_optimizer
+from fsdp2_strategy.train import parameters_by_name, rebind_optimizer
 
 from .._lightning_shared import check_start_method, core_mesh, effective_config, process_group_backend, register_all
 from . import checkpoint as ckpt

@@ -1,8 +1,8 @@
 """Gradient accumulation modes: what the non-final micro-batches of an optimizer step skip.
 
-`shard_model` records `FSDP2Config.accumulation` on the model; `training.no_sync` and
-`training.set_gradient_sync` call `pause_sync` before the non-final micro-batches and
-`resume_sync` before the last one. Per mode (see `FSDP2Config.accumulation`):
+`shard_model` records `FSDP2Config.accumulation` on the model; `no_sync` and
+`set_gradient_sync` (the public switches, at the end) call `pause_sync` before the non-final
+micro-batches and `resume_sync` before the last one. Per mode (see `FSDP2Config.accumulation`):
 
 - "sync_each": only the replicate all-reduce of HSDP is deferred (`set_requires_all_reduce`);
   the reduce-scatter runs every micro-batch, and so does the average of replicated parameters.
@@ -19,14 +19,15 @@ An exception inside a micro-batch calls `abandon`: sync back on, every group res
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from . import _torch_compat as tc
-from .config import ACCUMULATION_MODES
-from .config_checks import check_choice
+from .. import _torch_compat as tc
+from ..config import ACCUMULATION_MODES
+from ..config_checks import check_choice
 from .replicated import replicated_params_of
 
 MODE_ATTR = "_fsdp2_accumulation"
@@ -232,3 +233,39 @@ def abandon(model: nn.Module) -> None:
         # init (idempotent), which has not run when the exception came before any forward.
         tc.lazy_init(modules[0])
         modules[0].reset_iter_state()
+
+
+# --------------------------------------------------------------------------- the public switches
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn gradient reduction off before a non-final micro-batch, on before the last one.
+
+    What "off" skips follows the model's `FSDP2Config.accumulation` mode: the reduce-scatter
+    ("sync_last"), also the re-gathering of parameters ("keep_gathered"), or only HSDP's
+    replicate all-reduce ("sync_each"). Replicated scalar parameters sync on the last only.
+    """
+    if enabled:
+        resume_sync(model)
+    else:
+        pause_sync(model)
+
+
+@contextlib.contextmanager
+def no_sync(*models: nn.Module) -> Iterator[None]:
+    """Accumulate without the full reduction inside the context (all micro-batches but the last).
+
+    Follows each model's `FSDP2Config.accumulation` mode (default "sync_last": gradients
+    accumulate unreduced on each rank and the first backward outside the context reduces the
+    sum). Sync is switched back on when the context exits; on an exception, parameters that
+    "keep_gathered" held unsharded are also resharded.
+    """
+    try:
+        for model in models:
+            set_gradient_sync(model, False)
+        yield
+    except BaseException:
+        for model in models:
+            abandon(model)
+        raise
+    else:
+        for model in models:
+            set_gradient_sync(model, True)

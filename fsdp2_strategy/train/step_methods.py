@@ -17,7 +17,7 @@ import functools
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from . import _torch_compat as tc
+from .. import _torch_compat as tc
 
 # The arguments handed to FSDP's pre/post-forward instead of the step's own: one placeholder,
 # because torch 2.11's root pre-forward on an accelerator indexes what moving the arguments

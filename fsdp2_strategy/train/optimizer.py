@@ -1,18 +1,20 @@
-"""Point an optimizer built before `shard_model` at the sharded parameters.
+"""Optimizers built before `shard_model`: refused at their first step, or pointed at the sharded parameters.
 
 `shard_model` replaces every parameter with a new DTensor parameter, so an optimizer created
 earlier holds objects that no longer receive gradients (`check_optimizer` refuses it at its
-first step). Trainers whose users build the optimizer first (Accelerate's
+first step, through a global optimizer pre-step hook installed once). Trainers whose users build the optimizer first (Accelerate's
 `prepare(model, optimizer)`) rebind it instead: parameters are matched by their qualified
 name before and after sharding, which also holds for tied weights (one name, one parameter).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Mapping
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 
 def parameters_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -53,3 +55,44 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, before: Mapping[str, nn.P
             params[i] = new
             replaced += 1
     return replaced
+
+
+# --------------------------------------------------------------------------- optimizer check
+_REPLACED = "_fsdp2_replaced_by_sharding"
+_checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_hook_handle = None
+
+
+def mark_replaced_params(before: list[nn.Parameter], model: nn.Module) -> None:
+    """Mark parameters that sharding replaced, so an optimizer still holding them is caught."""
+    current = {id(p) for p in model.parameters()}
+    for p in before:
+        if id(p) not in current:
+            setattr(p, _REPLACED, True)
+    _install_optimizer_check()
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Raise if `optimizer` holds parameters that `shard_model` replaced (built too early)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, _REPLACED, False):
+                raise ValueError(
+                    f"{type(optimizer).__name__} was created before shard_model(): it holds the original, "
+                    "unsharded parameters, which no longer receive gradients. Create the optimizer after "
+                    "shard_model(model), from model.parameters()."
+                )
+
+
+def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    # Checked once per optimizer, at its first step: later steps cost nothing.
+    if optimizer in _checked:
+        return
+    check_optimizer(optimizer)
+    _checked.add(optimizer)
+
+
+def _install_optimizer_check() -> None:
+    global _hook_handle
+    if _hook_handle is None:
+        _hook_handle = register_optimizer_step_pre_hook(_optimizer_pre_step)

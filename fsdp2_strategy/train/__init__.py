@@ -1,0 +1,34 @@
+"""Training with a sharded model: accumulation modes and `no_sync`, clipping, optimizer checks,
+parameters kept replicated by hand, and trainer entry points other than `forward`.
+
+Imports only the base modules of the core. `__all__` is what other packages and the adapters use.
+"""
+
+from .accumulation import (DEFAULT_MODE, gathers_up_front, mode_of, no_sync, record_mode,
+                           set_gradient_sync)
+from .clipping import clip_grad_norm_, clip_grad_value_
+from .optimizer import check_optimizer, mark_replaced_params, parameters_by_name, rebind_optimizer
+from .replicated import (ATTR as REPLICATED_ATTR, SCALAR_REASON, ReplicatedParams, find_scalar_params,
+                         replicated_params_of)
+from .step_methods import register_step_method
+
+__all__ = [
+    "DEFAULT_MODE",
+    "REPLICATED_ATTR",
+    "SCALAR_REASON",
+    "ReplicatedParams",
+    "check_optimizer",
+    "clip_grad_norm_",
+    "clip_grad_value_",
+    "find_scalar_params",
+    "gathers_up_front",
+    "mark_replaced_params",
+    "mode_of",
+    "no_sync",
+    "parameters_by_name",
+    "rebind_optimizer",
+    "record_mode",
+    "register_step_method",
+    "replicated_params_of",
+    "set_gradient_sync",
+]
