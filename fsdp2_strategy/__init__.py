@@ -15,8 +15,7 @@ from .plan import ShardingPlan, sharding_plan
 from .replicate import replicate
 from .sharding import shard_model
 from .export import export_full, inspect_checkpoint
-from .estimate import MemoryEstimate, estimate_memory
-from .planner import StrategyComparison, compare_strategies
+from .estimate import MemoryEstimate, StrategyComparison, compare_strategies, estimate_memory
 from .weights import load_full_weights
 from .train import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, set_gradient_sync
 

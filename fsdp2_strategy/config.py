@@ -189,7 +189,7 @@ class FSDP2Config:
     memory_budget: Any = None
     """Bytes per rank that `sharding_strategy="auto"` must fit (an int, or text like "80GiB").
     None: the accelerator's total memory, or on CPU the available RAM divided by the local ranks,
-    minus `planner.BUDGET_MARGIN` (10%)."""
+    minus `estimate.compare.BUDGET_MARGIN` (10%)."""
 
     def __post_init__(self) -> None:
         self.sharding_strategy = _strategy_name(self.sharding_strategy, allow_auto=True)

@@ -152,8 +152,3 @@ def install_ring_comms(model: nn.Module, collectives: str = "auto") -> int:
         installed += 1
     return installed
 
-
-def uses_ring_comms(device_type: str, collectives: str) -> bool:
-    """Whether a job on `device_type` with `FSDP2Config.collectives` runs the rings (for the memory
-    model: gloo is the CPU backend)."""
-    return collectives == "ring" or (collectives == "auto" and device_type == "cpu")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -13,10 +14,11 @@ from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from . import _torch_compat as tc
 from .activation_checkpoint import apply_activation_checkpointing
 from .config import FSDP2Config
+from .estimate import resolve_strategy
 from .distributed import log_rank_zero
 from .groups import GROUP_ATTR, GroupSettings, own_named_params, select_groups, settings_for, top_level
 from .materialize import check_initialisable, has_meta_tensors, materialize
-from .mesh import MeshCache, mesh_device, check_reshard_factor, default_reshard_after_forward, shard_group_size
+from .mesh import MeshCache, detect_num_nodes, mesh_device, check_reshard_factor, default_reshard_after_forward, shard_group_size
 from .plan import sharding_plan
 from .wrap_policy import modules_matching
 from .host_memory import apply_host_allocator
@@ -106,16 +108,11 @@ def _resolve_auto_strategy(model: nn.Module, config: FSDP2Config, mesh: Optional
                            **planner_inputs: Any) -> FSDP2Config:
     """Let the memory planner pick the strategy (the same choice on every rank: the estimate is
     deterministic and uses only the model's shapes and the config)."""
-    import torch.distributed as dist
-
-    from .mesh import detect_num_nodes
-    from .planner import resolve_strategy
-
     if not dist.is_initialized():
         raise RuntimeError("shard_model needs an initialised process group (sharding_strategy='auto' plans for its world size).")
     world = dist.get_world_size()
     nodes = config.mesh_shape[0] if config.mesh_shape and len(config.mesh_shape) == 2 else detect_num_nodes(world)
-    # The device the job trains on decides attention kernels and collective buffers (`simdevice`).
+    # The device the job trains on decides attention kernels and collective buffers (`estimate.sim_device`).
     device_type = mesh.device_type if mesh is not None else ("cpu" if dist.get_backend() == "gloo" else None)
     return resolve_strategy(model, config, world, nodes, device_type=device_type, **planner_inputs)
 

@@ -16,7 +16,7 @@ from torch import nn
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 
 import fsdp2_strategy as f2
-from fsdp2_strategy.planner import resolve_strategy
+from fsdp2_strategy.estimate import resolve_strategy
 from fsdp2_strategy.sharding_strategies import strategy
 from fsdp2_strategy.tensor_parallel import declared_plan, user_parallelised_modules
 

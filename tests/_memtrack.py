@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fsdp2_strategy as f2
-from fsdp2_strategy.optim_state import optimizer_factory
+from fsdp2_strategy.estimate.sim_optimizer import optimizer_factory
 
 from _models import TinyGPT, make_batch
 

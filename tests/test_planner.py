@@ -9,7 +9,7 @@ import fsdp2_strategy as f2
 from _harness import run_distributed
 from _models import TinyGPT
 from fsdp2_strategy.cli import main
-from fsdp2_strategy.estimate import human_bytes
+from fsdp2_strategy.estimate.memory import human_bytes
 
 
 def gpt(layers: int = 4):

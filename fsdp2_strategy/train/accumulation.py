@@ -79,7 +79,7 @@ def _gather_each_group_once(model: nn.Module) -> None:
 # --------------------------------------------------------------------------- keep_gathered
 def gathers_up_front(device_type: str) -> bool:
     """Whether "keep_gathered" gathers every group when a step's first `no_sync` begins, rather than
-    each in its own forward (`_KeptGroups.keep` says why: on CPU). `memsim` plays the same rule."""
+    each in its own forward (`_KeptGroups.keep` says why: on CPU). `estimate.simulate` plays the same rule."""
     return device_type == "cpu"
 
 
@@ -108,7 +108,7 @@ class _KeptGroups:
         of a backward (a group this micro-batch does not use), which would gather it twice.
         Memory: the all-gather outputs and the gathered parameters reach at most twice the gathered
         parameters, no more than the backward holds (gathered parameters and unsharded gradients of
-        at least their size); `memsim` plays it. On an accelerator each group is gathered by its
+        at least their size); `estimate.simulate` plays it. On an accelerator each group is gathered by its
         own forward, where FSDP overlaps the next group's all-gather with compute. Groups already
         gathered do nothing.
         """

@@ -25,8 +25,7 @@ from typing import Iterator, Optional
 import torch
 from torch.nn.attention import SDPBackend
 
-from . import _torch_compat as tc
-from .ring_comms import uses_ring_comms
+from .. import _torch_compat as tc
 
 
 def default_device_type() -> str:
@@ -51,7 +50,7 @@ def reduce_scatter_scratch(device_type: str, collectives: str, input_bytes: int,
     output on `device_type` (gloo on CPU) with `FSDP2Config.collectives`."""
     if shard_size <= 1:
         return 0
-    if uses_ring_comms(device_type, collectives):
+    if _uses_ring_comms(device_type, collectives):
         return input_bytes // shard_size
     return input_bytes if device_type == "cpu" else 0
 
@@ -97,3 +96,9 @@ def attention_kernels(device_type: str) -> Iterator[None]:
         yield
     finally:
         torch.nn.functional.scaled_dot_product_attention = original
+
+
+def _uses_ring_comms(device_type: str, collectives: str) -> bool:
+    """Whether a job on `device_type` with `FSDP2Config.collectives` runs `shard.ring_comms`'s rings
+    ("auto" installs them where the shard group is gloo, which is the CPU backend)."""
+    return collectives == "ring" or (collectives == "auto" and device_type == "cpu")

@@ -7,8 +7,8 @@ training step of a meta copy with hooks that play FSDP2's schedule: all-gather b
 group's forward and backward, reshard after forward by the group's choice, reduce-scatter and
 free the unsharded gradients when a group's backward is done, prefetch one group ahead in
 backward (torch's default) or as configured. What depends on the training device (attention
-kernels, gloo's reduce-scatter copy) lives in `simdevice`; the meta copy of model and batch in
-`simmodel`.
+kernels, gloo's reduce-scatter copy) lives in `sim_device`; the meta copy of model and batch in
+`sim_model`.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from . import _torch_compat as tc
-from .train import gathers_up_front
-from .config import FSDP2Config
-from .groups import settings_for
-from .mesh import default_reshard_after_forward
-from .simdevice import attention_kernels, reduce_scatter_scratch
-from .simmodel import default_loss
+from .. import _torch_compat as tc
+from ..train import gathers_up_front
+from ..config import FSDP2Config
+from ..groups import settings_for
+from ..mesh import default_reshard_after_forward
+from .sim_device import attention_kernels, reduce_scatter_scratch
+from .sim_model import default_loss
 
 
 
@@ -367,7 +367,7 @@ def states_without_batch(sizes: dict[str, GroupSizes], tracker: LiveBytes, resid
 def run_step(model: nn.Module, batch: Any, loss_fn, sizes: dict[str, GroupSizes], tracker: LiveBytes,
              resident: int, config: FSDP2Config, accumulation: str, micro_batches: int, device_type: str) -> None:
     """Play forward and backward of up to two micro-batches (the second looks like every later one)
-    as on `device_type` (its attention kernels and collective buffers: `simdevice`)."""
+    as on `device_type` (its attention kernels and collective buffers: `sim_device`)."""
     schedule = _Schedule(model, sizes, tracker, config, device_type)
     schedule.install()
     tracker.add("resident", resident)

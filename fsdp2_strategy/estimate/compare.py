@@ -15,9 +15,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .distributed import log_rank_zero
-from .config import SHARDING_STRATEGIES, FSDP2Config, parse_bytes
-from .estimate import MemoryEstimate, estimate_memory, human_bytes
+from ..distributed import log_rank_zero
+from ..config import SHARDING_STRATEGIES, FSDP2Config, parse_bytes
+from .memory import MemoryEstimate, estimate_memory, human_bytes
 
 BUDGET_MARGIN = 0.10
 """Share of the device (or of this rank's part of the RAM) kept free when `memory_budget` is not

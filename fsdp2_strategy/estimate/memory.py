@@ -2,7 +2,7 @@
 
 Nothing is materialised and no process group is needed. The model is copied onto the meta
 device (parameters in the compute dtype) and one training step of `example_batch` runs there
-under a live-storage counter (`memsim.LiveBytes`). Hooks on the would-be FSDP groups add what
+under a live-storage counter (`simulate.LiveBytes`). Hooks on the would-be FSDP groups add what
 FSDP2 itself holds at each moment - sharded parameters, gradients and optimizer state, the
 gathered groups alive at once (reshard choice, prefetch depth), all-gather and reduce-scatter
 buffers - so the peak is found where it really happens, not as a sum of separate maxima.
@@ -20,15 +20,15 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch import nn
 
-from .activation_checkpoint import apply_activation_checkpointing
-from .config import ACCUMULATION_MODES, FSDP2Config
-from .config_checks import check_choice
-from .groups import select_groups, settings_for
-from .memsim import GroupSizes, LiveBytes, group_sizes, run_step, states_without_batch
-from .simmodel import meta_copy
-from .optim_state import measure_optimizer
-from .simdevice import resolve_device_type
-from .wrap_policy import modules_matching
+from ..activation_checkpoint import apply_activation_checkpointing
+from ..config import ACCUMULATION_MODES, FSDP2Config
+from ..config_checks import check_choice
+from ..groups import select_groups, settings_for
+from .simulate import GroupSizes, LiveBytes, group_sizes, run_step, states_without_batch
+from .sim_model import meta_copy
+from .sim_optimizer import measure_optimizer
+from .sim_device import resolve_device_type
+from ..wrap_policy import modules_matching
 
 
 @dataclass
@@ -151,7 +151,7 @@ def estimate_memory(
     `device_type` is the device the job trains on ("cpu", "cuda", ...; None: this machine's
     accelerator, else "cpu"): it decides which attention kernel the activations are measured with
     and the scratch a reduce-scatter holds (gloo's copy of its input, or the ring's receive buffer of
-    `FSDP2Config.collectives`); see `simdevice`.
+    `FSDP2Config.collectives`); see `sim_device`.
     """
     config = FSDP2Config.coerce(config, log_plan=False)
     if config.sharding_strategy == "auto":

@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from . import _torch_compat as tc
+from .. import _torch_compat as tc
 
 
 def meta_copy(model: nn.Module, batch: Any, compute_dtype: Optional[torch.dtype], cast_inputs: bool):

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .memsim import GroupSizes, LiveBytes
+from .simulate import GroupSizes, LiveBytes
 
 
 OPTIMIZERS = {
