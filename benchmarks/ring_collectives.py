@@ -22,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench  # noqa: E402
 
-from fsdp2_strategy.ring_comms import RingAllGather, RingReduceScatter  # noqa: E402
+from fsdp2_strategy.shard.ring_comms import RingAllGather, RingReduceScatter  # noqa: E402
 
 ALL_REDUCE = "gloo all_reduce (DDP's collective)"
 

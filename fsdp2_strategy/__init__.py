@@ -11,9 +11,7 @@ from .checkpoint import Checkpointer
 from .fsdp1 import fully_shard
 from .config import FSDP2Config, ModuleOverride
 from .distributed import init_distributed, shutdown
-from .plan import ShardingPlan, sharding_plan
-from .replicate import replicate
-from .sharding import shard_model
+from .shard import ShardingPlan, replicate, shard_model, sharding_plan
 from .export import export_full, inspect_checkpoint
 from .estimate import MemoryEstimate, StrategyComparison, compare_strategies, estimate_memory
 from .weights import load_full_weights

@@ -219,7 +219,7 @@ def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
 
 
 def _shard_fsdp1(module: nn.Module, fsdp1: dict, fsdp2: dict, prefetch: dict) -> nn.Module:
-    from .sharding import shard_model
+    from .shard.sharding import shard_model
 
     ignored = modules_matching(module, list(fsdp1["ignored_modules"]), "ignored_modules") if fsdp1.get("ignored_modules") else []
     policy = fsdp1.get("auto_wrap_policy")

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .distributed import log_rank_zero
-from .materialize import copy_from_full, has_meta_tensors, local_region, local_tensor
+from .shard import copy_from_full, has_meta_tensors, local_region, local_tensor
 from .mesh import mesh_device
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"

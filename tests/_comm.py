@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from fsdp2_strategy.ring_comms import RingAllGather, RingReduceScatter
+from fsdp2_strategy.shard.ring_comms import RingAllGather, RingReduceScatter
 
 NAMES = ("reduce_scatter_single", "all_gather_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
 RINGS = ((RingAllGather, "ring_all_gather", "all_gather_single"),

@@ -21,7 +21,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 _FAULTS = """
 import resource, torch
-from fsdp2_strategy import host_memory
+from fsdp2_strategy.shard import host_memory
 
 def faults_per_cycle():
     counts = []
@@ -56,7 +56,7 @@ def _plan_line(model) -> str:
 
 def _allocator_world() -> dict:
     import fsdp2_strategy as f2
-    from fsdp2_strategy import host_memory
+    from fsdp2_strategy.shard import host_memory
 
     out = {"before": host_memory.freed_memory_kept()}
     model = f2.shard_model(TinyGPT(), host_allocator="system", log_plan=False)
@@ -75,7 +75,7 @@ def test_shard_model_keeps_freed_memory_on_cpu_unless_told_not_to():
 
 
 def test_cache_without_glibc_names_the_field(monkeypatch):
-    from fsdp2_strategy import host_memory
+    from fsdp2_strategy.shard import host_memory
 
     monkeypatch.setattr(host_memory, "_kept", False)
     monkeypatch.setattr(host_memory, "_glibc", lambda: None)

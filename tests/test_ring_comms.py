@@ -25,7 +25,7 @@ WORLD = 4
 def _collective_checks() -> dict:
     import torch.distributed as dist
 
-    from fsdp2_strategy.ring_comms import RingAllGather, RingReduceScatter
+    from fsdp2_strategy.shard.ring_comms import RingAllGather, RingReduceScatter
 
     rank = dist.get_rank()
     pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]  # every rank makes both groups
@@ -73,7 +73,7 @@ def _scratch_bytes(group) -> dict:
     """Peak bytes of the tensors the ring reduce-scatter touches or allocates (MemTracker)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from fsdp2_strategy.ring_comms import RingReduceScatter
+    from fsdp2_strategy.shard.ring_comms import RingReduceScatter
 
     numel = 2**18  # 1 MiB of fp32
     full, output = torch.randn(numel), torch.empty(numel // group.size())
@@ -89,7 +89,7 @@ def _train(collectives: str, ref: torch.nn.Module, **config) -> dict:
 
     import fsdp2_strategy as f2
     from fsdp2_strategy import _torch_compat as tc
-    from fsdp2_strategy.ring_comms import RingAllGather
+    from fsdp2_strategy.shard.ring_comms import RingAllGather
 
     rank = dist.get_rank()
     model = f2.shard_model(copy.deepcopy(ref), collectives=collectives, accumulation="keep_gathered", log_plan=False,

@@ -37,7 +37,7 @@ def _memory_ties_plan_world():
     import torch.distributed as dist
 
     import fsdp2_strategy as f2
-    from fsdp2_strategy.plan import rank_param_bytes
+    from fsdp2_strategy.shard.report import rank_param_bytes
 
     out = {}
     torch.manual_seed(0)

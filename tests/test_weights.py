@@ -159,7 +159,7 @@ def _rank0_world():
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from fsdp2_strategy.rank0_weights import shard_with_rank0_weights
+    from fsdp2_strategy.shard.rank0_weights import shard_with_rank0_weights
 
     full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
     is_zero = dist.get_rank() == 0

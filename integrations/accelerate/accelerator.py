@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.distributed import log_rank_zero
+from fsdp2_strategy.shard import shard_with_rank0_weights
 from fsdp2_strategy.train import parameters_by_name, rebind_optimizer
 
 from . import checkpoint
@@ -198,8 +199,6 @@ class FSDP2Accelerator(Accelerator):
         if self.verify_device_map(model):
             raise ValueError("A model loaded with `device_map=...` cannot be sharded; load it without a device map.")
         if self.fsdp_plugin.cpu_ram_efficient_loading:
-            from fsdp2_strategy.rank0_weights import shard_with_rank0_weights
-
             shard_with_rank0_weights(model, self.fsdp2_config)
         else:
             f2.shard_model(model, self.fsdp2_config, mesh=self._fsdp2_mesh)

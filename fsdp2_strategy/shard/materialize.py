@@ -25,9 +25,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from . import _torch_compat as tc
-from .distributed import log_rank_zero
-from .mesh import mesh_device
+from .. import _torch_compat as tc
+from ..distributed import log_rank_zero
+from ..mesh import mesh_device
 
 
 def has_meta_tensors(model: nn.Module) -> bool:

@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from . import _torch_compat as tc
-from .config import COLLECTIVES
-from .config_checks import check_choice
+from .. import _torch_compat as tc
+from ..config import COLLECTIVES
+from ..config_checks import check_choice
 
 
 ATTR = "_fsdp2_ring_comms"

@@ -24,8 +24,8 @@ import logging
 import platform
 from typing import Optional
 
-from .config import HOST_ALLOCATORS
-from .config_checks import check_choice
+from ..config import HOST_ALLOCATORS
+from ..config_checks import check_choice
 
 
 MMAP_THRESHOLD = 1 << 30

@@ -8,12 +8,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from .train import DEFAULT_MODE, SCALAR_REASON, mode_of, replicated_params_of
+from ..train import DEFAULT_MODE, SCALAR_REASON, mode_of, replicated_params_of
 from .host_memory import freed_memory_kept
 from .ring_comms import ATTR as RING_ATTR
-from .groups import GROUP_ATTR, own_named_params
-from .precision import describe_precision
-from .tensor_parallel import tp_summary
+from ..groups import GROUP_ATTR, own_named_params
+from ..precision import describe_precision
+from ..tensor_parallel import tp_summary
 
 
 ACCUMULATION_SUMMARY = {

@@ -21,10 +21,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from .distributed import log_rank_zero
-from .mesh import mesh_device, mesh_device_type
-from .train import REPLICATED_ATTR as ATTR
-from .train import ReplicatedParams, replicated_params_of
+from ..distributed import log_rank_zero
+from ..mesh import mesh_device, mesh_device_type
+from ..train import REPLICATED_ATTR as ATTR
+from ..train import ReplicatedParams, replicated_params_of
 
 REPLICATE_REASON = "no fully_shard group owns it: f2.replicate averages grads"
 

@@ -11,20 +11,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
-from . import _torch_compat as tc
-from .activation_checkpoint import apply_activation_checkpointing
-from .config import FSDP2Config
-from .estimate import resolve_strategy
-from .distributed import log_rank_zero
-from .groups import GROUP_ATTR, GroupSettings, own_named_params, select_groups, settings_for, top_level
+from .. import _torch_compat as tc
+from ..activation_checkpoint import apply_activation_checkpointing
+from ..config import FSDP2Config
+from ..estimate import resolve_strategy
+from ..distributed import log_rank_zero
+from ..groups import GROUP_ATTR, GroupSettings, own_named_params, select_groups, settings_for, top_level
 from .materialize import check_initialisable, has_meta_tensors, materialize
-from .mesh import MeshCache, detect_num_nodes, mesh_device, check_reshard_factor, default_reshard_after_forward, shard_group_size
-from .plan import sharding_plan
-from .wrap_policy import modules_matching
+from ..mesh import MeshCache, detect_num_nodes, mesh_device, check_reshard_factor, default_reshard_after_forward, shard_group_size
+from .report import sharding_plan
+from ..wrap_policy import modules_matching
 from .host_memory import apply_host_allocator
 from .ring_comms import install_ring_comms
-from .tensor_parallel import apply_tensor_parallel, mark_user_parallelised, split_mesh
-from .train import REPLICATED_ATTR, ReplicatedParams, find_scalar_params, mark_replaced_params, record_mode
+from ..tensor_parallel import apply_tensor_parallel, mark_user_parallelised, split_mesh
+from ..train import REPLICATED_ATTR, ReplicatedParams, find_scalar_params, mark_replaced_params, record_mode
 
 
 def shard_model(

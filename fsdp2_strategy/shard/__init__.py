@@ -1,0 +1,25 @@
+"""Applying FSDP2 to a model: `shard_model` (groups bottom-up, tensor parallel, checkpointing,
+compile, prefetch), meta-device materialisation, the gloo rings and the host allocator it
+installs, `replicate` for what no group owns, rank-0 weight broadcast, and the sharding report.
+
+Imports the base modules, `train` and `estimate` (for `sharding_strategy="auto"`). `__all__` is
+what other packages and the adapters use.
+"""
+
+from .materialize import copy_from_full, has_meta_tensors, local_region, local_tensor
+from .rank0_weights import shard_with_rank0_weights
+from .replicate import replicate
+from .report import ShardingPlan, sharding_plan
+from .sharding import shard_model
+
+__all__ = [
+    "ShardingPlan",
+    "copy_from_full",
+    "has_meta_tensors",
+    "local_region",
+    "local_tensor",
+    "replicate",
+    "shard_model",
+    "shard_with_rank0_weights",
+    "sharding_plan",
+]
