@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 
 import fsdp2_strategy as f2
 import fsdp2_strategy.integrations.fabric  # noqa: F401  (registers strategy="fsdp2" in Fabric)
-from fsdp2_strategy import checkpoint_dir as cdir
+from fsdp2_strategy.checkpoint import directory as cdir
 from reviews import LABELS, encode_splits, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
 
 

@@ -7,7 +7,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from .export import export_full, inspect_checkpoint
+from .checkpoint import export_full, inspect_checkpoint
 from . import plan_command
 
 

@@ -75,7 +75,7 @@ def _error_of(fn, *args, **kwargs) -> tuple[str, str]:
 def _main_world(root: str) -> dict:
     import torch.distributed as dist
 
-    from fsdp2_strategy.checkpoint import Checkpointer
+    from fsdp2_strategy.checkpoint.checkpointer import Checkpointer
 
     rank = dist.get_rank()
     out: dict = {}
@@ -228,7 +228,7 @@ def test_async_save_commits_on_wait(main_world):
 
 def test_single_process_without_process_group(tmp_path):
     """No process group at all: plain model, extra-only saves, argument errors."""
-    from fsdp2_strategy.checkpoint import Checkpointer
+    from fsdp2_strategy.checkpoint.checkpointer import Checkpointer
 
     torch.manual_seed(0)
     model = TinyGPT()
@@ -260,7 +260,7 @@ def test_single_process_without_process_group(tmp_path):
 
 # ---------------------------------------------------------------------- exact resume and resharding
 def _resume_world(root: str) -> dict:
-    from fsdp2_strategy.checkpoint import Checkpointer
+    from fsdp2_strategy.checkpoint.checkpointer import Checkpointer
 
     model, opt = _build(seed=7)  # a different init and RNG: everything must come from the checkpoint
     extra = Checkpointer(f"{root}/main").load(model=model, optimizer=opt, step=3)
@@ -279,7 +279,7 @@ def test_exact_resume_in_a_new_world(main_world):
 
 
 def _reshard_world(root: str) -> dict:
-    from fsdp2_strategy.checkpoint import Checkpointer
+    from fsdp2_strategy.checkpoint.checkpointer import Checkpointer
 
     ck = Checkpointer(f"{root}/main")
     sharded, sharded_opt = _build(seed=5)
@@ -309,7 +309,7 @@ def test_two_rank_checkpoint_loads_on_one_rank(one_rank_world):
 
 
 def _four_rank_world(root: str) -> dict:
-    from fsdp2_strategy.checkpoint import Checkpointer
+    from fsdp2_strategy.checkpoint.checkpointer import Checkpointer
 
     ck = Checkpointer(f"{root}/main")  # step 3 was saved by 2 ranks
     fsdp, fsdp_opt = _build(seed=12)
@@ -357,7 +357,7 @@ def _integrity_world(root: str) -> dict:
 
     import torch.distributed as dist
 
-    from fsdp2_strategy.checkpoint import Checkpointer
+    from fsdp2_strategy.checkpoint.checkpointer import Checkpointer
 
     rank = dist.get_rank()
     out: dict = {}
@@ -448,7 +448,7 @@ def test_repaired_and_plain_dcp_checkpoints_load(integrity_world):
 def _crashing_checkpointer(root: str):
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from fsdp2_strategy.checkpoint import Checkpointer
+    from fsdp2_strategy.checkpoint.checkpointer import Checkpointer
 
     class DieAfterWritingShards(FileSystemWriter):
         """Rank 1 writes its shard files, then is killed before `.metadata` exists."""
@@ -487,7 +487,7 @@ def _killed_world(root: str) -> None:
 
 
 def _after_kill_world(root: str) -> dict:
-    from fsdp2_strategy.checkpoint import Checkpointer
+    from fsdp2_strategy.checkpoint.checkpointer import Checkpointer
 
     ck = Checkpointer(root, keep_last=3)
     out = {"latest": ck.latest_step()}

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-from fsdp2_strategy import checkpoint_dir as cdir
+from fsdp2_strategy.checkpoint import directory as cdir
 
 
 class _DieMidWrite(FileSystemWriter):

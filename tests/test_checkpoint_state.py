@@ -13,7 +13,7 @@ import torch
 
 from _harness import run_distributed
 from _models import TinyGPT, loss_fn, make_batch
-from fsdp2_strategy import checkpoint_dir as cdir
+from fsdp2_strategy.checkpoint import directory as cdir
 
 TIMEOUT = 150
 
@@ -98,7 +98,7 @@ def _unstepped_world(root: str) -> dict:
         float(s["step"]) == 1.0 for s in fresh_opt.state.values())
 
     # load_dir, non-strict: a model with an extra parameter loads the keys both sides have.
-    from fsdp2_strategy.checkpoint_state import sharded_state
+    from fsdp2_strategy.checkpoint.state import sharded_state
 
     torch.manual_seed(0)
     bigger = TinyGPT(temperature=True)

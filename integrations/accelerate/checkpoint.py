@@ -28,9 +28,9 @@ from accelerate.utils.constants import FSDP_MODEL_NAME
 from torch import nn
 
 import fsdp2_strategy as f2
-from fsdp2_strategy import checkpoint_dir as cdir
-from fsdp2_strategy.checkpoint_state import Models, Optimizers, sharded_state
-from fsdp2_strategy.export import write_model_view
+from fsdp2_strategy.checkpoint import directory as cdir
+from fsdp2_strategy.checkpoint import Models, Optimizers, sharded_state
+from fsdp2_strategy.checkpoint import write_model_view
 from fsdp2_strategy.distributed import barrier, from_rank_zero, log_rank_zero, rank
 
 from . import _compat as compat

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from fsdp2_strategy import checkpoint_dir as cdir
-from fsdp2_strategy.checkpoint_state import sharded_state
+from fsdp2_strategy.checkpoint import directory as cdir
+from fsdp2_strategy.checkpoint import sharded_state
 
 from ._compat import META_FILE
 

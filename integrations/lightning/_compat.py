@@ -23,9 +23,9 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from fsdp2_strategy import checkpoint_dir as cdir
+from fsdp2_strategy.checkpoint import directory as cdir
 from fsdp2_strategy.distributed import shutdown
-from fsdp2_strategy.export import read_full_model_state
+from fsdp2_strategy.checkpoint import read_full_model_state
 from fsdp2_strategy.versions import private_api_error
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor state in a sharded checkpoint

@@ -28,8 +28,8 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 import fsdp2_strategy as f2
-from fsdp2_strategy import checkpoint_dir as cdir
-from fsdp2_strategy.checkpoint_state import optimizer_state_dict, unstepped_kept
+from fsdp2_strategy.checkpoint import directory as cdir
+from fsdp2_strategy.checkpoint import optimizer_state_dict, unstepped_kept
 from fsdp2_strategy.train import register_step_method
 
 from .._lightning_shared import check_start_method, core_mesh, effective_config, process_group_backend, register_all

@@ -19,7 +19,7 @@ import ray.train
 import torch
 from torch import nn
 
-from fsdp2_strategy import checkpoint_dir as cdir
+from fsdp2_strategy.checkpoint import directory as cdir
 from fsdp2_strategy.checkpoint import Checkpointer, load_step_dir, step_dir_name
 from fsdp2_strategy.distributed import barrier, from_rank_zero, rank
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .distributed import is_distributed, logger
+from ..distributed import is_distributed, logger
 
 CHECKSUMS_FILE = "checksums.json"
 ALGORITHM = "crc32"

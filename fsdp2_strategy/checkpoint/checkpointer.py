@@ -28,10 +28,10 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import checkpoint_dir as cdir
-from .checkpoint_dir import TMP_PREFIX
-from .checkpoint_state import Models, Optimizers, sharded_state
-from .distributed import barrier, is_distributed, log_rank_zero, logger, rank
+from . import directory as cdir
+from .directory import TMP_PREFIX
+from .state import Models, Optimizers, sharded_state
+from ..distributed import barrier, is_distributed, log_rank_zero, logger, rank
 
 EXTRA_FILE = "extra.pt"
 MODEL_KEY, OPTIM_KEY = "model", "optim"  # top-level keys; DCP flattens them to "model.<name>"

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .distributed import log_rank_zero
-from .shard import copy_from_full, has_meta_tensors, local_region, local_tensor
-from .mesh import mesh_device
+from ..distributed import log_rank_zero
+from ..shard import copy_from_full, has_meta_tensors, local_region, local_tensor
+from ..mesh import mesh_device
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _ST_DTYPES = {

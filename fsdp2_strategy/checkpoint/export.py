@@ -22,10 +22,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from . import checkpoint_dir as cdir
-from . import checkpoint_integrity as integrity
-from .precision import dtype_from_name
-from .distributed import logger
+from . import directory as cdir
+from . import integrity as integrity
+from ..precision import dtype_from_name
+from ..distributed import logger
 
 # Where the model's tensors sit in a DCP checkpoint: `Checkpointer` ("model.") and
 # Lightning's sharded checkpoints ("state_dict."; also what our Lightning adapter writes).
