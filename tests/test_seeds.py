@@ -683,7 +683,7 @@ def test_shard_part_replicate_the_rest(tmp_path):
 def test_fsdp1_policy_objects_and_size_policy_resolve_like_fsdp1():
     from torch.distributed.fsdp.wrap import CustomPolicy, size_based_auto_wrap_policy
 
-    from fsdp2_strategy.fsdp1_wrap import policy_groups
+    from fsdp2_strategy.fsdp1.wrap import policy_groups
 
     model = MLP()
     model.extra = nn.Sequential(nn.Linear(4, 400), nn.Linear(400, 4))

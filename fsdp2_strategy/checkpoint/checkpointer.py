@@ -10,7 +10,7 @@ rank 0 renames it to `step-N/` only after every rank finished writing and `.meta
 so a crash at any moment leaves at most a `.tmp-*` directory behind: the previous step stays
 the latest, and a committed directory is never rewritten (torch's own `dcp.save` into an
 existing directory that dies half-way would leave a loadable, mixed checkpoint). `load()`
-verifies the files against `checksums.json` first (see `checkpoint_integrity`).
+verifies the files against `checksums.json` first (see `integrity`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from . import _torch_compat as tc
+from .. import _torch_compat as tc
 
 
 def policy_groups(model: nn.Module, policy: Any, ignored: list[str]) -> list[str]:

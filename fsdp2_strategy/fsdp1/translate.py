@@ -30,10 +30,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffload, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
-from . import _torch_compat as tc
-from .fsdp1_wrap import policy_groups
-from .groups import GROUP_ATTR
-from .wrap_policy import modules_matching
+from .. import _torch_compat as tc
+from ..groups import GROUP_ATTR
+from ..mesh import mesh_device_type
+from ..shard import shard_model
+from ..wrap_policy import modules_matching
+from .wrap import policy_groups
 
 FSDP1_KEYWORDS = ("sharding_strategy", "mixed_precision", "cpu_offload", "ignored_modules", "auto_wrap_policy",
                   "fsdp_auto_wrap_policy", "device_mesh", "process_group")
@@ -133,8 +135,6 @@ def _cpu_offload(value: Any) -> bool:
 
 def _mesh_from_process_group(group: Any) -> DeviceMesh:
     """FSDP1's `process_group` is the group parameters are sharded over: a 1-D mesh on it."""
-    from .mesh import mesh_device_type
-
     if isinstance(group, (tuple, list)):
         raise ValueError(
             "fully_shard(process_group=(intra_node, inter_node)) for HYBRID_SHARD is not mapped; pass "
@@ -219,8 +219,6 @@ def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
 
 
 def _shard_fsdp1(module: nn.Module, fsdp1: dict, fsdp2: dict, prefetch: dict) -> nn.Module:
-    from .shard.sharding import shard_model
-
     ignored = modules_matching(module, list(fsdp1["ignored_modules"]), "ignored_modules") if fsdp1.get("ignored_modules") else []
     policy = fsdp1.get("auto_wrap_policy")
     chosen = set(policy_groups(module, policy, ignored)) if policy is not None else set()
