@@ -8,7 +8,7 @@ import torch
 import fsdp2_strategy as f2
 from _harness import run_distributed
 from _models import TinyGPT
-from fsdp2_strategy.cli import main
+from fsdp2_strategy.cli.main import main
 from fsdp2_strategy.estimate.memory import human_bytes
 
 

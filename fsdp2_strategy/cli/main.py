@@ -7,8 +7,8 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from .checkpoint import export_full, inspect_checkpoint
-from . import plan_command
+from ..checkpoint import export_full, inspect_checkpoint
+from . import plan as plan_command
 
 
 def _size(text: str) -> int:
@@ -61,6 +61,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
