@@ -12,10 +12,11 @@ A leaf: imports only the standard library.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import logging
 import os
-from typing import Optional
+from typing import Any
 
 TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.13.0", "2.15.0"),
@@ -40,7 +41,7 @@ def minor(version: str) -> tuple[int, int]:
     return int(parts[0]), int("".join(c for c in (parts[1] if len(parts) > 1 else "0") if c.isdigit()) or 0)
 
 
-def installed(distribution: str) -> Optional[str]:
+def installed(distribution: str) -> str | None:
     """The installed version of `distribution`, None when it is not installed (nothing is imported)."""
     try:
         return importlib.metadata.version(distribution)
@@ -99,6 +100,24 @@ def private_api_error(component: str, distribution: str, version: str, missing: 
         f"{component} (tested with {distribution} {tested_range(distribution)}) cannot find {'; '.join(missing)} in "
         f"{distribution} {version}. Install {distribution}>={low},<{_next_minor(high)} or upgrade fsdp2-strategy."
     )
+
+
+def find_private(path: str, missing: list[str]) -> Any:
+    """The object at `path` ("package.module:Name.attr"), or None after adding `path` to `missing`.
+
+    Each adapter's `_compat.py` reaches every private framework name through this, then raises
+    `private_api_error` once for all of `missing`: a framework release that moved several names
+    gets one error naming them all, at import, instead of an AttributeError mid-training.
+    """
+    module_name, _, attrs = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for attr in attrs.split(".") if attrs else ():
+            obj = getattr(obj, attr)
+    except (ImportError, AttributeError):
+        missing.append(path)
+        return None
+    return obj
 
 
 def _next_minor(version: str) -> str:

@@ -54,6 +54,17 @@ def runs(tmp_path_factory) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory) -> dict:
+    """`fabric run` x4: 2 data parallel x 2 tensor parallel."""
+    out = tmp_path_factory.mktemp("fabric_tp") / "tp.json"
+    _run(["-m", "lightning.fabric.cli", "--accelerator", "cpu", "--devices", "4", "--main-port", str(free_port()),
+          "tensor_parallel.py", str(out)], timeout=300)
+    result = json.loads(out.read_text())
+    assert_no_flow_failed(result)
+    return result["plan"]
+
+
 @pytest.fixture
 def flows(runs) -> dict:
     return runs["flows"]
@@ -203,3 +214,18 @@ def test_what_fabric_allows_but_sharded_checkpoints_cannot_do_is_refused():
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(NotImplementedError, match=r"load_raw\(path, optimizer\).*fabric.save"):
         strategy.load_checkpoint("ckpt", optimizer)
+
+
+def test_tensor_parallel_two_by_two_matches_one_process(tp_run):
+    assert tp_run["same_names"] and tp_run["max_rel_diff"] < TOL, tp_run["max_rel_diff"]
+    assert tp_run["mesh_dims"] == ["data_parallel", "tensor_parallel"] and tp_run["mesh_shape"] == [2, 2]
+    assert tp_run["q_2d_dtensor"]  # column-wise q: TP over "tensor_parallel", FSDP over "data_parallel"
+    assert "colwise" in tp_run["plan"] and "rowwise" in tp_run["plan"]
+
+
+def test_hybrid_sharding_with_tensor_parallel_is_refused_by_name():
+    strategy = FSDP2FabricStrategy(sharding_strategy="HYBRID_SHARD", tensor_parallel_size=2)
+    Fabric(accelerator="cpu", devices=4, strategy=strategy)  # not launched: no process group
+    with pytest.raises(ValueError, match=r"(?s)FSDP2FabricStrategy\(sharding_strategy='HYBRID_SHARD'.*"
+                                         r"tensor_parallel_size=2\) is not supported.*FULL_SHARD"):
+        strategy.setup_environment()

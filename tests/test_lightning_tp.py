@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from _harness import assert_no_flow_failed
 
 pytest.importorskip("lightning")
@@ -46,3 +45,16 @@ def test_lightning_mesh_and_2d_parameters(flows, flow):
 def test_plan_shows_tensor_parallel_styles(flows):
     assert "colwise" in flows["plan"]["plan"] and "rowwise" in flows["plan"]["plan"]
     assert "user" in flows["hand_tp"]["plan"]  # the module's own TP, left as it was
+
+
+def test_hybrid_sharding_with_tensor_parallel_is_refused_by_name():
+    """Lightning's mesh has no replicate dim: HSDP x TP would need a second mesh beside it."""
+    import lightning.pytorch as pl
+
+    from fsdp2_strategy.integrations.lightning import FSDP2Strategy
+
+    strategy = FSDP2Strategy(sharding_strategy="HYBRID_SHARD", tensor_parallel_size=2)
+    pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)  # not launched: no process group
+    with pytest.raises(ValueError, match=r"(?s)FSDP2Strategy\(sharding_strategy='HYBRID_SHARD'.*"
+                                         r"tensor_parallel_size=2\) is not supported.*FULL_SHARD"):
+        strategy.setup_environment()

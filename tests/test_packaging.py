@@ -30,7 +30,7 @@ def test_wheel_contains_core_and_integrations(tmp_path):
     assert "fsdp2_strategy/__init__.py" in names and "fsdp2_strategy/sharding.py" in names
     assert "fsdp2_strategy/integrations/__init__.py" in names
     assert "fsdp2_strategy/integrations/accelerate/accelerator.py" in names and "fsdp2_strategy/integrations/lightning/strategy.py" in names
-    assert "fsdp2_strategy/integrations/fabric/strategy.py" in names and "fsdp2_strategy/integrations/_lightning_shared.py" in names
+    assert "fsdp2_strategy/integrations/fabric/strategy.py" in names and "fsdp2_strategy/integrations/_lightning_shared/config.py" in names
     assert not any(n.startswith("integrations/") for n in names)
     # The wheel imports on its own (unpacked beside nothing else of the repo).
     target = tmp_path / "site"

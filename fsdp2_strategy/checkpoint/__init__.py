@@ -11,7 +11,7 @@ from . import directory
 from .checkpointer import Checkpointer, load_step_dir, step_dir_name
 from .export import export_full, inspect_checkpoint, read_full_model_state, write_model_view
 from .full_weights import load_full_weights
-from .state import Models, Optimizers, optimizer_state_dict, sharded_state, unstepped_kept
+from .state import Models, Optimizers, optimizer_state_dict, owning_models, sharded_state, unstepped_kept
 
 __all__ = [
     "Checkpointer",
@@ -23,6 +23,7 @@ __all__ = [
     "load_full_weights",
     "load_step_dir",
     "optimizer_state_dict",
+    "owning_models",
     "read_full_model_state",
     "sharded_state",
     "step_dir_name",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,13 +60,20 @@ def unstepped_kept(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
-                         options: Optional[StateDictOptions] = None) -> dict[str, Any]:
+                         options: StateDictOptions | None = None) -> dict[str, Any]:
     """torch's `get_optimizer_state_dict`, without changing an optimizer that never stepped."""
     with unstepped_kept(optimizer) as unstepped:
-        state = get_optimizer_state_dict(model, optimizer, options=options)
+        state: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=options))
     if unstepped:
         state[UNSTEPPED] = True
     return state
+
+
+def owning_models(optimizer: torch.optim.Optimizer, models: Mapping[str, nn.Module]) -> list[str]:
+    """The keys of `models` whose parameters `optimizer` updates, in `models`' order (for pairing
+    each optimizer with its model in an `Optimizers` mapping)."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return [key for key, model in models.items() if any(id(p) in params for p in model.parameters())]
 
 
 def sharded_state(models: Models, optimizers: Optimizers | None = None) -> dict[str, Any]:

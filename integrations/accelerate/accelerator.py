@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -22,8 +23,8 @@ from fsdp2_strategy.distributed import log_rank_zero
 from fsdp2_strategy.shard import shard_with_rank0_weights
 from fsdp2_strategy.train import parameters_by_name, rebind_optimizer
 
-from . import checkpoint
 from . import _compat as compat
+from . import checkpoint
 from .env import accelerate_cpu_requested
 from .parallelism import apply_parallelism_config, parallelism_mesh, requested_parallelism_config
 from .plugin import FSDP2Plugin
@@ -69,10 +70,10 @@ class FSDP2Accelerator(Accelerator):
     def __init__(
         self,
         *,
-        fsdp_plugin: Optional[FSDP2Plugin] = None,
-        mixed_precision: Optional[str] = None,
+        fsdp_plugin: FSDP2Plugin | None = None,
+        mixed_precision: str | None = None,
         cpu: bool = False,
-        timeout: Optional[timedelta] = None,
+        timeout: timedelta | None = None,
         **kwargs: Any,
     ) -> None:
         if fsdp_plugin is None:
@@ -151,7 +152,7 @@ class FSDP2Accelerator(Accelerator):
         return bool(self.gradient_state.plugin_kwargs.get("sync_each_batch", False))
 
     # ------------------------------------------------------------------ prepare
-    def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """Prepare models, optimizers, data loaders and schedulers, in any number and order.
 
         Each model is sharded by the core; each optimizer given here or prepared earlier that
@@ -188,7 +189,7 @@ class FSDP2Accelerator(Accelerator):
                 obj._is_accelerate_prepared = True
         return tuple(result) if len(result) > 1 else result[0]
 
-    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None,
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> nn.Module:
         """Shard `model` in place with the core (also for evaluation: it is what fits in memory)."""
         if getattr(model, "_is_accelerate_prepared", False):
@@ -224,14 +225,14 @@ class FSDP2Accelerator(Accelerator):
                     stack.enter_context(self.no_sync(model))
             yield
 
-    def clip_grad_norm_(self, parameters: Union[torch.Tensor, Iterable[torch.Tensor]], max_norm: float,
+    def clip_grad_norm_(self, parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
                         norm_type: float = 2) -> torch.Tensor:
         """Clip by the global norm over all shards (core `clip_grad_norm_`); returns the total norm."""
         self.unscale_gradients()
         return f2.clip_grad_norm_(list(parameters) if not isinstance(parameters, torch.Tensor) else parameters,
                                   max_norm, norm_type)
 
-    def clip_grad_value_(self, parameters: Union[torch.Tensor, Iterable[torch.Tensor]], clip_value: float) -> None:
+    def clip_grad_value_(self, parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float) -> None:
         """Clamp every gradient element (on each rank's shards; no communication needed)."""
         self.unscale_gradients()
         f2.clip_grad_value_(parameters, clip_value)
@@ -249,7 +250,7 @@ class FSDP2Accelerator(Accelerator):
         holds more than one full tensor beyond rank 0's CPU copy of the result."""
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def save_model(self, model: nn.Module, save_directory: Union[str, os.PathLike], max_shard_size: Union[int, str] = "10GB",
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
                    safe_serialization: bool = True) -> None:
         """Accelerate's `save_model` (safetensors, sharded with an index past `max_shard_size`) on the
         gathered weights; for a Hugging Face model also its `config.json`, so that
@@ -260,7 +261,7 @@ class FSDP2Accelerator(Accelerator):
             config.save_pretrained(save_directory)
         self.wait_for_everyone()
 
-    def save_state(self, output_dir: Optional[Union[str, os.PathLike]] = None, safe_serialization: bool = True,
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
                    **save_model_func_kwargs: Any) -> str:
         """Save models, optimizers, schedulers, samplers, RNG, step and registered objects as one
         atomic, checksummed DCP directory (see `checkpoint`). Returns its path."""
@@ -268,7 +269,7 @@ class FSDP2Accelerator(Accelerator):
             raise TypeError(f"FSDP2Accelerator.save_state does not take {sorted(save_model_func_kwargs)} (DeepSpeed options).")
         return checkpoint.save_state(self, output_dir, safe_serialization)
 
-    def load_state(self, input_dir: Optional[Union[str, os.PathLike]] = None, load_kwargs: Optional[dict] = None,
+    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
                    **load_model_func_kwargs: Any) -> None:
         """Load what `save_state` wrote (any world size: DCP reshards). Prepare the same models and
         optimizers first. A missing, partial or damaged directory raises before anything changes."""

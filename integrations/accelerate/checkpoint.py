@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -28,9 +28,8 @@ from accelerate.utils.constants import FSDP_MODEL_NAME
 from torch import nn
 
 import fsdp2_strategy as f2
+from fsdp2_strategy.checkpoint import Models, Optimizers, owning_models, sharded_state, write_model_view
 from fsdp2_strategy.checkpoint import directory as cdir
-from fsdp2_strategy.checkpoint import Models, Optimizers, sharded_state
-from fsdp2_strategy.checkpoint import write_model_view
 from fsdp2_strategy.distributed import barrier, from_rank_zero, log_rank_zero, rank
 
 from . import _compat as compat
@@ -46,28 +45,26 @@ def _raw(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
 
 
-def _owner(optimizer: torch.optim.Optimizer, models: list[nn.Module]) -> nn.Module:
+def _owner(optimizer: torch.optim.Optimizer, models: Models) -> nn.Module:
     """The prepared model whose parameters the optimizer updates (DCP keys its state by their names)."""
-    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    owners = [m for m in models if params & {id(p) for p in m.parameters()}]
+    owners = owning_models(optimizer, models)
     if len(owners) != 1:
         what = "no prepared model" if not owners else f"{len(owners)} prepared models"
         raise ValueError(
             f"save_state/load_state: {type(optimizer).__name__} updates parameters of {what}; each optimizer must "
             "belong to exactly one model passed to FSDP2Accelerator.prepare (use one optimizer per model)."
         )
-    return owners[0]
+    return models[owners[0]]
 
 
 def _named(acc: Accelerator) -> tuple[Models, Optimizers]:
     """Every prepared model and optimizer under its checkpoint key (`model`, `model_1`, `optimizer`, ...)."""
     prepared = compat.registries(acc)
     models = {_key("model", i): m for i, m in enumerate(prepared.models)}
-    owners = list(prepared.models)
     optimizers = {}
     for i, wrapped in enumerate(prepared.optimizers):
         opt = _raw(wrapped)
-        optimizers[_key("optimizer", i)] = (_owner(opt, owners), opt)
+        optimizers[_key("optimizer", i)] = (_owner(opt, models), opt)
     return models, optimizers
 
 
@@ -86,7 +83,7 @@ def _prune(acc: Accelerator, root: Path) -> None:
         cdir.prune(root, limit, _AUTO_NAME)
 
 
-def save_state(acc: Accelerator, output_dir: Optional[str | os.PathLike], safe_serialization: bool) -> str:
+def save_state(acc: Accelerator, output_dir: str | os.PathLike | None, safe_serialization: bool) -> str:
     """Write the full training state atomically to `output_dir` (or the next automatic name)."""
     automatic = acc.project_configuration.automatic_checkpoint_naming
     if automatic:
@@ -126,7 +123,7 @@ def save_state(acc: Accelerator, output_dir: Optional[str | os.PathLike], safe_s
     return str(path)
 
 
-def resolve_load_dir(acc: Accelerator, input_dir: Optional[str | os.PathLike]) -> Path:
+def resolve_load_dir(acc: Accelerator, input_dir: str | os.PathLike | None) -> Path:
     """The directory `load_state` reads: `input_dir`, or the newest committed automatic checkpoint."""
     if input_dir is not None:
         path = Path(os.path.expanduser(str(input_dir)))
@@ -145,7 +142,7 @@ def resolve_load_dir(acc: Accelerator, input_dir: Optional[str | os.PathLike]) -
     return Path(from_rank_zero(str(path.resolve())))
 
 
-def load_state(acc: Accelerator, input_dir: Optional[str | os.PathLike], load_kwargs: Optional[dict]) -> None:
+def load_state(acc: Accelerator, input_dir: str | os.PathLike | None, load_kwargs: dict | None) -> None:
     """Restore everything `save_state` wrote; DCP reshards when the world size changed."""
     path = resolve_load_dir(acc, input_dir)
     cdir.load_dir(path, *_named(acc))

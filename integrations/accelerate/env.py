@@ -29,7 +29,8 @@ Accelerate's own FSDP2 path ignores them.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from fsdp2_strategy.sharding_strategies import NAMES as STRATEGIES
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Any
 
+from accelerate.parallelism_config import ParallelismConfig
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fsdp2_strategy as f2
@@ -29,8 +30,6 @@ def requested_parallelism_config(given: Any) -> Any:
     if given is not None:
         return given
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
-        from accelerate.parallelism_config import ParallelismConfig
-
         return ParallelismConfig()  # reads PARALLELISM_CONFIG_* as Accelerate does
     return None
 
@@ -72,7 +71,7 @@ def apply_parallelism_config(config: f2.FSDP2Config, pc: Any, world_size: int) -
     return dataclasses.replace(config, **changes)
 
 
-def parallelism_mesh(config: f2.FSDP2Config) -> Optional[DeviceMesh]:
+def parallelism_mesh(config: f2.FSDP2Config) -> DeviceMesh | None:
     """The whole (dp_replicate?, dp_shard, tp?) mesh for `config`, named as Accelerate names its dims;
     None for plain 1-D sharding (nothing to tell Accelerate)."""
     tp = config.tensor_parallel_size

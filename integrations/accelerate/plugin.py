@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
 from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import StateDictType
@@ -40,7 +41,7 @@ _STATE_DICT_TYPES = {
 }
 
 
-def _config_values(config: Union[f2.FSDP2Config, Mapping[str, Any], str, Path, None]) -> dict[str, Any]:
+def _config_values(config: f2.FSDP2Config | Mapping[str, Any] | str | Path | None) -> dict[str, Any]:
     """The fields `config` sets: all keys of a dict or YAML file, non-default fields of an object."""
     if config is None:
         return {}
@@ -89,11 +90,11 @@ class FSDP2Plugin(FullyShardedDataParallelPlugin):
 
     def __init__(
         self,
-        config: Union[f2.FSDP2Config, Mapping[str, Any], str, Path, None] = None,
+        config: f2.FSDP2Config | Mapping[str, Any] | str | Path | None = None,
         *,
-        state_dict_type: Optional[Union[str, StateDictType]] = None,
-        cpu_ram_efficient_loading: Optional[bool] = None,
-        keep_last: Optional[int] = None,
+        state_dict_type: str | StateDictType | None = None,
+        cpu_ram_efficient_loading: bool | None = None,
+        keep_last: int | None = None,
         read_env: bool = True,
         **fields: Any,
     ) -> None:

@@ -6,9 +6,12 @@
   choice is made by `precision.precision_for` (the Trainer adapter's five strings) instead.
 - `lightning.fabric.strategies.launchers.multiprocessing._MultiProcessingLauncher._wrapping_function`:
   the spawned worker's body, extended to end the worker through `fsdp2_strategy.shutdown()`.
+- `lightning.fabric.strategies.strategy._BackwardSyncControl`: the base of the object
+  `fabric.no_backward_sync` asks, subclassed to run `f2.no_sync`.
 
-`check_private_api()` runs at import and raises ImportError naming the missing symbol if a
-Lightning release moved one, instead of failing later mid-training.
+Each is reached through `versions.find_private`; `check_private_api()` runs at import, before
+anything is built on them, and raises ImportError naming every symbol a Lightning release moved,
+instead of failing later mid-training.
 """
 
 from __future__ import annotations
@@ -17,28 +20,30 @@ from typing import Any
 
 import lightning
 import torch
-from lightning.fabric.connector import _Connector
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
-from fsdp2_strategy.distributed import shutdown
-from fsdp2_strategy.versions import private_api_error
+from fsdp2_strategy.versions import find_private, private_api_error
 
+from .._lightning_shared import ShutdownAfterWorker
 from .precision import precision_for
 
-META_FILE = "meta.pt"  # Fabric's name for the non-tensor state in a sharded checkpoint (as Lightning's)
+_missing: list[str] = []
+_Connector = find_private("lightning.fabric.connector:_Connector", _missing)
+find_private("lightning.fabric.connector:_Connector._check_and_init_precision", _missing)
+_MultiProcessingLauncher = find_private(
+    "lightning.fabric.strategies.launchers.multiprocessing:_MultiProcessingLauncher", _missing)
+find_private("lightning.fabric.strategies.launchers.multiprocessing:_MultiProcessingLauncher._wrapping_function",
+             _missing)
+BackwardSyncControl = find_private("lightning.fabric.strategies.strategy:_BackwardSyncControl", _missing)
 
 
 def check_private_api() -> None:
-    """Raise ImportError if a Fabric symbol we rely on is gone."""
-    problems = [
-        name for owner, attr, name in (
-            (_Connector, "_check_and_init_precision", "_Connector._check_and_init_precision"),
-            (_MultiProcessingLauncher, "_wrapping_function", "_MultiProcessingLauncher._wrapping_function"),
-        ) if not callable(getattr(owner, attr, None))
-    ]
-    if problems:
-        raise private_api_error("fsdp2_strategy's Fabric adapter", "lightning", lightning.__version__, problems)
+    """Raise ImportError naming every Fabric symbol above that a release moved."""
+    if _missing:
+        raise private_api_error("fsdp2_strategy's Fabric adapter", "lightning", lightning.__version__, _missing)
+
+
+check_private_api()  # before the classes below subclass what it checked
 
 
 def install_precision_choice(strategy_cls: type) -> None:
@@ -56,17 +61,5 @@ def install_precision_choice(strategy_cls: type) -> None:
     _Connector._check_and_init_precision = check_and_init_precision  # type: ignore[method-assign]
 
 
-class ShutdownMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Fabric's spawn launcher whose workers end through `fsdp2_strategy.shutdown()`.
-
-    A spawned worker otherwise leaves through interpreter finalisation with the gloo process
-    group alive (Fabric never destroys it), which can abort after a DCP save (see the Trainer
-    adapter's launcher); the user's function cannot add the call after Fabric's own code runs.
-    """
-
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)  # rank 0 has put its result on the queue
-        shutdown()
-
-
-check_private_api()
+class ShutdownMultiProcessingLauncher(ShutdownAfterWorker, _MultiProcessingLauncher):  # type: ignore[misc,valid-type]
+    """Fabric's spawn launcher whose workers end through `fsdp2_strategy.shutdown()` (see `ShutdownAfterWorker`)."""

@@ -1,7 +1,7 @@
 """`fabric.save(path, state)` / `fabric.load(path, state)` on the core's one checkpoint directory.
 
 Fabric's `state` is a dict mixing modules, optimizers and anything else. Modules and optimizers go
-through the core (`checkpoint_dir.save_dir` / `load_dir`, under their keys in `state`); the rest
+through the core (`checkpoint.directory.save_dir` / `load_dir`, under their keys in `state`); the rest
 is rank 0's `meta.pt` in the same directory (Fabric's own name for it), stateful objects by their
 `state_dict()`. Nothing here shards or writes tensors: this module only sorts `state`.
 """
@@ -9,16 +9,16 @@ is rank 0's `meta.pt` in the same directory (Fabric's own name for it), stateful
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from fsdp2_strategy.checkpoint import directory as cdir
-from fsdp2_strategy.checkpoint import sharded_state
+from fsdp2_strategy.checkpoint import owning_models, sharded_state
 
-from ._compat import META_FILE
+from .._lightning_shared import META_FILE, is_sharded_checkpoint, not_committed_error
 
 __all__ = ["load", "save", "split_state"]
 
@@ -37,16 +37,15 @@ def split_state(state: dict[str, Any], action: str) -> tuple[dict, dict, dict]:
     if not models:
         raise ValueError(f"fabric.{action}(path, state) with strategy='fsdp2' needs the model in `state`, e.g. "
                          f"{{'model': model, 'optimizer': optimizer, ...}}; got the keys {sorted(state)}.")
-    owners = {id(p): key for key, model in models.items() for p in model.parameters()}
     optimizers = {}
     for key, optimizer in state.items():
         if not isinstance(optimizer, Optimizer):
             continue
-        owner = next((owners[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in owners), None)
-        if owner is None:
+        owners = owning_models(optimizer, models)
+        if not owners:
             raise ValueError(f"fabric.{action}: the optimizer under {key!r} updates none of the models in `state` "
                              f"({sorted(models)}); put its model in the same state, set up with fabric.setup.")
-        optimizers[key] = (models[owner], optimizer)
+        optimizers[key] = (models[owners[0]], optimizer)
     rest = {k: v for k, v in state.items() if k not in models and k not in optimizers}
     return models, optimizers, rest
 
@@ -63,7 +62,7 @@ def save(path: Path, state: dict[str, Any]) -> None:
 
 
 def load(path: Path, state: dict[str, Any], *, strict: bool = True,
-         weights_only: Optional[bool] = None) -> dict[str, Any]:
+         weights_only: bool | None = None) -> dict[str, Any]:
     """Collective: restore `state`'s models, optimizers and other entries from directory `path`;
     return what the checkpoint holds beyond `state` (Fabric's contract).
 
@@ -72,10 +71,8 @@ def load(path: Path, state: dict[str, Any], *, strict: bool = True,
     directory without `.metadata` (a save that did not finish) is refused. Other entries: a
     stateful object gets `load_state_dict`, anything else is replaced in `state`.
     """
-    if not (cdir.is_committed(path) and (path / META_FILE).is_file()):
-        raise FileNotFoundError(f"{path} is not a committed fsdp2 checkpoint (no .metadata and {META_FILE}): a save "
-                                "that did not finish is never loaded. Pick another checkpoint, or use fabric.load_raw "
-                                "for a file of full weights.")
+    if not is_sharded_checkpoint(path):
+        raise not_committed_error(path, "Pick another checkpoint, or use fabric.load_raw for a file of full weights.")
     models, optimizers, rest = split_state(state, "load")
     cdir.load_dir(path, models, optimizers, strict=strict)  # verifies every file (meta.pt too) first
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)

@@ -13,19 +13,18 @@ Fabric the strategy clips.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from .._lightning_shared import MIXED_POLICY, SUPPORTED_PRECISION
+from .._lightning_shared import MIXED_POLICY, SUPPORTED_PRECISION, mixed_scaler, swap_plugin
 
 __all__ = ["FSDP2FabricHalfPrecision", "FSDP2FabricMixedPrecision", "FSDP2FabricPrecision", "precision_for",
            "to_fsdp2_precision"]
 
 
 class _FSDP2Policy:
-    fsdp2_mixed_precision: Optional[str] = None
+    fsdp2_mixed_precision: str | None = None
     """The core mixed-precision policy the strategy applies when sharding (None: none)."""
 
 
@@ -40,12 +39,8 @@ class FSDP2FabricMixedPrecision(_FSDP2Policy, MixedPrecision):
     that every rank skips the same steps (Fabric's default `torch.amp.GradScaler` checks per rank).
     """
 
-    def __init__(self, precision: str, device: str = "cpu", scaler: Optional[Any] = None) -> None:
-        if precision not in MIXED_POLICY:
-            raise ValueError(f"FSDP2FabricMixedPrecision(precision={precision!r}) is invalid; "
-                             "use 'bf16-mixed' or '16-mixed'.")
-        if precision == "16-mixed" and scaler is None:
-            scaler = ShardedGradScaler(device=device)
+    def __init__(self, precision: str, device: str = "cpu", scaler: Any | None = None) -> None:
+        scaler = mixed_scaler("FSDP2FabricMixedPrecision", precision, device, scaler)
         super().__init__(precision, device, scaler)  # type: ignore[arg-type]
         self.fsdp2_mixed_precision = MIXED_POLICY[precision]
 
@@ -55,7 +50,7 @@ class FSDP2FabricHalfPrecision(_FSDP2Policy, HalfPrecision):
     `convert_module` first), so shards, compute and reduction are all in that dtype."""
 
 
-def precision_for(precision: Optional[str], device_type: str) -> Precision:
+def precision_for(precision: str | None, device_type: str) -> Precision:
     """The FSDP2 plugin for a `Fabric(precision=...)` string (None: "32-true").
 
     Raises ValueError for strings FSDP2 cannot honour ("64-true", Transformer Engine), naming
@@ -71,21 +66,10 @@ def precision_for(precision: Optional[str], device_type: str) -> Precision:
                      + ", ".join(SUPPORTED_PRECISION) + ".")
 
 
-def to_fsdp2_precision(plugin: Optional[Precision]) -> Optional[Precision]:
+def to_fsdp2_precision(plugin: Precision | None) -> Precision | None:
     """The FSDP2 plugin for a plain Fabric plugin (`plugins=...`, or chosen by Fabric); FSDP2
     plugins pass through. Raises ValueError for plugins FSDP2 cannot honour (64-bit,
     Transformer Engine, bitsandbytes, custom), naming the precision strings that work."""
-    if plugin is None or isinstance(plugin, _FSDP2Policy):
-        return plugin
-    kind = type(plugin)
-    if kind is Precision:
-        return FSDP2FabricPrecision()
-    if kind is MixedPrecision:
-        return FSDP2FabricMixedPrecision(plugin.precision, plugin.device)  # type: ignore[attr-defined]
-    if kind is HalfPrecision:
-        return FSDP2FabricHalfPrecision(plugin.precision)  # type: ignore[arg-type]
-    raise ValueError(
-        f"strategy='fsdp2' cannot honour the precision plugin {kind.__name__}"
-        f" (precision={getattr(plugin, 'precision', None)!r}). Use Fabric(precision=...) with one of: "
-        + ", ".join(SUPPORTED_PRECISION) + "."
-    )
+    swaps = {Precision: FSDP2FabricPrecision, MixedPrecision: FSDP2FabricMixedPrecision,
+             HalfPrecision: FSDP2FabricHalfPrecision}
+    return swap_plugin(plugin, _FSDP2Policy, swaps, "Fabric")

@@ -2,23 +2,24 @@
 
 It subclasses Fabric's `ModelParallelStrategy` and keeps its device mesh (dimensions
 "data_parallel" and "tensor_parallel"), with a `parallelize_fn` that is the core's `shard_model`.
-What it adds is the core's: sharding by policy in `fabric.setup`, precision strings as FSDP2
+What it adds is the core's: sharding by policy in `fabric.setup`, tensor parallelism by
+`tensor_parallel_size` / `tensor_parallel_plan` (as the Trainer adapter), precision strings as FSDP2
 policies, `fabric.no_backward_sync` through `f2.no_sync`, clipping by a global norm, and
 `fabric.save`/`fabric.load` as one atomic, checksummed DCP directory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ModelParallelStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
@@ -26,9 +27,16 @@ from torch.optim import Optimizer
 import fsdp2_strategy as f2
 from fsdp2_strategy.train import parameters_by_name, rebind_optimizer
 
-from .._lightning_shared import check_start_method, core_mesh, effective_config, process_group_backend, register_all
+from .._lightning_shared import (
+    check_start_method,
+    core_mesh,
+    effective_config,
+    parallel_sizes,
+    process_group_backend,
+    register_all,
+)
 from . import checkpoint as ckpt
-from ._compat import ShutdownMultiProcessingLauncher
+from ._compat import BackwardSyncControl, ShutdownMultiProcessingLauncher
 from .precision import FSDP2FabricPrecision, to_fsdp2_precision
 
 __all__ = ["FSDP2FabricStrategy"]
@@ -44,15 +52,18 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         process_group_backend: torch.distributed backend; default gloo on CPU, and on an
             accelerator "cpu:gloo,<device>:<nccl...>" so CPU collectives have a backend too.
         timeout: process-group timeout; a rank that fails then ends the others.
-        **fields: `FSDP2Config` fields (`wrap_policy`, `sharding_strategy`, ...), overriding `config`.
+        **fields: `FSDP2Config` fields (`wrap_policy`, `sharding_strategy`, `tensor_parallel_size`,
+            `tensor_parallel_plan`, ...), overriding `config`. With `tensor_parallel_size > 1` the
+            mesh is (world // tp, tp): TP over consecutive ranks, FSDP over the "data_parallel" dim;
+            each data-parallel rank's TP group must see the same batch.
     """
 
     def __init__(
         self,
-        config: Union[f2.FSDP2Config, dict, str, Path, None] = None,
+        config: f2.FSDP2Config | dict | str | Path | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         **fields: Any,
     ) -> None:
         check_start_method("FSDP2FabricStrategy", start_method)
@@ -68,7 +79,7 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         return self._precision if self._precision is not None else FSDP2FabricPrecision()
 
     @precision.setter
-    def precision(self, plugin: Optional[Precision]) -> None:
+    def precision(self, plugin: Precision | None) -> None:
         # A plugin given with `plugins=` reaches us as is: swap in the FSDP2 one or refuse it.
         self._precision = to_fsdp2_precision(plugin)
 
@@ -83,10 +94,10 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         return self._process_group_backend or process_group_backend(self.root_device)
 
     def setup_environment(self) -> None:
-        """Set up the process group and a ("data_parallel"=world size, "tensor_parallel"=1) mesh."""
-        # ModelParallelStrategy's "auto" sizes shard nothing on one node (data_parallel = nodes).
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
+        """Set up the process group and the ("data_parallel", "tensor_parallel") mesh: TP from the
+        config, every other rank data parallel (see `_lightning_shared.parallel_sizes`)."""
+        self._data_parallel_size, self._tensor_parallel_size = parallel_sizes(
+            "FSDP2FabricStrategy", self.fsdp2_config, "auto", self.num_nodes, self.num_processes)
         super().setup_environment()
 
     # ------------------------------------------------------------------ model and optimizers
@@ -95,11 +106,12 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         if isinstance(module, FSDPModule):
             return module
         config = effective_config(self.fsdp2_config, getattr(self.precision, "fsdp2_mixed_precision", None),
-                                  self.num_nodes, self.num_processes, module=module)
+                                  self.num_nodes, self.num_processes, module=module,
+                                  data_parallel_size=self._data_parallel_size)
         return f2.shard_model(module, config, mesh=core_mesh(config, device_mesh))
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
-                                    scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
+                                    scheduler: Any | None = None) -> tuple[nn.Module, list[Optimizer], Any]:
         """`fabric.setup(model, *optimizers)`: shard, then point the optimizers (built on the
         unsharded parameters, as Fabric users write it) at the shards, matched by name."""
         before = parameters_by_name(module)
@@ -108,20 +120,20 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
             rebind_optimizer(optimizer, before, module)
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
-    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
-                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
+                            norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         """The global norm over every shard and mesh (equal to the single-process norm), clipped."""
         self.precision.unscale_gradients(optimizer)
         parameters = list(self.precision.main_params(optimizer))
         return f2.clip_grad_norm_(parameters, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
 
-    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
         self.precision.unscale_gradients(optimizer)
         f2.clip_grad_value_(list(self.precision.main_params(optimizer)), clip_val)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
-                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
+                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
         """`fabric.save(path, state)`: one atomic, checksummed DCP directory (see `checkpoint.save`)."""
         if storage_options is not None:
             raise TypeError("fabric.save(..., storage_options=...) is not supported with strategy='fsdp2': "
@@ -133,7 +145,7 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         ckpt.save(Path(self.broadcast(path)), state)
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
-                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+                        weights_only: bool | None = None) -> dict[str, Any]:
         """`fabric.load(path, state)` (a committed directory, any world size: DCP reshards) and
         `fabric.load_raw(path, model)` (full weights: `f2.load_full_weights`)."""
         if isinstance(state, nn.Module):  # fabric.load_raw
@@ -152,7 +164,7 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         register_all(cls, strategy_registry)
 
 
-class _CoreNoSync(_BackwardSyncControl):
+class _CoreNoSync(BackwardSyncControl):  # type: ignore[misc,valid-type]
     """`fabric.no_backward_sync(model)`: the core's `f2.no_sync` (gradient reduction skipped on
     every FSDP group and replicated parameter until the last micro-batch)."""
 

@@ -6,46 +6,51 @@
   `lightning_module.state_dict()` back to the parent, which holds an unsharded copy; we send
   the full (gathered) state instead of DTensor shards; `_wrapping_function` (the worker's body)
   is extended to end the worker cleanly.
+- `lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher`: the
+  "popen" launcher `ModelParallelStrategy` uses, configured the same way here.
+- `lightning.fabric.utilities.optimizer._optimizers_to_device`: moves optimizer state to the
+  root device after setup, as Lightning's own strategies do.
 
-`check_private_api()` runs at import and raises ImportError naming the missing symbol if a
-Lightning release moved one (tests call it too), instead of failing later mid-training.
+Each is reached through `versions.find_private`; `check_private_api()` runs at import, before
+anything is built on them, and raises ImportError naming every symbol a Lightning release moved
+(tests call it too), instead of failing later mid-training.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import lightning
 import lightning.pytorch.core.saving as _saving
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp2_strategy.checkpoint import directory as cdir
-from fsdp2_strategy.distributed import shutdown
 from fsdp2_strategy.checkpoint import read_full_model_state
-from fsdp2_strategy.versions import private_api_error
+from fsdp2_strategy.versions import find_private, private_api_error
 
-META_FILE = "meta.pt"  # Lightning's name for the non-tensor state in a sharded checkpoint
+from .._lightning_shared import META_FILE, ShutdownAfterWorker, is_sharded_checkpoint
+
+_missing: list[str] = []
+find_private("lightning.pytorch.core.saving:pl_load", _missing)
+_LAUNCHERS = "lightning.pytorch.strategies.launchers"
+_MultiProcessingLauncher = find_private(f"{_LAUNCHERS}.multiprocessing:_MultiProcessingLauncher", _missing)
+for _method in ("_collect_rank_zero_results", "_wrapping_function"):
+    find_private(f"{_LAUNCHERS}.multiprocessing:_MultiProcessingLauncher.{_method}", _missing)
+SubprocessScriptLauncher = find_private(f"{_LAUNCHERS}.subprocess_script:_SubprocessScriptLauncher", _missing)
+optimizers_to_device = find_private("lightning.fabric.utilities.optimizer:_optimizers_to_device", _missing)
 
 
 def check_private_api() -> None:
-    """Raise ImportError if a Lightning symbol we rely on is gone or changed shape."""
-    problems = []
-    if not callable(getattr(_saving, "pl_load", None)):
-        problems.append("lightning.pytorch.core.saving.pl_load")
-    for method in ("_collect_rank_zero_results", "_wrapping_function"):
-        if not callable(getattr(_MultiProcessingLauncher, method, None)):
-            problems.append(f"_MultiProcessingLauncher.{method}")
-    if problems:
-        raise private_api_error("fsdp2_strategy's Lightning adapter", "lightning", lightning.__version__, problems)
+    """Raise ImportError naming every Lightning symbol above that a release moved."""
+    if _missing:
+        raise private_api_error("fsdp2_strategy's Lightning adapter", "lightning", lightning.__version__, _missing)
 
 
-def is_sharded_checkpoint(path: Any) -> bool:
-    """A DCP directory with Lightning's `meta.pt` (what `state_dict_type="sharded"` writes)."""
-    return isinstance(path, (str, Path)) and cdir.is_committed(Path(path)) and (Path(path) / META_FILE).is_file()
+check_private_api()  # before the classes below subclass what it checked
 
 
 def load_sharded_as_full(path: str | Path, map_location: Any = None, weights_only: Any = None) -> dict[str, Any]:
@@ -84,20 +89,9 @@ def _state_dict_returns(module: nn.Module, state: dict) -> Iterator[None]:
         del module.state_dict
 
 
-class FullStateMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn launcher, returning full weights to the (unsharded) parent process.
-
-    Its workers end through `fsdp2_strategy.shutdown()`: a spawned worker otherwise leaves
-    through interpreter finalisation with the gloo process group alive (Lightning never
-    destroys it) and aborted "terminate called without an active exception" in 1 of 6 runs
-    of tests/lightning_scripts/spawn.py. The user cannot add that call: the worker runs only
-    Lightning's function, so the launcher does.
-    """
-
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
-        super()._wrapping_function(*args, **kwargs)  # rank 0 has put its results on the queue
-        # A worker that raised never gets here: torch.multiprocessing reports its traceback.
-        shutdown()
+class FullStateMultiProcessingLauncher(ShutdownAfterWorker, _MultiProcessingLauncher):  # type: ignore[misc,valid-type]
+    """Lightning's spawn launcher, returning full weights to the (unsharded) parent process; its
+    workers end through `fsdp2_strategy.shutdown()` (see `ShutdownAfterWorker`)."""
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Any:
         module = trainer.lightning_module
@@ -105,6 +99,3 @@ class FullStateMultiProcessingLauncher(_MultiProcessingLauncher):
         full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         with _state_dict_returns(module, full):
             return super()._collect_rank_zero_results(trainer, results)
-
-
-check_private_api()

@@ -13,30 +13,27 @@ global norm over all shards and meshes, equal to the single-process norm.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 
 import fsdp2_strategy as f2
 
-from .._lightning_shared import MIXED_POLICY, SUPPORTED_PRECISION
+from .._lightning_shared import MIXED_POLICY, SUPPORTED_PRECISION, mixed_scaler, swap_plugin
 
 __all__ = ["SUPPORTED_PRECISION", "FSDP2Precision", "FSDP2MixedPrecision", "FSDP2HalfPrecision", "to_fsdp2_precision"]
-
-_POLICY = MIXED_POLICY  # core `FSDP2Config.mixed_precision` names
 
 
 class _ShardedClipping:
     """Clip with the core: Lightning's default (`torch.nn.utils.clip_grad_norm_`) fails on
     parameters of several meshes, and Lightning's FSDP plugin refuses norm clipping outright."""
 
-    fsdp2_mixed_precision: Optional[str] = None
+    fsdp2_mixed_precision: str | None = None
     """The core mixed-precision policy the strategy applies when sharding (None: none)."""
 
-    last_grad_norm: Optional[torch.Tensor] = None
+    last_grad_norm: torch.Tensor | None = None
     """Total gradient norm (before clipping) of the last `gradient_clip_algorithm="norm"` step."""
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
@@ -59,13 +56,10 @@ class FSDP2MixedPrecision(_ShardedClipping, MixedPrecision):
     skips the same steps.
     """
 
-    def __init__(self, precision: str, device: str = "cpu", scaler: Optional[Any] = None) -> None:
-        if precision not in _POLICY:
-            raise ValueError(f"FSDP2MixedPrecision(precision={precision!r}) is invalid; use 'bf16-mixed' or '16-mixed'.")
-        if precision == "16-mixed" and scaler is None:
-            scaler = ShardedGradScaler(device=device)
+    def __init__(self, precision: str, device: str = "cpu", scaler: Any | None = None) -> None:
+        scaler = mixed_scaler("FSDP2MixedPrecision", precision, device, scaler)
         super().__init__(precision, device, scaler)
-        self.fsdp2_mixed_precision = _POLICY[precision]
+        self.fsdp2_mixed_precision = MIXED_POLICY[precision]
 
 
 class FSDP2HalfPrecision(_ShardedClipping, HalfPrecision):
@@ -73,25 +67,11 @@ class FSDP2HalfPrecision(_ShardedClipping, HalfPrecision):
     reduction are all in that dtype."""
 
 
-def to_fsdp2_precision(plugin: Optional[Precision]) -> Optional[Precision]:
+def to_fsdp2_precision(plugin: Precision | None) -> Precision | None:
     """The FSDP2 plugin for the one Lightning chose from `Trainer(precision=...)`.
 
     Raises ValueError for plugins FSDP2 cannot honour (64-bit, Transformer Engine,
     bitsandbytes, custom plugins), naming the precision strings that work.
     """
-    if plugin is None or isinstance(plugin, _ShardedClipping):
-        return plugin
-    kind = type(plugin)
-    if kind is Precision:
-        return FSDP2Precision()
-    if kind is MixedPrecision:
-        # Lightning's default scaler for "16-mixed" is `torch.amp.GradScaler`: its inf checks
-        # are per rank, so ranks could disagree on skipping a step. Use the sharded one.
-        return FSDP2MixedPrecision(plugin.precision, plugin.device)
-    if kind is HalfPrecision:
-        return FSDP2HalfPrecision(plugin.precision)
-    raise ValueError(
-        f"strategy='fsdp2' cannot honour the precision plugin {kind.__name__}"
-        f" (precision={getattr(plugin, 'precision', None)!r}). Use Trainer(precision=...) with one of: "
-        + ", ".join(SUPPORTED_PRECISION) + "."
-    )
+    swaps = {Precision: FSDP2Precision, MixedPrecision: FSDP2MixedPrecision, HalfPrecision: FSDP2HalfPrecision}
+    return swap_plugin(plugin, _ShardedClipping, swaps, "Trainer")

@@ -10,30 +10,39 @@ norm, and checkpoints committed atomically with checksums.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generator, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
-from torch.optim import Optimizer
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.optim import Optimizer
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.checkpoint import directory as cdir
 from fsdp2_strategy.checkpoint import optimizer_state_dict, unstepped_kept
 from fsdp2_strategy.train import register_step_method
 
-from .._lightning_shared import check_start_method, core_mesh, effective_config, process_group_backend, register_all
-from ._compat import META_FILE, FullStateMultiProcessingLauncher, is_sharded_checkpoint
+from .._lightning_shared import (
+    META_FILE,
+    check_start_method,
+    core_mesh,
+    effective_config,
+    is_sharded_checkpoint,
+    not_committed_error,
+    parallel_sizes,
+    process_group_backend,
+    register_all,
+)
+from ._compat import FullStateMultiProcessingLauncher, SubprocessScriptLauncher, optimizers_to_device
 from .precision import FSDP2Precision, to_fsdp2_precision
 
 __all__ = ["FSDP2Strategy", "STEP_METHODS"]
@@ -71,13 +80,13 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        config: Union[f2.FSDP2Config, dict, str, Path, None] = None,
-        state_dict_type: Optional[Literal["sharded", "full"]] = None,
+        config: f2.FSDP2Config | dict | str | Path | None = None,
+        state_dict_type: Literal["sharded", "full"] | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        data_parallel_size: Union[Literal["auto"], int] = "auto",
-        save_distributed_checkpoint: Optional[bool] = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        save_distributed_checkpoint: bool | None = None,
         **fields: Any,
     ) -> None:
         if state_dict_type not in (None, "sharded", "full"):
@@ -116,7 +125,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         return self._precision_plugin if self._precision_plugin is not None else FSDP2Precision()
 
     @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+    def precision_plugin(self, plugin: Precision | None) -> None:
         # Lightning picks a plugin from `Trainer(precision=...)` and hands it to us: swap in the
         # FSDP2 equivalent (or refuse it, naming the precision strings that work).
         self._precision_plugin = to_fsdp2_precision(plugin)
@@ -126,7 +135,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._start_method != "popen":
             self._launcher = FullStateMultiProcessingLauncher(self, start_method=self._start_method)
         elif not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or process_group_backend(self.root_device)
@@ -136,20 +145,10 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         ModelParallelStrategy's sizes keep their meaning; its "auto" data-parallel size (the node
         count: nothing sharded on one node) becomes every rank outside tensor parallelism."""
-        world = self.num_nodes * self.num_processes
         if self._auto_tensor_parallel:
             self.fsdp2_config = dataclasses.replace(self.fsdp2_config, tensor_parallel_size=self.num_processes)
-        tp = self.fsdp2_config.tensor_parallel_size
-        if world % tp:
-            raise ValueError(f"FSDP2Strategy(tensor_parallel_size={tp}) does not divide the {world} processes "
-                             f"({self.num_nodes} node(s) x {self.num_processes}); use a divisor of {world}.")
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = world // tp
-        elif self._data_parallel_size * tp != world:
-            raise ValueError(f"FSDP2Strategy(data_parallel_size={self._data_parallel_size}, tensor_parallel_size={tp}) "
-                             f"needs {self._data_parallel_size * tp} processes, but there are {world}; their product "
-                             "must equal the number of processes.")
-        self._tensor_parallel_size = tp
+        self._data_parallel_size, self._tensor_parallel_size = parallel_sizes(
+            "FSDP2Strategy", self.fsdp2_config, self._data_parallel_size, self.num_nodes, self.num_processes)
         super().setup_environment()
 
     # ------------------------------------------------------------------ model
@@ -169,7 +168,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)  # after sharding: the optimizers hold the shards
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _shard(self) -> None:
         """Apply the core's `shard_model` and gather the root around Lightning's step methods."""
@@ -206,14 +205,14 @@ class FSDP2Strategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state for `save_checkpoint`, leaving an optimizer that never stepped
-        without state (torch's state-dict call would step it once; see core `checkpoint_state`)."""
+        without state (torch's state-dict call would step it once; see core `checkpoint.state`)."""
         raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if self._save_distributed_checkpoint:
             return optimizer_state_dict(self.model, raw, StateDictOptions(cpu_offload=True))
         with unstepped_kept(raw):  # full state: Lightning's own re-keyed format
             return super().optimizer_state(optimizer)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Sharded: DCP shards + `meta.pt` into `filepath/`, committed atomically (rank 0 renames a
         finished `.tmp-<name>/`), so a crash mid-save leaves the previous checkpoint intact."""
         if not self._save_distributed_checkpoint:
@@ -227,13 +226,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         # Names Lightning rewrites (`last.ckpt`, `save_top_k` slots) are replaced, never mixed.
         cdir.save_dir(path, state, files={META_FILE: checkpoint}, replace=True)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded directory (any world size: DCP reshards) or a full file; return the rest."""
         path = Path(self.broadcast(checkpoint_path))
         if not is_sharded_checkpoint(path):
             if path.is_dir():
-                raise FileNotFoundError(f"{path} is not a committed sharded checkpoint (no .metadata and meta.pt): "
-                                        "a save that did not finish is never loaded. Pick another checkpoint.")
+                raise not_committed_error(path, "Pick another checkpoint.")
             return super().load_checkpoint(path, weights_only)
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         cdir.load_dir(path, {_MODEL_KEY: self.model}, {f"optimizer_{i}": (self.model, o) for i, o in enumerate(optimizers)},

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import ray.train
 import torch
 from torch import nn
 
-from fsdp2_strategy.checkpoint import directory as cdir
 from fsdp2_strategy.checkpoint import Checkpointer, load_step_dir, step_dir_name
+from fsdp2_strategy.checkpoint import directory as cdir
 from fsdp2_strategy.distributed import barrier, from_rank_zero, rank
 
 __all__ = ["report_step", "save_and_report", "resume"]

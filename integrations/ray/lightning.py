@@ -21,7 +21,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import ray.train
 import ray.train.torch
@@ -30,8 +30,8 @@ from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, Mi
 from ray.train.lightning import RayFSDPStrategy, RayLightningEnvironment
 
 from fsdp2_strategy.distributed import barrier, rank
+from fsdp2_strategy.integrations._lightning_shared import META_FILE, is_sharded_checkpoint
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy
-from fsdp2_strategy.integrations.lightning._compat import META_FILE, is_sharded_checkpoint
 
 __all__ = ["RayFSDP2Strategy", "checkpoint_path"]
 
@@ -56,7 +56,7 @@ class RayFSDP2Strategy(FSDP2Strategy):
         return FSDP2Strategy.precision_plugin.fget(self)
 
     @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+    def precision_plugin(self, plugin: Precision | None) -> None:
         # Being a (virtual) RayFSDPStrategy, this strategy is an FSDPStrategy to Lightning, which
         # then picks FSDPPrecision (FSDP1's) for `Trainer(precision=...)`: read its precision
         # string as the plain plugin Lightning would otherwise have picked.
@@ -77,14 +77,14 @@ class RayFSDP2Strategy(FSDP2Strategy):
         self.parallel_devices = [self.root_device] * local
         super().setup_environment()
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Save as `FSDP2Strategy` does (committed when this returns), then report it to Ray."""
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         if self.report_checkpoints:
             _report(Path(filepath), _metrics(self.lightning_module))
 
 
-def checkpoint_path(dirpath: str | Path | None = None) -> Optional[str]:
+def checkpoint_path(dirpath: str | Path | None = None) -> str | None:
     """The `ckpt_path` for `trainer.fit` that resumes after Ray restarted the workers (None on a first start).
 
     Ray's latest checkpoint (`ray.train.get_checkpoint()`): a sharded checkpoint is the directory

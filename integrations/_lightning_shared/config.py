@@ -1,30 +1,24 @@
-"""What the two Lightning adapters (Trainer: `integrations/lightning`, Fabric: `integrations/fabric`)
-share: precision strings -> core policies, the registered strategy names, and the choice of mesh
-and config from what Lightning knows (nodes, processes per node, device mesh).
+"""The config and mesh both Lightning adapters derive from what Lightning knows (nodes, processes
+per node, its device mesh), the registered strategy names, and the process-group backend.
 
-Both adapters pass in what they read from their own strategy objects; of Lightning only Fabric's
-default-backend helper (which both Lightning packages use) is imported.
+Both adapters pass in what they read from their own strategy objects; nothing of Lightning is
+imported here except through `_compat`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.estimate import resolve_strategy
 from fsdp2_strategy.sharding_strategies import strategy
 from fsdp2_strategy.tensor_parallel import declared_plan, user_parallelised_modules
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
-"""The precision strings `strategy="fsdp2"` honours, in the Trainer and in Fabric."""
-
-MIXED_POLICY = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
-"""Precision string -> core `FSDP2Config.mixed_precision` name (the "-mixed" strings only)."""
+from ._compat import default_backend_for_device
 
 REGISTERED = {
     "fsdp2": ("FSDP2 (fully_shard) via fsdp2_strategy", {}),
@@ -49,8 +43,8 @@ def check_start_method(owner: str, start_method: str) -> None:
         raise ValueError(f"{owner}.start_method={start_method!r} is invalid; use one of {START_METHODS}.")
 
 
-def effective_config(config: f2.FSDP2Config, mixed_policy: Optional[str], num_nodes: int, num_processes: int, *,
-                     module: Optional[nn.Module] = None, data_parallel_size: Any = None) -> f2.FSDP2Config:
+def effective_config(config: f2.FSDP2Config, mixed_policy: str | None, num_nodes: int, num_processes: int, *,
+                     module: nn.Module | None = None, data_parallel_size: Any = None) -> f2.FSDP2Config:
     """`config` plus what Lightning knows: the precision string's FSDP2 policy (unless
     `mixed_precision` is set), `sharding_strategy="auto"` resolved by the core planner for
     Lightning's node and process counts (the mesh depends on the strategy), for hybrid sharding
@@ -96,6 +90,39 @@ def own_tensor_parallel(config: f2.FSDP2Config, module: nn.Module, data_parallel
     return changes
 
 
+def parallel_sizes(owner: str, config: f2.FSDP2Config, data_parallel_size: Any, num_nodes: int,
+                   num_processes: int) -> tuple[int, int]:
+    """Lightning's ("data_parallel", "tensor_parallel") mesh sizes: TP from the config, data
+    parallelism every other rank ("auto"; `ModelParallelStrategy`'s "auto" is the node count, which
+    shards nothing on one node) or as given. Raises ValueError naming the sizes that do not fit."""
+    check_tensor_parallel_layout(owner, config)
+    world = num_nodes * num_processes
+    tp = config.tensor_parallel_size
+    if world % tp:
+        raise ValueError(f"{owner}(tensor_parallel_size={tp}) does not divide the {world} processes "
+                         f"({num_nodes} node(s) x {num_processes}); use a divisor of {world}.")
+    if data_parallel_size == "auto":
+        return world // tp, tp
+    if data_parallel_size * tp != world:
+        raise ValueError(f"{owner}(data_parallel_size={data_parallel_size}, tensor_parallel_size={tp}) needs "
+                         f"{data_parallel_size * tp} processes, but there are {world}; their product must equal the "
+                         "number of processes.")
+    return data_parallel_size, tp
+
+
+def check_tensor_parallel_layout(owner: str, config: f2.FSDP2Config) -> None:
+    """Refuse hybrid sharding (or an explicit `mesh_shape`) with tensor parallelism: Lightning's
+    mesh is ("data_parallel", "tensor_parallel"), and HSDP would need a third dim, which the core
+    would build as a second mesh beside Lightning's (collectives Lightning does not know of)."""
+    if config.tensor_parallel_size > 1 and (strategy(config.sharding_strategy).two_dim or config.mesh_shape):
+        raise ValueError(
+            f"{owner}(sharding_strategy={config.sharding_strategy!r}, mesh_shape={config.mesh_shape}, "
+            f"tensor_parallel_size={config.tensor_parallel_size}) is not supported: Lightning's device mesh is "
+            "(data_parallel, tensor_parallel), with no replicate dim. Use sharding_strategy='FULL_SHARD' or "
+            "'SHARD_GRAD_OP' without mesh_shape for FSDP x TP, or tensor_parallel_size=1 for hybrid sharding."
+        )
+
+
 def core_mesh(config: f2.FSDP2Config, device_mesh: Any) -> Any:
     """What `shard_model` shards on: Lightning's whole ("data_parallel", "tensor_parallel") mesh
     with tensor parallelism (its last dim is the TP one), else its 1-D "data_parallel" sub-mesh
@@ -109,5 +136,5 @@ def core_mesh(config: f2.FSDP2Config, device_mesh: Any) -> Any:
 def process_group_backend(device: torch.device) -> str:
     """gloo on CPU; on an accelerator "cpu:gloo,<device>:<nccl...>" so that CPU collectives
     (asynchronous checkpoints, CPU offload) have a backend too."""
-    backend = _get_default_process_group_backend_for_device(device)
+    backend = default_backend_for_device(device)
     return backend if device.type == "cpu" else f"cpu:gloo,{device.type}:{backend}"

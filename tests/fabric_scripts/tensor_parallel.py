@@ -1,0 +1,67 @@
+"""Fabric 2 dp x 2 tp on 4 CPU ranks (`fabric run --devices 4`): a plain GPT given
+`tensor_parallel_plan`, trained with SGD, against one process on the same global batches.
+Writes JSON (rank 0); tests/test_fabric.py asserts.
+
+    fabric run --accelerator cpu --devices 4 tensor_parallel.py OUT.json
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+from _models import TP_PLAN, lm_data, lm_loss, sgd_reference  # noqa: E402  (tests/ is on the path via `common`)
+from _models import TPGPT as GPT  # noqa: E402
+from common import full_params, max_rel_diff, write_json
+from lightning.fabric import Fabric
+from torch.distributed.tensor import DTensor
+
+import fsdp2_strategy as f2
+from fsdp2_strategy.integrations.fabric import FSDP2FabricStrategy
+
+VOCAB, SEQ, N_SAMPLES, BATCH, STEPS, LR = 64, 12, 16, 4, 2, 0.1  # BATCH per data-parallel rank
+
+
+def plan_flow() -> dict:
+    torch.manual_seed(0)
+    initial = GPT()
+    fabric = Fabric(accelerator="cpu", devices=4,
+                    strategy=FSDP2FabricStrategy(tensor_parallel_size=2, tensor_parallel_plan=TP_PLAN))
+    fabric.launch()
+    model = GPT()
+    model.load_state_dict(initial.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model, optimizer = fabric.setup(model, optimizer)
+    mesh = fabric.strategy.device_mesh
+    dp_rank, dp_size = mesh["data_parallel"].get_local_rank(), mesh["data_parallel"].size()
+    _, idx, target = lm_data(VOCAB, SEQ, N_SAMPLES, seed=7).tensors
+    steps = [list(range(s * BATCH * dp_size, (s + 1) * BATCH * dp_size)) for s in range(STEPS)]
+    for rows in steps:
+        mine = rows[dp_rank * BATCH:(dp_rank + 1) * BATCH]  # both ranks of a TP group: the same rows
+        fabric.backward(lm_loss(model, idx[mine], target[mine]))
+        optimizer.step()
+        optimizer.zero_grad()
+    got = full_params(model)
+    expected = sgd_reference(initial, lm_data(VOCAB, SEQ, N_SAMPLES, seed=7), steps, LR)
+    q = model.module.blocks[0].attn.q.weight if hasattr(model, "module") else model.blocks[0].attn.q.weight
+    return {
+        "max_rel_diff": max_rel_diff(got, expected),
+        "same_names": sorted(got) == sorted(expected),
+        "mesh_dims": list(mesh.mesh_dim_names), "mesh_shape": list(mesh.shape),
+        "q_2d_dtensor": isinstance(q, DTensor) and q.device_mesh.ndim == 2,
+        "plan": str(f2.sharding_plan(model)),
+    }
+
+
+def main(out: str) -> None:
+    try:
+        result = {"plan": plan_flow()}
+    except Exception:
+        result = {"plan": {"error": traceback.format_exc()}}
+    write_json(out, result)
+    f2.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
