@@ -131,7 +131,7 @@ class TPGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def lm_data(vocab: int, seq: int, samples: int, seed: int) -> "torch.utils.data.TensorDataset":
+def lm_data(vocab: int, seq: int, samples: int, seed: int) -> torch.utils.data.TensorDataset:
     """(row index, tokens, next-token targets): the row index lets a test rebuild the global batches."""
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, vocab, (samples, seq), generator=g)
@@ -143,7 +143,7 @@ def lm_loss(model: nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def sgd_reference(initial: nn.Module, data: "torch.utils.data.TensorDataset", steps: list[list[int]], lr: float,
+def sgd_reference(initial: nn.Module, data: torch.utils.data.TensorDataset, steps: list[list[int]], lr: float,
                   prefix: str = "") -> dict[str, torch.Tensor]:
     """One process, SGD: step s on the rows every rank saw at step s; parameters named `prefix + name`."""
     model = copy.deepcopy(initial)
@@ -154,3 +154,41 @@ def sgd_reference(initial: nn.Module, data: "torch.utils.data.TensorDataset", st
         lm_loss(model, idx[rows], target[rows]).backward()
         opt.step()
     return {f"{prefix}{n}": p.detach().clone() for n, p in model.named_parameters()}
+
+
+# --------------------------------------------------------------------------- the adapters' small MLP
+class ResidualBlock(nn.Module):
+    """`x + tanh(fc(x))`: the wrap policy's group in the Fabric and Lightning flow scripts."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+def add_mlp_layers(module: nn.Module) -> None:
+    """Give `module` the layers `inp` (8 -> 16), three `ResidualBlock`s and `out` (16 -> 1): the
+    same parameter names on a plain module (`MLP`) and on a LightningModule."""
+    module.inp = nn.Linear(8, 16)
+    module.blocks = nn.ModuleList(ResidualBlock(16) for _ in range(3))
+    module.out = nn.Linear(16, 1)
+
+
+def mlp_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x = module.inp(x)
+    for block in module.blocks:
+        x = block(x)
+    return module.out(x)
+
+
+class MLP(nn.Module):
+    """Input layer, three `ResidualBlock`s (the wrap policy's groups), output layer."""
+
+    def __init__(self):
+        super().__init__()
+        add_mlp_layers(self)
+
+    def forward(self, x):
+        return mlp_forward(self, x)

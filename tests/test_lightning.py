@@ -19,6 +19,7 @@ pytest.importorskip("lightning")
 
 from _collect import close_lists  # noqa: E402
 from _harness import assert_no_flow_failed, free_port  # noqa: E402
+
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "lightning_scripts"
@@ -74,7 +75,7 @@ def test_one_step_matches_single_process(flows):
 
 def test_unknown_wrap_class_fails_with_close_match(flows):
     message = flows["one_step_parity"]["typo_error"]
-    assert message is not None and "'Blok'" in message and "Did you mean 'Block'" in message
+    assert message is not None and "'ResidualBlok'" in message and "Did you mean 'ResidualBlock'" in message
 
 
 def test_registry_variants_train_like_one_process(flows):
@@ -283,14 +284,14 @@ trainer:
 def test_lightning_cli_yaml_and_subprocess_launcher(tmp_path):
     """`strategy:` as class_path + init_args (FSDP2Config fields), launched by Lightning itself."""
     strategy = ("\n    class_path: fsdp2_strategy.integrations.lightning.FSDP2Strategy"
-                "\n    init_args:\n      wrap_policy: [Block]\n      reshard_after_forward: false")
+                "\n    init_args:\n      wrap_policy: [ResidualBlock]\n      reshard_after_forward: false")
     config = tmp_path / "cli.yaml"
     config.write_text(_CLI_YAML.format(accelerator="cpu", devices=2, strategy=strategy))
     out = tmp_path / "cli.json"
     _run(["cli.py", "fit", "--config", str(config)], timeout=180, env={"FSDP2_CLI_OUT": str(out)})
     r = json.loads(out.read_text())
     assert r["strategy"] == "FSDP2Strategy" and r["world_size"] == 2 and len(r["losses"]) == 2
-    assert r["wrap_policy"] == "['Block']" and r["groups"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
+    assert r["wrap_policy"] == "['ResidualBlock']" and r["groups"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
     assert set(r["precision"]) == {"bf16/fp32"}
 
 

@@ -12,36 +12,12 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _comm and _collect
 
 from _collect import full_params, max_rel_diff, write_json  # noqa: E402,F401  (re-exported to the scripts)
+from _models import MLP  # noqa: E402,F401  (re-exported to the scripts)
 
 import fsdp2_strategy.integrations.fabric  # noqa: E402,F401  registers "fsdp2" in Fabric
 
 LR = 0.1
 N_SAMPLES = 16
-
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
-
-
-class MLP(nn.Module):
-    """Input layer, three `Block`s (the wrap policy's groups), output layer."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.blocks = nn.ModuleList(Block(16) for _ in range(3))
-        self.out = nn.Linear(16, 1)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,20 +15,12 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _comm and _collect
 
 from _collect import full_params, gather, max_rel_diff, write_json  # noqa: E402,F401
+from _models import add_mlp_layers, mlp_forward  # noqa: E402
 
 import fsdp2_strategy.integrations.lightning  # noqa: E402,F401  registers "fsdp2"
 
 LR = 0.1
 N_SAMPLES = 32
-
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
 
 
 class LitMLP(pl.LightningModule):
@@ -37,18 +29,13 @@ class LitMLP(pl.LightningModule):
     def __init__(self, optimizer: str = "sgd", lr: float = LR):
         super().__init__()
         self.save_hyperparameters()
-        self.inp = nn.Linear(8, 16)
-        self.blocks = nn.ModuleList(Block(16) for _ in range(3))
-        self.out = nn.Linear(16, 1)
+        add_mlp_layers(self)  # inp, blocks (the wrap policy's groups), out: as `_models.MLP`
         self.losses: list[float] = []
         self.indices: list[list[int]] = []
         self.seen: dict = {}
 
     def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
+        return mlp_forward(self, x)
 
     def training_step(self, batch, batch_idx):
         idx, x, y = batch

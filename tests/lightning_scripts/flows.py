@@ -17,10 +17,12 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from torch import nn
+from _collect import full  # noqa: E402
+from _comm import collective_dtypes, count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
+from _models import ResidualBlock  # noqa: E402
+from _precision import policy_grads, true_precision_update  # noqa: E402
 from common import (
     LR,
-    Block,
     LitMLP,
     dataset,
     full_params,
@@ -31,10 +33,8 @@ from common import (
     trainer,
     write_json,
 )
-from _comm import collective_dtypes, count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
-from _collect import full  # noqa: E402
-from _precision import policy_grads, true_precision_update  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -74,7 +74,7 @@ def one_step_parity(out: dict, work: Path) -> None:
                plan_groups=[g.name for g in f2.sharding_plan(model).groups],
                disjoint=not set(gather(model.indices[0])[0]) & set(gather(model.indices[0])[1]))
     try:
-        trainer(FSDP2Strategy(wrap_policy=["Blok"]), max_steps=1).fit(LitMLP(), loader(BATCH))
+        trainer(FSDP2Strategy(wrap_policy=["ResidualBlok"]), max_steps=1).fit(LitMLP(), loader(BATCH))
         out["typo_error"] = None
     except ValueError as exc:
         out["typo_error"] = str(exc)
@@ -382,7 +382,7 @@ class AutoMLP(LitMLP):
     def __init__(self):
         super().__init__()
         self.inp, self.out = nn.Linear(8, 64), nn.Linear(64, 1)
-        self.blocks = nn.ModuleList(Block(64) for _ in range(8))
+        self.blocks = nn.ModuleList(ResidualBlock(64) for _ in range(8))
 
 
 def auto_strategy(out: dict, work: Path) -> None:
