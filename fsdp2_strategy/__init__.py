@@ -6,14 +6,14 @@
 """
 
 from . import _torch_compat  # noqa: F401  (checks the private torch names the core uses; raises ImportError naming them)
-from .versions import warn_untested_versions
 from .checkpoint import Checkpointer, export_full, inspect_checkpoint, load_full_weights
-from .fsdp1 import fully_shard
 from .config import FSDP2Config, ModuleOverride
 from .distributed import init_distributed, shutdown
-from .shard import ShardingPlan, replicate, shard_model, sharding_plan
 from .estimate import MemoryEstimate, StrategyComparison, compare_strategies, estimate_memory
+from .fsdp1 import fully_shard
+from .shard import ShardingPlan, replicate, shard_model, sharding_plan
 from .train import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, set_gradient_sync
+from .versions import warn_untested_versions
 
 __all__ = [
     "Checkpointer",

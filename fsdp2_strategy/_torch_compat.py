@@ -32,7 +32,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from typing import Any, Optional
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -126,12 +126,12 @@ def check_private_api() -> None:
 
 
 # --------------------------------------------------------------------------- FSDP2 state
-def fsdp_state(module: FSDPModule) -> Any:
+def fsdp_state(module: nn.Module | FSDPModule) -> Any:
     """The module's `FSDPState`."""
-    return module._get_fsdp_state()
+    return cast(FSDPModule, module)._get_fsdp_state()
 
 
-def param_groups(module: nn.Module) -> list:
+def param_groups(module: nn.Module | FSDPModule) -> list:
     """The module's FSDP parameter groups ([] for a module `fully_shard` was not applied to)."""
     if not isinstance(module, FSDPModule):
         return []
@@ -143,7 +143,7 @@ def lazy_init(module: FSDPModule) -> None:
     fsdp_state(module)._lazy_init()
 
 
-def is_root(module: FSDPModule) -> Optional[bool]:
+def is_root(module: nn.Module | FSDPModule) -> bool | None:
     """Whether FSDP made `module` the root (None until its first forward decides)."""
     return fsdp_state(module)._is_root
 
@@ -183,7 +183,7 @@ def classes_to_ignore(mixed_precision: Any) -> tuple[type, ...]:
     return tuple(mixed_precision._module_classes_to_ignore or ())
 
 
-def shard_process_group(group: Any) -> Optional[torch.distributed.ProcessGroup]:
+def shard_process_group(group: Any) -> torch.distributed.ProcessGroup | None:
     """The process group a parameter group is sharded over (None when it is not sharded)."""
     info = group.mesh_info
     return info.shard_process_group if getattr(info, "shard_mesh_size", 1) > 1 else None

@@ -11,17 +11,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any
 
+import yaml
 from torch import nn
 
 from . import sharding_strategies as strategies
+from .config_checks import (
+    PRECISION_NAMES,  # noqa: F401  (part of this module's names)
+    _check_mixed_precision,
+    _check_module_list,
+    _check_nonneg_int,
+    _check_reshard,
+    _check_wrap_policy,
+    _strategy_name,
+    check_choice,
+    parse_bytes,
+)
 from .tensor_parallel import check_plan as _check_tensor_parallel_plan
-from .config_checks import PRECISION_NAMES  # noqa: F401  (part of this module's names)
-from .config_checks import (_check_mixed_precision, _check_module_list, _check_nonneg_int, _check_reshard,
-                            _check_wrap_policy, _strategy_name, check_choice, parse_bytes)
 
 SHARDING_STRATEGIES = strategies.NAMES
 """Accepted names for `FSDP2Config.sharding_strategy` (FSDP1's vocabulary; see `sharding_strategies`)."""
@@ -35,7 +45,7 @@ COLLECTIVES = ("auto", "ring", "torch")
 HOST_ALLOCATORS = ("auto", "cache", "system")
 """Accepted values for `FSDP2Config.host_allocator` (see `shard.host_memory`)."""
 
-WrapPolicy = Union[str, int, Callable[[nn.Module, str], bool], Sequence[Union[str, type]], type, None]
+WrapPolicy = str | int | Callable[[nn.Module, str], bool] | Sequence[str | type] | type | None
 
 
 def _check_field_names(cls: type, values: Mapping[str, Any]) -> None:
@@ -291,21 +301,19 @@ class FSDP2Config:
         return result
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "FSDP2Config":
+    def from_dict(cls, values: Mapping[str, Any]) -> FSDP2Config:
         """Build a config from a mapping; unknown keys raise `ValueError` listing the valid ones."""
         _check_field_names(cls, values)
         return cls(**dict(values))
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "FSDP2Config":
+    def from_yaml(cls, path: str | Path) -> FSDP2Config:
         """Read a YAML file holding a mapping of field names (optionally under a `fsdp2:` key)."""
         return cls.from_dict(cls.yaml_fields(path))
 
     @staticmethod
     def yaml_fields(path: str | Path) -> dict[str, Any]:
         """The fields a YAML file sets, as `from_yaml` reads them (not yet validated)."""
-        import yaml
-
         if not Path(path).is_file():
             raise FileNotFoundError(f"FSDP2Config YAML file {path} does not exist; pass the path of a YAML mapping "
                                     "of FSDP2Config fields (or a dict / an FSDP2Config).")
@@ -323,7 +331,7 @@ class FSDP2Config:
         return dict(data)
 
     @classmethod
-    def coerce(cls, config: "FSDP2Config | Mapping[str, Any] | str | Path | None", **overrides: Any) -> "FSDP2Config":
+    def coerce(cls, config: FSDP2Config | Mapping[str, Any] | str | Path | None, **overrides: Any) -> FSDP2Config:
         """Accept a config, a dict, a YAML path or None, with keyword overrides on top."""
         if config is None:
             base: dict[str, Any] = {}

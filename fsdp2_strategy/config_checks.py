@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Any, Optional
+from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -32,7 +32,7 @@ def _strategy_name(value: Any, allow_auto: bool = False) -> str:
     )
 
 
-def parse_bytes(value: Any, name: str = "memory_budget") -> Optional[int]:
+def parse_bytes(value: Any, name: str = "memory_budget") -> int | None:
     """None, an int of bytes, or text such as "80GiB", "80GB", "512MiB"."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
         return value

@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def init_distributed(
-    *, cpu: bool = False, timeout: Optional[timedelta] = None, cpu_hint: str = "init_distributed(cpu=True)"
+    *, cpu: bool = False, timeout: timedelta | None = None, cpu_hint: str = "init_distributed(cpu=True)"
 ) -> torch.device:
     """Start the default process group (unless started) and return this process's device.
 
@@ -58,7 +58,7 @@ def init_distributed(
         backend = f"cpu:gloo,{accel.type}:{dist.Backend.default_device_backend_map.get(accel.type, 'nccl')}"
     if dist.is_initialized():
         return device
-    kwargs = {"timeout": timeout} if timeout is not None else {}
+    kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
     if all(k in os.environ for k in LAUNCHER_ENV):
         dist.init_process_group(backend, **kwargs)
     else:
@@ -108,7 +108,7 @@ def log_rank_zero(message: str, *args, level: int = logging.INFO) -> None:
         logger.log(level, message, *args)
 
 
-def shutdown(exit_code: int = 0, *, barrier_timeout: Optional[timedelta] = timedelta(seconds=60)) -> None:
+def shutdown(exit_code: int = 0, *, barrier_timeout: timedelta | None = timedelta(seconds=60)) -> None:
     """End a distributed process without the exit-time abort described above; never returns.
 
     Call it as the last line of a training script on every rank. It waits for all ranks

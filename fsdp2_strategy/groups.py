@@ -8,16 +8,16 @@ does not shard anything itself.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
 from .config import FSDP2Config
 from .distributed import log_rank_zero
-from .wrap_policy import match_override, select_wrapped, wrappable
 from .precision import resolve_mixed_precision, resolve_offload
+from .wrap_policy import match_override, select_wrapped, wrappable
 
 GROUP_ATTR = "_fsdp2_group"
 
@@ -27,11 +27,11 @@ class GroupSettings:
     """What one `fully_shard` call receives, plus the text the plan shows."""
 
     strategy: str
-    reshard_after_forward: Union[bool, int, None]
+    reshard_after_forward: bool | int | None
     mp_policy: MixedPrecisionPolicy
     offload_policy: OffloadPolicy
     cpu_offload: bool
-    override: Optional[str] = None
+    override: str | None = None
     """The module_overrides glob that produced these settings, if any."""
     reshard_reason: str = ""
     """Why the reshard choice differs from the strategy's (shown in the plan)."""

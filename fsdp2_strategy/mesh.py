@@ -6,7 +6,6 @@ Sharding strategies become meshes here; what each strategy means is in `sharding
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -18,7 +17,7 @@ from .tensor_parallel import TP_DIM
 REPLICATE_DIM, SHARD_DIM = "dp_replicate", "dp_shard"
 
 
-def default_reshard_after_forward(strategy: str) -> Optional[bool]:
+def default_reshard_after_forward(strategy: str) -> bool | None:
     """The `reshard_after_forward` a strategy implies (None lets torch keep the root gathered)."""
     return strategies.strategy(strategy).reshard_after_forward
 
@@ -26,9 +25,8 @@ def default_reshard_after_forward(strategy: str) -> Optional[bool]:
 def mesh_device_type() -> str:
     """Device type for meshes: the accelerator when the process group can drive it, else "cpu"."""
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
-    if torch.accelerator.is_available() and backend != "gloo":
-        return torch.accelerator.current_accelerator().type
-    return "cpu"
+    accelerator = torch.accelerator.current_accelerator()  # None without one
+    return accelerator.type if accelerator is not None and backend != "gloo" else "cpu"
 
 
 def collective_device() -> torch.device:
@@ -47,7 +45,7 @@ def detect_num_nodes(world_size: int) -> int:
     return world_size // local
 
 
-def strategy_mesh_shape(strategy: str, mesh_shape: Optional[tuple[int, ...]], world_size: int) -> tuple[int, ...]:
+def strategy_mesh_shape(strategy: str, mesh_shape: tuple[int, ...] | None, world_size: int) -> tuple[int, ...]:
     """The validated mesh shape for `strategy` on `world_size` ranks."""
     layout = strategies.strategy(strategy).layout
     if layout == "replicate":
@@ -102,15 +100,15 @@ class MeshCache:
     `tp_mesh` is its "tp" sub-mesh (FSDP2 needs both to share that parent).
     """
 
-    def __init__(self, device_type: Optional[str] = None, given: Optional[DeviceMesh] = None, tp_size: int = 1,
-                 tp_mesh: Optional[DeviceMesh] = None):
+    def __init__(self, device_type: str | None = None, given: DeviceMesh | None = None, tp_size: int = 1,
+                 tp_mesh: DeviceMesh | None = None):
         self.device_type = device_type or mesh_device_type()
         self.given = given
         self.tp_size = tp_size
         self.tp_mesh = tp_mesh
         self._meshes: dict[tuple[int, ...], DeviceMesh] = {}
 
-    def get(self, strategy: str, mesh_shape: Optional[tuple[int, ...]]) -> DeviceMesh:
+    def get(self, strategy: str, mesh_shape: tuple[int, ...] | None) -> DeviceMesh:
         if not dist.is_initialized():
             raise RuntimeError(
                 "shard_model needs an initialised process group: call torch.distributed.init_process_group() "

@@ -41,7 +41,7 @@ def resolve_mixed_precision(value: Any, field: str = "FSDP2Config.mixed_precisio
     unknown = set(value) - set(_POLICY_FIELDS)
     if unknown:
         raise ValueError(f"{field} has unknown keys {sorted(unknown)}; accepted keys: {list(_POLICY_FIELDS)}.")
-    kwargs = {k: dtype_from_name(v, f"{field}[{k!r}]") for k, v in value.items() if k != "cast_forward_inputs"}
+    kwargs: dict[str, Any] = {k: dtype_from_name(v, f"{field}[{k!r}]") for k, v in value.items() if k != "cast_forward_inputs"}
     if "cast_forward_inputs" in value:
         kwargs["cast_forward_inputs"] = bool(value["cast_forward_inputs"])
     return MixedPrecisionPolicy(**kwargs)

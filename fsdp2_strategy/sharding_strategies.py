@@ -16,7 +16,7 @@ Config validation, mesh building and both adapters read these facts from here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 Layout = Literal["shard", "hybrid", "replicate"]
 
@@ -30,7 +30,7 @@ class Strategy:
     layout: Layout
     """"shard": a 1-D mesh over every rank; "hybrid": (replicate across nodes, shard within one);
     "replicate": (world, 1), nothing sharded."""
-    reshard_after_forward: Optional[bool]
+    reshard_after_forward: bool | None
     """The default `reshard_after_forward`; None lets torch free after forward except for the root."""
 
     @property

@@ -10,8 +10,10 @@ requires.
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
@@ -113,8 +115,9 @@ def check_sizes(model: nn.Module, plan: Mapping[str, tuple[str, ParallelStyle]],
         module = model.get_submodule(name)
         kind = label.removesuffix("_rep")
         dim = next((d for (k, cls), d in _SPLIT_DIM.items() if k == kind and isinstance(module, cls)), None)
-        if dim is not None and module.weight.shape[dim] % tp_size:
-            problems.append(f"{name}: {kind} splits a dim of size {module.weight.shape[dim]}")
+        weight = cast(torch.Tensor, module.weight) if dim is not None else None
+        if dim is not None and weight is not None and weight.shape[dim] % tp_size:
+            problems.append(f"{name}: {kind} splits a dim of size {weight.shape[dim]}")
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         for attr in _HEAD_ATTRS:
             heads = getattr(parent, attr, None)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from collections import Counter
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from torch import nn
 
@@ -60,7 +61,7 @@ def auto_block_classes(model: nn.Module) -> tuple[type, ...]:
         present = [n for n in no_split if n in _class_names(model)]
         if present:
             return resolve_classes(model, present, "wrap_policy='auto' (_no_split_modules)")
-    best: Optional[type] = None
+    best: type | None = None
     best_count = 1
     for m in model.modules():
         if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1:
@@ -122,7 +123,7 @@ def _select_by_min_params(model: nn.Module, threshold: int, allowed: Callable[[s
     return sorted(chosen, key=order.__getitem__)
 
 
-def match_override(name: str, patterns: Iterable[str]) -> Optional[str]:
+def match_override(name: str, patterns: Iterable[str]) -> str | None:
     """The first glob in `patterns` that matches the qualified module name `name`."""
     for pattern in patterns:
         if fnmatch.fnmatchcase(name, pattern):

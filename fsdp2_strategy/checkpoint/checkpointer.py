@@ -19,7 +19,7 @@ import os
 import shutil
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -27,11 +27,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from ..distributed import barrier, is_distributed, log_rank_zero, logger, rank
 from . import directory as cdir
 from .directory import TMP_PREFIX
 from .state import Models, Optimizers, sharded_state
-from ..distributed import barrier, is_distributed, log_rank_zero, logger, rank
 
 EXTRA_FILE = "extra.pt"
 MODEL_KEY, OPTIM_KEY = "model", "optim"  # top-level keys; DCP flattens them to "model.<name>"
@@ -159,7 +160,7 @@ class Checkpointer:
         except CheckpointException as exc:
             raise RuntimeError(f"DCP async save into {tmp} failed: {exc}") from exc
         # A Future, or AsyncSaveResponse when staging itself is asynchronous.
-        return getattr(response, "upload_completion", response)
+        return cast(Future, getattr(response, "upload_completion", response))
 
     def _commit(self, step: int) -> None:
         """Publish `.tmp-step-N` as `step-N` once every rank's shards and `.metadata` are written."""
@@ -234,8 +235,6 @@ def _read_extra(path: Path) -> Any:
 def _make_stager():
     """A DCP stager that copies to CPU synchronously; pinned memory and non-blocking copies
     only with an accelerator (on a CPU-only machine they fail)."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
     accel = torch.accelerator.is_available()
     # Synchronous staging: `save()` returns once the copy exists, so the caller may modify
     # parameters (next optimizer step) at once while the background thread writes the copy.

@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from ..distributed import barrier, from_rank_zero, is_distributed, logger, rank
 from . import integrity as integrity
 from .state import UNSTEPPED, Models, Optimizers, apply_state, sharded_state, without_markers
-from ..distributed import barrier, from_rank_zero, is_distributed, logger, rank
 
 METADATA = ".metadata"  # DCP writes it last: the commit marker of a checkpoint directory
 STEP_DIR = re.compile(r"^step-(\d+)$")  # `Checkpointer`'s per-step directories

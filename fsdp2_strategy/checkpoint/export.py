@@ -14,7 +14,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,10 +22,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..distributed import logger
+from ..precision import dtype_from_name
 from . import directory as cdir
 from . import integrity as integrity
-from ..precision import dtype_from_name
-from ..distributed import logger
 
 # Where the model's tensors sit in a DCP checkpoint: `Checkpointer` ("model.") and
 # Lightning's sharded checkpoints ("state_dict."; also what our Lightning adapter writes).
@@ -33,7 +33,7 @@ MODEL_PREFIXES = ("model.", "state_dict.")
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size
 
 
-def resolve_checkpoint_dir(path: str | Path, step: Optional[int] = None) -> Path:
+def resolve_checkpoint_dir(path: str | Path, step: int | None = None) -> Path:
     """A DCP directory: `path` itself, or a step of a `Checkpointer` root (the latest by default)."""
     path = Path(path)
     if step is None and cdir.is_committed(path):
@@ -51,7 +51,7 @@ def model_tensor_keys(metadata: Metadata) -> dict[str, str]:
     return {k: k for k in sorted(tensors)}
 
 
-def read_full_model_state(checkpoint_dir: str | Path, step: Optional[int] = None) -> dict[str, torch.Tensor]:
+def read_full_model_state(checkpoint_dir: str | Path, step: int | None = None) -> dict[str, torch.Tensor]:
     """The model's full (unsharded) tensors from a sharded checkpoint, in this one process.
 
     For single-process use (inference, `load_from_checkpoint`): every tensor is materialised,
@@ -109,12 +109,13 @@ def saved_world_size(metadata: Metadata) -> int:
     return len(ranks) or 1
 
 
-def _nbytes(meta: TensorStorageMetadata, dtype: Optional[torch.dtype]) -> int:
+def _nbytes(meta: Any, dtype: torch.dtype | None) -> int:
+    """Bytes of one tensor entry (`TensorStorageMetadata`; `tensor_keys` chose only those) in `dtype`."""
     dt = dtype or meta.properties.dtype
     return torch.Size(meta.size).numel() * torch.empty((), dtype=dt).element_size()
 
 
-def _batches(keys: dict[str, str], metadata: Metadata, max_bytes: int, dtype) -> list[list[str]]:
+def _batches(keys: dict[str, str], metadata: Metadata, max_bytes: float, dtype) -> list[list[str]]:
     batches: list[list[str]] = [[]]
     size = 0
     for name, key in keys.items():
@@ -130,7 +131,7 @@ def _batches(keys: dict[str, str], metadata: Metadata, max_bytes: int, dtype) ->
 def _read(ckpt_dir: Path, metadata: Metadata, keys: dict[str, str], names: list[str], dtype) -> dict[str, torch.Tensor]:
     state = {}
     for name in names:
-        meta = metadata.state_dict_metadata[keys[name]]
+        meta = cast(TensorStorageMetadata, metadata.state_dict_metadata[keys[name]])
         state[keys[name]] = torch.empty(meta.size, dtype=meta.properties.dtype)
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
@@ -146,7 +147,7 @@ def _read(ckpt_dir: Path, metadata: Metadata, keys: dict[str, str], names: list[
 
 def _progress(total: int, desc: str):
     try:
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # optional: without it, no progress bar
 
         return tqdm(total=total, desc=desc, unit="B", unit_scale=True)
     except ImportError:  # tqdm is optional: fall back to log lines
@@ -170,7 +171,7 @@ def export_full(
     *,
     format: str = "safetensors",
     dtype: str | torch.dtype | None = None,
-    step: Optional[int] = None,
+    step: int | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
     """Write the model weights of a sharded checkpoint as full tensors; returns `out_dir`.
@@ -199,7 +200,7 @@ def export_full(
         raise ValueError(f"export_full: out_dir {out} is a file; pass a folder (it is created if missing).")
     limit = max_shard_size if format == "safetensors" else float("inf")
     batches = _batches(keys, metadata, limit, target_dtype)
-    total = sum(_nbytes(metadata.state_dict_metadata[keys[n]], target_dtype) for n in keys)
+    total: int = sum(_nbytes(metadata.state_dict_metadata[keys[n]], target_dtype) for n in keys)
     bar = _progress(total, f"export {ckpt_dir.name}")
     try:
         if format == "torch":
@@ -216,7 +217,7 @@ def export_full(
 
 
 def _write_safetensors(ckpt_dir, metadata, keys, batches, dtype, out: Path, bar, total: int) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # optional ([hf]): torch-file exports do without it
 
     weight_map = {}
     for i, names in enumerate(batches, start=1):
@@ -266,7 +267,7 @@ class CheckpointInfo:
         return "\n".join(lines)
 
 
-def inspect_checkpoint(path: str | Path, step: Optional[int] = None) -> CheckpointInfo:
+def inspect_checkpoint(path: str | Path, step: int | None = None) -> CheckpointInfo:
     """Steps (committed or partial), tensors with shapes and dtypes, the saving world size, and
     whether the files still match their checksums."""
     path = Path(path)

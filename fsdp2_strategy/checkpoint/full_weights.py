@@ -11,16 +11,16 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..distributed import log_rank_zero
-from ..shard import copy_from_full, has_meta_tensors, local_region, local_tensor
 from ..mesh import mesh_device
+from ..shard import copy_from_full, has_meta_tensors, local_region, local_tensor
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _ST_DTYPES = {
@@ -112,7 +112,7 @@ class _SafetensorsFile:
                 raise ValueError(f"{self.path}: tensor {name!r} is truncated; the file is incomplete or corrupt.")
 
     def read_slice(self, name: str, index: tuple) -> torch.Tensor:
-        from safetensors import safe_open
+        from safetensors import safe_open  # optional ([hf]): only safetensors inputs need it
 
         with safe_open(str(self.path), framework="pt") as f:
             return f.get_slice(name)[index]

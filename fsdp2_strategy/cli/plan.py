@@ -49,7 +49,7 @@ def load_model(spec: str, batch_size: int | None, seq_len: int | None) -> tuple[
 
 
 def _hugging_face(folder: Path, batch_size: int | None, seq_len: int | None) -> tuple[nn.Module, Any]:
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # optional ([hf]): only this path needs it
 
     config = AutoConfig.from_pretrained(folder)
     causal = any(a.endswith("ForCausalLM") for a in (config.architectures or []))
@@ -57,7 +57,7 @@ def _hugging_face(folder: Path, batch_size: int | None, seq_len: int | None) -> 
         model = (AutoModelForCausalLM if causal else AutoModel).from_config(config)
     if batch_size is None:
         return model, None
-    seq = seq_len or getattr(config, "max_position_embeddings", 512)
+    seq = seq_len if seq_len is not None else int(getattr(config, "max_position_embeddings", 512))
     ids = torch.zeros(batch_size, seq, dtype=torch.long, device="meta")
     return model, ({"input_ids": ids, "labels": ids} if causal else {"input_ids": ids})
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..distributed import log_rank_zero
 from ..config import SHARDING_STRATEGIES, FSDP2Config, parse_bytes
+from ..distributed import log_rank_zero
 from .memory import MemoryEstimate, estimate_memory, human_bytes
 
 BUDGET_MARGIN = 0.10
@@ -37,7 +37,7 @@ class PlanRow:
     """Activation checkpointing of the wrapped blocks."""
     estimate: MemoryEstimate
     """Per-rank memory and communication of this setting."""
-    fits: Optional[bool]
+    fits: bool | None
     """Whether the peak fits the budget (None when no budget was given)."""
 
     @property
@@ -52,9 +52,9 @@ class StrategyComparison:
 
     rows: list[PlanRow] = field(default_factory=list)
     """Every setting estimated, in the order tried."""
-    budget: Optional[int] = None
+    budget: int | None = None
     """Bytes per rank available (None: no budget, nothing is judged)."""
-    recommended: Optional[PlanRow] = None
+    recommended: PlanRow | None = None
     """The fitting row with the least communication (None when nothing fits or no budget)."""
     reason: str = ""
     """Why the recommendation was chosen, or why nothing fits."""
@@ -79,8 +79,8 @@ class StrategyComparison:
 def default_budget(local_ranks: int = 1) -> int:
     """The accelerator's total memory, or on CPU the available RAM divided by the local ranks,
     minus `BUDGET_MARGIN`."""
-    if torch.accelerator.is_available():
-        device = torch.accelerator.current_accelerator()
+    device = torch.accelerator.current_accelerator()  # None without one
+    if device is not None:
         module = getattr(torch, device.type)
         total = module.get_device_properties(torch.accelerator.current_device_index()).total_memory
     else:
@@ -195,7 +195,7 @@ def resolve_strategy(model: nn.Module, config: FSDP2Config, world_size: int, nod
 
 def resolve_auto(model: nn.Module, config: FSDP2Config, world_size: int, nodes: int, *,
                  example_batch: Any = None, loss_fn: Any = None,
-                 device_type: Optional[str] = None) -> tuple[FSDP2Config, str]:
+                 device_type: str | None = None) -> tuple[FSDP2Config, str]:
     """The config with `sharding_strategy="auto"` replaced by the chosen strategy, and the reason.
 
     The user's offload and checkpointing choices are kept; only the strategy is chosen. With

@@ -14,8 +14,9 @@ stepping the optimizer on meta tensors of the local shard sizes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,11 +25,11 @@ from ..activation_checkpoint import apply_activation_checkpointing
 from ..config import ACCUMULATION_MODES, FSDP2Config
 from ..config_checks import check_choice
 from ..groups import select_groups, settings_for
-from .simulate import GroupSizes, LiveBytes, group_sizes, run_step, states_without_batch
+from ..wrap_policy import modules_matching
+from .sim_device import resolve_device_type
 from .sim_model import meta_copy
 from .sim_optimizer import measure_optimizer
-from .sim_device import resolve_device_type
-from ..wrap_policy import modules_matching
+from .simulate import GroupSizes, LiveBytes, group_sizes, run_step, states_without_batch
 
 
 @dataclass
@@ -134,10 +135,10 @@ def estimate_memory(
     nodes: int = 1,
     optimizer: Any = "adamw",
     example_batch: Any = None,
-    loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     accumulation: str = "sync_last",
     micro_batches: int = 1,
-    device_type: Optional[str] = None,
+    device_type: str | None = None,
 ) -> MemoryEstimate:
     """Estimate per-rank memory and communication of training `model` with `config`.
 

@@ -20,7 +20,7 @@ The meta run has no device, but two things it imitates depend on one:
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 from torch.nn.attention import SDPBackend
@@ -30,12 +30,11 @@ from .. import _torch_compat as tc
 
 def default_device_type() -> str:
     """The accelerator's device type ("cuda", "xpu", ...) when one is available, else "cpu"."""
-    if torch.accelerator.is_available():
-        return torch.accelerator.current_accelerator().type
-    return "cpu"
+    accelerator = torch.accelerator.current_accelerator()  # None without one
+    return accelerator.type if accelerator is not None else "cpu"
 
 
-def resolve_device_type(value: Optional[str]) -> str:
+def resolve_device_type(value: str | None) -> str:
     """`value` checked ("cpu" or an accelerator type such as "cuda"), or the default when None."""
     if value is None:
         return default_device_type()
@@ -55,7 +54,7 @@ def reduce_scatter_scratch(device_type: str, collectives: str, input_bytes: int,
     return input_bytes if device_type == "cpu" else 0
 
 
-def _stand_in(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
     """A CPU tensor of `t`'s shape and dtype that owns one row: zero strides but the last (the
     kernel checks look at shapes, dtypes and the last stride, never at values)."""
     if t is None or not isinstance(t, torch.Tensor) or t.dim() == 0:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from torch import nn
 from .. import _torch_compat as tc
 
 
-def meta_copy(model: nn.Module, batch: Any, compute_dtype: Optional[torch.dtype], cast_inputs: bool):
+def meta_copy(model: nn.Module, batch: Any, compute_dtype: torch.dtype | None, cast_inputs: bool):
     """A meta-device copy of `model` (floating parameters in `compute_dtype`) and of `batch`."""
     memo: dict[int, Any] = {}
     for p in model.parameters():

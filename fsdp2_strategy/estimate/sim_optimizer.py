@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from .simulate import GroupSizes, LiveBytes
-
 
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps),
@@ -20,7 +20,7 @@ OPTIMIZERS = {
 }
 
 
-def optimizer_factory(spec: Any) -> Optional[Callable[[list], torch.optim.Optimizer]]:
+def optimizer_factory(spec: Any) -> Callable[[list], torch.optim.Optimizer] | None:
     """Turn an optimizer name, class or factory into `params -> optimizer` (None: no optimizer)."""
     if spec is None or spec == "none":
         return None
@@ -30,7 +30,8 @@ def optimizer_factory(spec: Any) -> Optional[Callable[[list], torch.optim.Optimi
                              "an optimizer class or a callable params -> optimizer.")
         return OPTIMIZERS[spec.lower()]
     if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
-        return lambda ps: spec(ps, lr=0.1) if spec is torch.optim.SGD else spec(ps)
+        optimizer_cls: Any = spec  # SGD needs an lr; the others have defaults
+        return lambda ps: optimizer_cls(ps, lr=0.1) if optimizer_cls is torch.optim.SGD else optimizer_cls(ps)
     if callable(spec):
         return spec
     raise ValueError(f"optimizer={spec!r} is invalid; use a name, an optimizer class or a callable params -> optimizer.")

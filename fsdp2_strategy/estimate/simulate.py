@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from .. import _torch_compat as tc
-from ..train import gathers_up_front
 from ..config import FSDP2Config
 from ..groups import settings_for
 from ..mesh import default_reshard_after_forward
+from ..train import gathers_up_front
 from .sim_device import attention_kernels, reduce_scatter_scratch
 from .sim_model import default_loss
-
 
 
 class LiveBytes(tc.TorchDispatchMode):
@@ -77,7 +77,7 @@ class LiveBytes(tc.TorchDispatchMode):
         """Add (or with a negative value, remove) virtual bytes of one category."""
         self.virtual[category] = self.virtual.get(category, 0) + nbytes
 
-    def note_virtual(self, transient: int, phase: Optional[str]) -> None:
+    def note_virtual(self, transient: int, phase: str | None) -> None:
         """Update the peak with the current total plus `transient` bytes alive for an instant."""
         total = self.live + sum(self.virtual.values()) + transient
         activations = self.live - self.unsharded_grads
@@ -122,6 +122,10 @@ class GroupSizes:
     """The group stays gathered between forward and backward (reshard_after_forward False)."""
     reshard_to: int = 0
     """An int `reshard_after_forward`: after forward it holds 1/reshard_to of `gathered`."""
+    mp_dtype: torch.dtype | None = None
+    """The compute dtype of the mixed-precision policy (None: each parameter's own)."""
+    reduce_dtype: torch.dtype | None = None
+    """The gradient-reduction dtype (None: the compute dtype)."""
 
 
 def _nearest(name: str, groups: list[str]) -> str:
@@ -161,7 +165,7 @@ def group_sizes(model: nn.Module, groups: list[str], ignored: list[str], config:
         # (HYBRID_SHARD on a (2, 1) mesh measured 32.0 MB against NO_SHARD's 34.4 MB).
         g.keep_after_forward = reshard is False
         g.reshard_to = reshard if isinstance(reshard, int) and not isinstance(reshard, bool) else 0
-        g.mp_dtype, g.reduce_dtype = settings.mp_policy.param_dtype, settings.mp_policy.reduce_dtype  # type: ignore[attr-defined]
+        g.mp_dtype, g.reduce_dtype = settings.mp_policy.param_dtype, settings.mp_policy.reduce_dtype
     ignored_params = {id(p) for n in ignored for p in model.get_submodule(n).parameters()}
     for pname, p in model.named_parameters():
         owner = sizes[_nearest(pname.rsplit(".", 1)[0] if "." in pname else "", groups)]
@@ -208,7 +212,7 @@ class _Schedule:
         self.handles: list = []
 
     # --- gathering -------------------------------------------------------------------
-    def gather(self, name: str, outputs_alive: Optional[int] = None) -> None:
+    def gather(self, name: str, outputs_alive: int | None = None) -> None:
         g = self.sizes[name]
         held = self.gathered.get(name, 0)
         if held >= g.gathered or not g.gathered:
@@ -265,7 +269,7 @@ class _Schedule:
             self.post_forward_order.append(name)
         if not g.keep_after_forward and not self.keep_forward:
             self.reshard(name, g.reshard_to)
-        fired = []
+        fired: list[bool] = []
 
         def hook(grad, n=name):
             if not fired:
@@ -289,7 +293,7 @@ class _Schedule:
             self.pending[name] = len([n for n in self.sizes[name].params if self.model.get_parameter(n).requires_grad])
         if id(p) not in self._counted:
             self._counted.add(id(p))
-            self.tracker.unsharded_grads += p.grad.untyped_storage().nbytes()
+            self.tracker.unsharded_grads += cast(torch.Tensor, p.grad).untyped_storage().nbytes()
         self.pending[name] -= 1
         if self.pending[name] == 0:
             self.post_backward(name)
@@ -319,8 +323,8 @@ class _Schedule:
             self.tracker.add("grads", -self.upcast.pop(name, 0))
         elif name not in self.upcast:
             # Without sync, FSDP2 accumulates a low-precision gradient in the reduce dtype.
-            held = sum(self.model.get_parameter(n).grad.untyped_storage().nbytes() for n in g.params
-                       if self.model.get_parameter(n).grad is not None)
+            grads = [self.model.get_parameter(n).grad for n in g.params]
+            held = sum(grad.untyped_storage().nbytes() for grad in grads if grad is not None)
             self.upcast[name] = max(g.reduce_bytes - held, 0)
             self.tracker.add("grads", self.upcast[name])
         self.tracker.note_virtual(0, "backward")

@@ -21,7 +21,7 @@ straight to torch's `fully_shard`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -206,7 +206,7 @@ def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
         if kwargs.get("mesh") is None and not dist.is_initialized():  # torch would try env:// and ask for RANK
             raise RuntimeError("fully_shard needs an initialised process group (or mesh=): call f2.init_distributed() "
                                "or torch.distributed.init_process_group() first.")
-        return _torch_fully_shard(module, **kwargs)
+        return cast(nn.Module, _torch_fully_shard(module, **kwargs))
     clashes = [(a, b) for a, b in (("mixed_precision", "mp_policy"), ("cpu_offload", "offload_policy"),
                                    ("ignored_modules", "ignored_params"), ("device_mesh", "mesh"),
                                    ("process_group", "mesh"), ("process_group", "device_mesh"))

@@ -17,7 +17,8 @@ it is always a group of its own.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy

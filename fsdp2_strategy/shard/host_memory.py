@@ -22,11 +22,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import platform
-from typing import Optional
 
 from ..config import HOST_ALLOCATORS
 from ..config_checks import check_choice
-
 
 MMAP_THRESHOLD = 1 << 30
 """Blocks below 1 GiB come from malloc's heap (reused) instead of a fresh mmap each time."""
@@ -38,7 +36,7 @@ _log = logging.getLogger(__name__)
 _kept = False
 
 
-def _glibc() -> Optional[ctypes.CDLL]:
+def _glibc() -> ctypes.CDLL | None:
     """The running glibc (None with another C library, e.g. musl or macOS's)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None

@@ -17,7 +17,7 @@ tensors at a time.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

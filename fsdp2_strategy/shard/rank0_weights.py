@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from ..distributed import is_distributed, log_rank_zero, rank
-from .materialize import has_meta_tensors, move_to_meta
 from ..mesh import collective_device
+from .materialize import has_meta_tensors, move_to_meta
 from .sharding import shard_model
 
 

@@ -13,8 +13,6 @@ see scalar parameters that `shard_model` replicates.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -48,7 +46,7 @@ def _check_ready(model: nn.Module, params: dict[str, nn.Parameter]) -> None:
         )
 
 
-def replicate(model: nn.Module, *, mesh: Optional[DeviceMesh] = None) -> nn.Module:
+def replicate(model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn.Module:
     """Data-parallelise the parameters of `model` that no `fully_shard` group owns; returns `model`.
 
     Call it after every `fully_shard`/`shard_model` on parts of the model and before building

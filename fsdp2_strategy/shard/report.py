@@ -8,13 +8,12 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ..train import DEFAULT_MODE, SCALAR_REASON, mode_of, replicated_params_of
-from .host_memory import freed_memory_kept
-from .ring_comms import ATTR as RING_ATTR
 from ..groups import GROUP_ATTR, own_named_params
 from ..precision import describe_precision
 from ..tensor_parallel import tp_summary
-
+from ..train import DEFAULT_MODE, SCALAR_REASON, mode_of, replicated_params_of
+from .host_memory import freed_memory_kept
+from .ring_comms import ATTR as RING_ATTR
 
 ACCUMULATION_SUMMARY = {
     "sync_each": "reduce-scatter every micro-batch, sharded gradients",
@@ -73,8 +72,8 @@ class ShardingPlan:
         return sum(g.local_bytes for g in self.groups)
 
     def __str__(self) -> str:
-        header = ("group", "type", "params", "MiB/rank", "mesh", "strategy", "reshard", "precision", "offload", "tp", "note")
-        rows = [header] + [
+        header: tuple[str, ...] = ("group", "type", "params", "MiB/rank", "mesh", "strategy", "reshard", "precision", "offload", "tp", "note")
+        rows: list[tuple[str, ...]] = [header] + [
             (
                 g.name, g.module_type, f"{g.num_params:,}", f"{g.local_bytes / 2**20:.2f}", "x".join(map(str, g.mesh_shape)),
                 g.strategy, str(g.reshard_after_forward), g.precision, "yes" if g.cpu_offload else "no", g.tensor_parallel,
@@ -95,7 +94,7 @@ class ShardingPlan:
         return "\n".join(lines)
 
 
-def _managed_params(module: nn.Module) -> list[nn.Parameter]:
+def _managed_params(module: nn.Module) -> list[DTensor]:
     return [p for _, p in own_named_params(module) if isinstance(p, DTensor)]
 
 
@@ -108,7 +107,8 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
     """Describe every FSDP group of `model` plus replicated scalars, one row each."""
     plan = ShardingPlan(accumulation=mode_of(model), freed_memory_kept=freed_memory_kept())
     for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
+        is_group = isinstance(module, FSDPModule)  # (a flag: `module` stays typed as nn.Module)
+        if not is_group:
             continue
         params = _managed_params(module)
         settings = getattr(module, GROUP_ATTR, None)
@@ -138,13 +138,14 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
             )
         )
     replicated = replicated_params_of(model)
-    for reason, params in (replicated.by_reason() if replicated is not None else {}).items():
+    for reason, by_name in (replicated.by_reason() if replicated is not None else {}).items():
+        assert replicated is not None
         scalar = reason == SCALAR_REASON
         plan.groups.append(
             GroupPlan(
-                name=", ".join(params) if scalar else _owner_names(params), module_type="scalar" if scalar else "replicate",
-                num_params=sum(p.numel() for p in params.values()),
-                local_bytes=sum(_local_bytes(p) for p in params.values()),
+                name=", ".join(by_name) if scalar else _owner_names(by_name), module_type="scalar" if scalar else "replicate",
+                num_params=sum(p.numel() for p in by_name.values()),
+                local_bytes=sum(_local_bytes(p) for p in by_name.values()),
                 mesh_shape=tuple(replicated.mesh.shape), strategy="REPLICATED", reshard_after_forward="-",
                 precision="param", note=reason,
             )

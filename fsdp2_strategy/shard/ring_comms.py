@@ -17,7 +17,7 @@ while it runs, instead of gloo's copy of the whole input.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,6 @@ from torch.distributed.fsdp import FSDPModule
 from .. import _torch_compat as tc
 from ..config import COLLECTIVES
 from ..config_checks import check_choice
-
 
 ATTR = "_fsdp2_ring_comms"
 """Set (True) on each FSDP module given the rings, for `sharding_plan`."""
@@ -71,12 +70,12 @@ class RingAllGather(_FreshBuffers, tc.AllGather):
     """All-gather of equal chunks into a flat output, in N-1 ring steps."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False) -> Optional[dist.Work]:
+                 async_op: bool = False) -> dist.Work | None:
         return self.ring_all_gather(output_tensor, input_tensor, group, async_op)
 
     @staticmethod
     def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
-                        async_op: bool = False) -> Optional[dist.Work]:
+                        async_op: bool = False) -> dist.Work | None:
         rank, world = group.rank(), group.size()
         _check_sizes("RingAllGather", output, input, world)
         chunks = output.view(world, -1)
@@ -99,7 +98,7 @@ class RingReduceScatter(_FreshBuffers, tc.ReduceScatter):
     """
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op=dist.ReduceOp.SUM, async_op: bool = False) -> Optional[dist.Work]:
+                 op=dist.ReduceOp.SUM, async_op: bool = False) -> dist.Work | None:
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         self.ring_reduce_scatter(output_tensor, input_tensor, group, average=op == dist.ReduceOp.AVG)
@@ -124,7 +123,7 @@ class RingReduceScatter(_FreshBuffers, tc.ReduceScatter):
             out.div_(world)
 
 
-def _shard_group(module: FSDPModule) -> Optional[dist.ProcessGroup]:
+def _shard_group(module: FSDPModule) -> dist.ProcessGroup | None:
     """The process group `module`'s parameters are sharded over (None: not sharded, or several groups)."""
     groups = tc.param_groups(module)
     return tc.shard_process_group(groups[0]) if len(groups) == 1 else None

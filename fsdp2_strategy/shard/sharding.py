@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -14,26 +15,33 @@ from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from .. import _torch_compat as tc
 from ..activation_checkpoint import apply_activation_checkpointing
 from ..config import FSDP2Config
-from ..estimate import resolve_strategy
 from ..distributed import log_rank_zero
+from ..estimate import resolve_strategy
 from ..groups import GROUP_ATTR, GroupSettings, own_named_params, select_groups, settings_for, top_level
-from .materialize import check_initialisable, has_meta_tensors, materialize
-from ..mesh import MeshCache, detect_num_nodes, mesh_device, check_reshard_factor, default_reshard_after_forward, shard_group_size
-from .report import sharding_plan
-from ..wrap_policy import modules_matching
-from .host_memory import apply_host_allocator
-from .ring_comms import install_ring_comms
+from ..mesh import (
+    MeshCache,
+    check_reshard_factor,
+    default_reshard_after_forward,
+    detect_num_nodes,
+    mesh_device,
+    shard_group_size,
+)
 from ..tensor_parallel import apply_tensor_parallel, mark_user_parallelised, split_mesh
 from ..train import REPLICATED_ATTR, ReplicatedParams, find_scalar_params, mark_replaced_params, record_mode
+from ..wrap_policy import modules_matching
+from .host_memory import apply_host_allocator
+from .materialize import check_initialisable, has_meta_tensors, materialize
+from .report import sharding_plan
+from .ring_comms import install_ring_comms
 
 
 def shard_model(
     model: nn.Module,
     config: FSDP2Config | Mapping[str, Any] | str | None = None,
     *,
-    mesh: Optional[DeviceMesh] = None,
+    mesh: DeviceMesh | None = None,
     example_batch: Any = None,
-    loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     **overrides: Any,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2 according to `config` and return it.
@@ -74,6 +82,7 @@ def shard_model(
     specs = _plan_groups(model, config, groups, root_settings, root_mesh, meshes)
     if tp > 1:
         # Before FSDP: fully_shard then shards the TP DTensors over the data-parallel dims.
+        assert meshes.tp_mesh is not None  # split off the root mesh when tp > 1
         apply_tensor_parallel(model, config.tensor_parallel_plan, meshes.tp_mesh)
     mark_user_parallelised(model)  # after FSDP every managed parameter is a DTensor
     apply_activation_checkpointing(model, config.activation_checkpointing, groups)
@@ -104,7 +113,7 @@ def shard_model(
     return model
 
 
-def _resolve_auto_strategy(model: nn.Module, config: FSDP2Config, mesh: Optional[DeviceMesh],
+def _resolve_auto_strategy(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None,
                            **planner_inputs: Any) -> FSDP2Config:
     """Let the memory planner pick the strategy (the same choice on every rank: the estimate is
     deterministic and uses only the model's shapes and the config)."""
@@ -167,7 +176,7 @@ def _compile_blocks(model: nn.Module, groups: list[str], options: bool | dict) -
 
 
 def _set_prefetch(model: nn.Module, blocks: list[str], forward: int, backward: int) -> None:
-    modules = [model.get_submodule(n) for n in blocks]
+    modules = [cast(FSDPModule, model.get_submodule(n)) for n in blocks]  # each block is a group
     for i, module in enumerate(modules):
         if forward:
             module.set_modules_to_forward_prefetch(modules[i + 1 : i + 1 + forward])

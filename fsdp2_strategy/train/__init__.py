@@ -4,12 +4,11 @@ parameters kept replicated by hand, and trainer entry points other than `forward
 Imports only the base modules of the core. `__all__` is what other packages and the adapters use.
 """
 
-from .accumulation import (DEFAULT_MODE, gathers_up_front, mode_of, no_sync, record_mode,
-                           set_gradient_sync)
+from .accumulation import DEFAULT_MODE, gathers_up_front, mode_of, no_sync, record_mode, set_gradient_sync
 from .clipping import clip_grad_norm_, clip_grad_value_
 from .optimizer import check_optimizer, mark_replaced_params, parameters_by_name, rebind_optimizer
-from .replicated import (ATTR as REPLICATED_ATTR, SCALAR_REASON, ReplicatedParams, find_scalar_params,
-                         replicated_params_of)
+from .replicated import ATTR as REPLICATED_ATTR
+from .replicated import SCALAR_REASON, ReplicatedParams, find_scalar_params, replicated_params_of
 from .step_methods import register_step_method
 
 __all__ = [

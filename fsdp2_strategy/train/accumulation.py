@@ -20,7 +20,8 @@ An exception inside a micro-batch calls `abandon`: sync back on, every group res
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any, cast
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -119,14 +120,15 @@ class _KeptGroups:
                 tc.set_post_forward_mesh_info(group, None)  # what set_reshard_after_forward(False) writes
         if self.gather_up_front:
             for handle in [module.unshard(async_op=True) for module in self.modules]:
-                handle.wait()
+                if handle is not None:  # always a handle with async_op=True
+                    handle.wait()
 
     def release_after_last_backward(self) -> None:
         """Reshard after the coming backward; restore each group's forward choice after its next forward."""
         self.drop_pending()
         for module, saved in zip(self.modules, self.saved):
             module.set_reshard_after_backward(True, recurse=False)
-            handle = module.register_forward_hook(_restore_hook(saved), always_call=True)
+            handle = cast(nn.Module, module).register_forward_hook(_restore_hook(saved), always_call=True)
             self.pending.append(handle)
 
     def restore_flags(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Iterable, Union
+from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_compat as tc
 
 
-def _grads(parameters: Union[torch.Tensor, Iterable[torch.Tensor]]) -> list[torch.Tensor]:
+def _grads(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     seen: set[int] = set()
@@ -31,7 +31,7 @@ def _mesh_key(grad: torch.Tensor):
 
 
 def clip_grad_norm_(
-    parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
+    parameters: torch.Tensor | Iterable[torch.Tensor],
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
@@ -78,7 +78,7 @@ def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
         tc.foreach_mul_(tensors, coef.to(device))
 
 
-def clip_grad_value_(parameters: Union[torch.Tensor, Iterable[torch.Tensor]], clip_value: float) -> None:
+def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float) -> None:
     """Clamp every gradient element to [-clip_value, clip_value] (elementwise, no communication)."""
     for g in _grads(parameters):
         local = g.to_local() if isinstance(g, DTensor) else g

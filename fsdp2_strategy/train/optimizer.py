@@ -10,7 +10,7 @@ name before and after sharding, which also holds for tied weights (one name, one
 from __future__ import annotations
 
 import weakref
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -59,7 +59,7 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, before: Mapping[str, nn.P
 
 # --------------------------------------------------------------------------- optimizer check
 _REPLACED = "_fsdp2_replaced_by_sharding"
-_checked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _hook_handle = None
 
 

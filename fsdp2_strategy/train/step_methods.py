@@ -13,6 +13,7 @@ wrapped block), as FSDP2 does for any forward.
 from __future__ import annotations
 
 import functools
+import types
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -38,4 +39,4 @@ def register_step_method(module: nn.Module, method_name: str) -> None:
         tc.pre_forward(self, _PLACEHOLDER_ARGS, {})  # not the step's arguments: nothing cast or moved
         return tc.post_forward(self, _PLACEHOLDER_ARGS, original(*args, **kwargs))
 
-    setattr(module, method_name, gathered.__get__(module, type(module)))
+    setattr(module, method_name, types.MethodType(gathered, module))
