@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: test test-matrix example venv clean
+.PHONY: test lint test-matrix example venv clean
 
 $(STAMP):
 	$(PY) -m venv $(VENV)
@@ -16,7 +16,14 @@ $(STAMP):
 
 venv: $(STAMP)
 
-test: $(STAMP)
+# ruff (lint, format), import-linter (the layer rules of docs/architecture.md), mypy (the core).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
 
 # One cell of the version matrix in a scratch venv (.venv-matrix/): TORCH=2.15.0 [PINS="lightning==2.6.6"]

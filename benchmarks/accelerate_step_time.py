@@ -80,7 +80,7 @@ def worker(variant: str, args: argparse.Namespace) -> None:
     model, optimizer = accelerator.prepare(model, optimizer)
     micro = _bench.batches(args.accumulate * (args.steps + 2), args.batch)
     losses, stamps = [], []
-    for i, (x, y) in enumerate(micro):
+    for x, y in micro:
         x, y = x.to(accelerator.device), y.to(accelerator.device)
         with accelerator.accumulate(model):
             loss = F.mse_loss(model(x), y)

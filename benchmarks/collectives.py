@@ -23,7 +23,7 @@ import os
 import sys
 import warnings
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

@@ -77,7 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     failures = {m: [] for m in args.modes}
     start = time.time()
-    for i in range(args.runs):  # interleaved, so load and time affect every mode alike
+    for _ in range(args.runs):  # interleaved, so load and time affect every mode alike
         for mode in args.modes:
             codes = run_world(mode)
             if any(codes):

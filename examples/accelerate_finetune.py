@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate.utils import ProjectConfiguration, set_seed
+from reviews import LABELS, encode_splits, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
 from torch.utils.data import DataLoader
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator
-from reviews import LABELS, encode_splits, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
 
 
 class Progress:

@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
+from reviews import LABELS, encode_splits, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
 from torch.utils.data import DataLoader
 
 import fsdp2_strategy as f2
 import fsdp2_strategy.integrations.fabric  # noqa: F401  (registers strategy="fsdp2" in Fabric)
 from fsdp2_strategy.checkpoint import directory as cdir
-from reviews import LABELS, encode_splits, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
 
 
 def build(fabric: Fabric, model_dir: Path, lr: float):

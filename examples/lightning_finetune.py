@@ -34,12 +34,13 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from reviews import LABELS, encode_splits, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fsdp2_strategy as f2
 import fsdp2_strategy.integrations.lightning  # noqa: F401  (registers strategy="fsdp2")
-from reviews import LABELS, encode_splits, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
+
 
 # --------------------------------------------------------------------------- model
 class ReviewClassifier(pl.LightningModule):

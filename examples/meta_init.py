@@ -91,7 +91,7 @@ def weight_checksums(model: nn.Module) -> dict[str, list[float]]:
     The wrap policy shards dim 0 over a 1-D mesh; rank r holds rows from r * ceil(rows / world)."""
     world = dist.get_world_size()
     local = []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if hasattr(p, "to_local"):
             first = p.device_mesh.get_local_rank() * -(-p.shape[0] // world)
             local += _checksums(p.to_local(), first) if p.to_local().numel() else [0.0, 0.0]

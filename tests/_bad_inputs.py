@@ -13,14 +13,15 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from _models import TinyGPT
 
 import fsdp2_strategy as f2
-from _models import TinyGPT
 
 
 @dataclass
@@ -28,7 +29,7 @@ class Row:
     """One bad input: `call(env)` must raise `error` whose message holds every phrase in `says`."""
 
     id: str
-    call: Callable[["Env"], Any]
+    call: Callable[[Env], Any]
     error: type[BaseException]
     says: tuple[str, ...]
 
@@ -38,7 +39,7 @@ class CliRow:
     """One bad command line: exit status `status`, stderr holding `says`, no traceback."""
 
     id: str
-    argv: Callable[["Env"], list[str]]
+    argv: Callable[[Env], list[str]]
     status: int
     says: tuple[str, ...]
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 

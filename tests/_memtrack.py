@@ -12,12 +12,11 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from _models import TinyGPT, make_batch
 from torch import nn
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.estimate.sim_optimizer import optimizer_factory
-
-from _models import TinyGPT, make_batch
 
 
 class ConvBlock(nn.Module):

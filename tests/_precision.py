@@ -13,7 +13,7 @@ tied weights differ from the reference by at most one rounding of `dtype`, `TIED
 from __future__ import annotations
 
 import copy
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn

@@ -18,12 +18,17 @@ import pytest
 pytest.importorskip("accelerate")
 
 from _collect import close_lists  # noqa: E402
-from _precision import TIED_TOL  # noqa: E402
 from _harness import assert_no_flow_failed, free_port  # noqa: E402
+from _precision import TIED_TOL  # noqa: E402
+
+from fsdp2_strategy.integrations.accelerate import (  # noqa: E402
+    STOCK_ACCELERATOR_ERROR,
+    FSDP2Accelerator,
+    FSDP2Plugin,
+    read_accelerate_env,  # noqa: E402
+)
 from fsdp2_strategy.integrations.accelerate import _compat as compat  # noqa: E402
-from fsdp2_strategy.integrations.accelerate import STOCK_ACCELERATOR_ERROR, FSDP2Accelerator, FSDP2Plugin  # noqa: E402
 from fsdp2_strategy.integrations.accelerate.env import accelerate_cpu_requested  # noqa: E402
-from fsdp2_strategy.integrations.accelerate import read_accelerate_env  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "accelerate_scripts"
 TOL = 1e-5  # fp32 parity, relative
@@ -381,7 +386,7 @@ def test_precision_given_twice_must_agree():
 def test_plugin_refuses_stock_accelerator_until_claimed():
     plugin = FSDP2Plugin(read_env=False)
     with pytest.raises(TypeError, match="FSDP2Accelerator"):
-        plugin.fsdp_version  # the first thing stock Accelerator.__init__ reads
+        _ = plugin.fsdp_version  # the first thing stock Accelerator.__init__ reads
     plugin.claim()
     assert plugin.fsdp_version == 2
 

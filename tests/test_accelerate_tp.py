@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from _harness import assert_no_flow_failed
 
 pytest.importorskip("accelerate")

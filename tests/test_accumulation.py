@@ -12,7 +12,6 @@ import copy
 
 import pytest
 import torch
-
 from _comm import collective_dtypes, count_collectives
 from _harness import run_agreeing
 from _models import TinyGPT, loss_fn, make_batch, rel_diff
@@ -96,10 +95,9 @@ def _train(model, idx, target, rank: int, world: int, skips) -> dict:
     """k micro-batches per step, `f2.no_sync` on all but the last. Returns every step's gradients,
     the weights before each step and after the last, the collectives of the last step, the dtypes
     of the sharded gradients and the (collective, dtype) of the last step's reductions."""
-    import fsdp2_strategy as f2
-    from _collect import full_grads
+    from _collect import full_grads, full_params
 
-    from _collect import full_params
+    import fsdp2_strategy as f2
 
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     grads, weights, grad_dtypes = [], [], set()
@@ -197,10 +195,10 @@ def _exception_checks(ref, idx, target) -> dict:
     """An exception inside a micro-batch (after a forward, or before any) leaves no group gathered,
     sync on, and the next step as it would have been: same collectives, same gradients."""
     import torch.distributed as dist
-
-    import fsdp2_strategy as f2
     from _collect import full_grads
     from torch.distributed.tensor import DTensor
+
+    import fsdp2_strategy as f2
 
     rank = dist.get_rank()
     mine, both = slice(rank * 2, rank * 2 + 2), slice(0, 4)

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _bad_inputs import Env, Row, assert_unchanged, environ_restored
+from _models import TinyGPT
 from torch.distributed.fsdp import CPUOffload, MixedPrecision
 
 import fsdp2_strategy as f2
-from _bad_inputs import Env, Row, assert_unchanged, environ_restored
-from _models import TinyGPT
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from _bad_inputs import CliRow, Env, assert_unchanged
+
 from fsdp2_strategy.cli.main import main
 
 _USAGE = 2  # argparse's status for a bad command line; main() uses it for bad input too

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from _bad_inputs import Env
+from _harness import run_distributed
+from _models import TinyGPT, loss_fn, make_batch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import fsdp2_strategy as f2
-from _bad_inputs import Env
-from _harness import run_distributed
-from _models import TinyGPT, loss_fn, make_batch
 
 
 @dataclass

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _harness import DistributedTestError, run_distributed
 from _models import TinyGPT, loss_fn, make_batch
 

@@ -11,11 +11,11 @@ import os
 import shutil
 
 import torch
+from _harness import run_distributed
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 import fsdp2_strategy as f2
-from _harness import run_distributed
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 CKPT = os.path.join(FIXTURES, "checkpoint_v0_1")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _harness import run_distributed
 from _models import TinyGPT, loss_fn, make_batch
+
 from fsdp2_strategy.checkpoint import directory as cdir
 
 TIMEOUT = 150

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _models import Block, TinyGPT
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
 
 import fsdp2_strategy as f2
-from fsdp2_strategy.mesh import strategy_mesh_shape, check_reshard_factor
-from fsdp2_strategy.wrap_policy import auto_block_classes, select_wrapped
+from fsdp2_strategy.mesh import check_reshard_factor, strategy_mesh_shape
 from fsdp2_strategy.precision import resolve_mixed_precision
-from _models import Block, TinyGPT
+from fsdp2_strategy.wrap_policy import auto_block_classes, select_wrapped
 
 
 @pytest.mark.parametrize(

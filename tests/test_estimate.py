@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-import fsdp2_strategy as f2
 from _harness import run_distributed
 from _memtrack import estimate_peak, measure_peak
 from _models import TinyGPT
+from torch import nn
+
+import fsdp2_strategy as f2
 
 SETTINGS = {
     "FULL_SHARD": {"sharding_strategy": "FULL_SHARD"},

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from _harness import run_agreeing
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from _harness import DistributedTestError, run_distributed
 
 

@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from _harness import run_distributed
 from _models import TinyGPT
 

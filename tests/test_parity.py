@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-
 from _harness import run_agreeing
 from _models import TinyGPT, loss_fn, make_batch, rel_diff
 from _precision import TIED_TOL, UPDATE_TOL, policy_grads, tied_names
@@ -40,9 +39,9 @@ LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}  # core policies: compute 
 
 def _parity_world(names):
     import torch.distributed as dist
+    from _comm import collective_dtypes
 
     import fsdp2_strategy as f2
-    from _comm import collective_dtypes
 
     rank, world = dist.get_rank(), dist.get_world_size()
     idx, target = make_batch(n=8)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import fsdp2_strategy as f2
 from _harness import run_distributed
 from _models import TinyGPT
+
+import fsdp2_strategy as f2
 from fsdp2_strategy.cli.main import main
 from fsdp2_strategy.estimate.memory import human_bytes
 

@@ -20,14 +20,13 @@ else:
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.train.torch")
 
+import _ray_fns as fns  # noqa: E402
 import ray.cloudpickle  # noqa: E402
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
 
 from fsdp2_strategy.checkpoint.directory import committed_steps, is_committed  # noqa: E402
 from fsdp2_strategy.integrations.accelerate.config_file import accelerate_config_env  # noqa: E402
-
-import _ray_fns as fns  # noqa: E402
 
 RTOL = 1e-5
 

@@ -14,7 +14,6 @@ import copy
 
 import pytest
 import torch
-
 from _comm import count_collectives
 from _harness import run_distributed
 from _models import TinyGPT, loss_fn, make_batch, rel_diff

@@ -28,10 +28,9 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from _harness import run_agreeing, run_distributed
 from _models import Block, rel_diff
+from torch import nn
 
 GLOBAL = 8  # global batch; each of the 2 ranks takes 4 rows
 
@@ -118,8 +117,8 @@ class KwargsModule(MLP):
 
 # --------------------------------------------------------------------------- world 1: fp32 blocks
 def _api_docs_blocks(out):
-    from fsdp2_strategy import fully_shard as FSDP  # the docs' `FullyShardedDataParallel as FSDP`
     import fsdp2_strategy as f2
+    from fsdp2_strategy import fully_shard as FSDP  # the docs' `FullyShardedDataParallel as FSDP`
 
     torch.manual_seed(0)
     my_module = KwargsModule()
@@ -411,10 +410,8 @@ def _policy_parity(model, ref, x, y, dtype, cast=None) -> dict:
     """One backward of this rank's rows against the policy written out without the engine
     (tests/_precision.py): relative gradient difference per parameter, and the reductions' dtypes."""
     import torch.distributed as dist
-
-    from _precision import policy_grads
-
     from _comm import collective_dtypes
+    from _precision import policy_grads
 
     with collective_dtypes() as reductions:
         F.mse_loss(model(_local(x)).float(), _local(y)).backward()

@@ -10,10 +10,9 @@ import functools
 
 import pytest
 import torch
-from torch import nn
-
 from _harness import run_agreeing, run_distributed
 from _models import Block, TinyGPT, loss_fn, make_batch, rel_diff
+from torch import nn
 
 
 def _full(t):
@@ -94,8 +93,9 @@ def test_memory_ties_plan_and_overrides():
 
 
 def _hf_world():
-    import fsdp2_strategy as f2
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    import fsdp2_strategy as f2
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4, tie_word_embeddings=True)

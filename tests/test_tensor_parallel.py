@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from _harness import run_distributed
 from _models import TP_PLAN as PLAN
 from _models import TPGPT

@@ -6,7 +6,6 @@ import contextlib
 import copy
 
 import torch
-
 from _comm import count_collectives
 from _harness import run_agreeing, run_distributed
 from _models import TinyGPT, loss_fn, make_batch, rel_diff

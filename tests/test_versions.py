@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import logging
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 import fsdp2_strategy

@@ -6,10 +6,9 @@ import contextlib
 import json
 
 import torch
-from torch import nn
-
 from _harness import run_distributed
 from _models import TinyGPT
+from torch import nn
 
 
 def _write_sources(tmp: str) -> dict:
@@ -36,8 +35,9 @@ def _write_sources(tmp: str) -> dict:
 
 
 def _load_world(tmp: str):
-    import fsdp2_strategy as f2
     from torch.distributed.tensor import DTensor
+
+    import fsdp2_strategy as f2
 
     full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
     expected = torch.load(f"{tmp}/model.pt")

@@ -21,6 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _comm import collective_dtypes, count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
+from _precision import policy_grads, tied_names  # noqa: E402
+from accelerate import Accelerator
+from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 from common import (
     PER_RANK,
     VOCAB,
@@ -33,26 +37,20 @@ from common import (
     lm_loss,
     loader,
     max_rel_diff,
-    update_rel_diff,
     rank_batch,
-    setup_resumable,
-    train,
     reduce_scatters,
     reference,
+    setup_resumable,
+    train,
+    update_rel_diff,
     write_json,
 )
-from _comm import collective_dtypes, count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
-from _precision import policy_grads, tied_names  # noqa: E402
-from accelerate import Accelerator
-from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Subset
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin
-
-
 
 
 def _plan(model) -> dict:
@@ -182,8 +180,8 @@ def accumulation_modes(out: dict, work: Path) -> None:
                          param_rel=max_rel_diff(full_params(model), ref))
     out["scalar_sync_each"] = _scalars_under_sync_each_batch()
     try:
-        FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(accumulation="keep_gathered"), mixed_precision="no",
-                         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)).fsdp2_config
+        _ = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(accumulation="keep_gathered"), mixed_precision="no",
+                             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)).fsdp2_config
         out["conflict_error"] = None
     except ValueError as exc:
         out["conflict_error"] = str(exc)

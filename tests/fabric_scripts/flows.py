@@ -15,11 +15,23 @@ import traceback
 from pathlib import Path
 
 import torch
-from torch import nn
-from common import LR, MLP, data, fresh, full_params, loss_on, max_rel_diff, params, rank_slice, reference_steps, write_json
 from _comm import collective_dtypes, count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
 from _precision import policy_grads, true_precision_update  # noqa: E402
+from common import (
+    LR,
+    MLP,
+    data,
+    fresh,
+    full_params,
+    loss_on,
+    max_rel_diff,
+    params,
+    rank_slice,
+    reference_steps,
+    write_json,
+)
 from lightning.fabric import Fabric
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
@@ -141,7 +153,7 @@ def precision(out: dict, work: Path) -> None:
         raw, initial = fresh(4)
         seen = {}
         raw.blocks[0].fc.register_forward_pre_hook(
-            lambda mod, args: seen.setdefault("compute", str(mod.weight.dtype)) and None)  # None: args unchanged
+            lambda mod, args, seen=seen: seen.setdefault("compute", str(mod.weight.dtype)) and None)  # None: args unchanged
         model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR))
         with collective_dtypes() as reductions:
             _train(fabric, model, optimizer, batches=BATCHES[:1])

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import torch
+from _collect import write_json  # noqa: E402  (tests/ is on the path once `common` is imported)
 from common import LR, fresh, full_params, max_rel_diff, params, reference_steps
 from flows import BATCHES, _train
 from lightning.fabric import Fabric
-
-from _collect import write_json  # noqa: E402  (tests/ is on the path once `common` is imported)
 
 
 def train(fabric: Fabric, work: str) -> dict:

@@ -17,16 +17,18 @@ import traceback
 
 import lightning.pytorch as pl
 import torch
+from _models import (  # noqa: E402
+    TP_PLAN,  # noqa: E402  (tests/ is on the path once `common` is imported)
+    lm_data,
+    lm_loss,
+    sgd_reference,
+)
+from _models import TPGPT as GPT  # noqa: E402
+from common import full_params, gather, max_rel_diff, trainer, write_json
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
-
-from common import full_params, gather, max_rel_diff, trainer, write_json
-
-from _models import TP_PLAN  # noqa: E402  (tests/ is on the path once `common` is imported)
-from _models import TPGPT as GPT  # noqa: E402
-from _models import lm_data, lm_loss, sgd_reference  # noqa: E402
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy
