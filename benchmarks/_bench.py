@@ -60,8 +60,9 @@ def hand_shard(net: Net, mesh=None) -> Net:
     return net
 
 
-def batches(n: int, batch: int, inputs: int = 32, seed: int = BATCH_SEED,
-            rank: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    n: int, batch: int, inputs: int = 32, seed: int = BATCH_SEED, rank: int | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`n` (x, y) micro-batches of a fixed random regression task; different on each rank
     (this process's rank, or `rank` to make another rank's batches in one process)."""
     if rank is None:
@@ -169,4 +170,3 @@ def tensor_loader(n_batches: int, batch: int):
     world = dist.get_world_size() if dist.is_initialized() else 1
     x = torch.randn(n_batches * batch * world, 32, generator=gen)
     return DataLoader(TensorDataset(x, x @ w), batch_size=batch)
-

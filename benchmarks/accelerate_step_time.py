@@ -57,7 +57,9 @@ def _accelerator(variant: str, accumulate: int):
 
         mode = variant.partition(" ")[2]  # "FSDP2Accelerator keep_gathered": FSDP2Config.accumulation
         # "one_group": keep_gathered with the root the only FSDP group (wrap_policy=None over the config's).
-        fields = {"accumulation": "keep_gathered", "wrap_policy": None} if mode == "one_group" else {"accumulation": mode}
+        fields = (
+            {"accumulation": "keep_gathered", "wrap_policy": None} if mode == "one_group" else {"accumulation": mode}
+        )
         plugin = FSDP2Plugin(**fields) if mode else None
         return FSDP2Accelerator(fsdp_plugin=plugin, gradient_accumulation_steps=accumulate)
     from accelerate import Accelerator
@@ -95,8 +97,19 @@ def worker(variant: str, args: argparse.Namespace) -> None:
             stamps.append(time.perf_counter())
     if accelerator.is_main_process:
         times = [b - a for a, b in zip(stamps, stamps[1:])][1:]  # the first two steps are warm-up
-        print(RESULT + json.dumps({"variant": variant, "wrapped": type(model).__name__, "losses": losses,
-                                   "times": times, "distributed_type": str(accelerator.distributed_type)}), flush=True)
+        print(
+            RESULT
+            + json.dumps(
+                {
+                    "variant": variant,
+                    "wrapped": type(model).__name__,
+                    "losses": losses,
+                    "times": times,
+                    "distributed_type": str(accelerator.distributed_type),
+                }
+            ),
+            flush=True,
+        )
     accelerator.end_training()
     import fsdp2_strategy as f2
 
@@ -141,15 +154,33 @@ def launch(variant: str, config: Path, args: argparse.Namespace) -> dict:
     with socket.socket() as s:  # a free port: 29500 may still be held by the previous world
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port",
-           str(port), __file__, "--worker", variant,
-           "--dim", str(args.dim), "--layers", str(args.layers), "--batch", str(args.batch),
-           "--accumulate", str(args.accumulate), "--steps", str(args.steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        str(port),
+        __file__,
+        "--worker",
+        variant,
+        "--dim",
+        str(args.dim),
+        "--layers",
+        str(args.layers),
+        "--batch",
+        str(args.batch),
+        "--accumulate",
+        str(args.accumulate),
+        "--steps",
+        str(args.steps),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"{variant} run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[0][len(RESULT):])
+    return json.loads(lines[0][len(RESULT) :])
 
 
 def main() -> None:
@@ -162,11 +193,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (plus one warm-up round)")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--cpu", action="store_true", help="use_cpu: true (the default where no accelerator exists)")
-    parser.add_argument("--cpu-env", action="store_true",
-                        help="also set ACCELERATE_USE_CPU=true (needed for CPU runs on a machine with GPUs)")
-    parser.add_argument("--accumulation", nargs="+", default=None,
-                        help="FSDP2Config.accumulation modes to run as separate FSDP2Accelerator variants "
-                             "('one_group': keep_gathered with wrap_policy=None)")
+    parser.add_argument(
+        "--cpu-env",
+        action="store_true",
+        help="also set ACCELERATE_USE_CPU=true (needed for CPU runs on a machine with GPUs)",
+    )
+    parser.add_argument(
+        "--accumulation",
+        nargs="+",
+        default=None,
+        help="FSDP2Config.accumulation modes to run as separate FSDP2Accelerator variants "
+        "('one_group': keep_gathered with wrap_policy=None)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -186,11 +224,15 @@ def main() -> None:
                 if r > 0:
                     runs[variant].append(result)
     device = "CPU (gloo)" if cpu else torch.accelerator.current_accelerator().type
-    print(f"{args.processes} processes on {device}, dim {args.dim}, {args.layers} blocks, batch {args.batch}, "
-          f"accumulate {args.accumulate}, {args.steps} steps x {args.rounds} rounds")
+    print(
+        f"{args.processes} processes on {device}, dim {args.dim}, {args.layers} blocks, batch {args.batch}, "
+        f"accumulate {args.accumulate}, {args.steps} steps x {args.rounds} rounds"
+    )
     reference = reference_losses(args)
-    print(f"{'variant':<30} {'distributed_type':<27} {'model became':<14} {'median s/step':>13} {'p25-p75':>15} "
-          f"{'n':>3} {'loss vs 1 process':>18}")
+    print(
+        f"{'variant':<30} {'distributed_type':<27} {'model became':<14} {'median s/step':>13} {'p25-p75':>15} "
+        f"{'n':>3} {'loss vs 1 process':>18}"
+    )
     medians = {}
     for variant, results in runs.items():
         times = [t for res in results for t in res["times"]]
@@ -198,8 +240,10 @@ def main() -> None:
         q1, _, q3 = statistics.quantiles(times, n=4)
         # Largest relative difference from the one-process run of the same global batches.
         diff = max(abs(a - b) / max(abs(b), 1e-12) for res in results for a, b in zip(res["losses"], reference))
-        print(f"{variant:<30} {results[0]['distributed_type']:<27} {results[0]['wrapped']:<14} {medians[variant]:>13.4f} "
-              f"{q1:>7.3f}-{q3:<7.3f} {len(times):>3} {diff:>18.2e}")
+        print(
+            f"{variant:<30} {results[0]['distributed_type']:<27} {results[0]['wrapped']:<14} {medians[variant]:>13.4f} "
+            f"{q1:>7.3f}-{q3:<7.3f} {len(times):>3} {diff:>18.2e}"
+        )
     if ours == [OURS]:
         print(f"ours/stock step-time ratio {medians[OURS] / medians[STOCK]:.3f}")
     for variant in ours[1:] if ours == [OURS] else ours:

@@ -57,6 +57,7 @@ def _config(mode: str) -> dict:
 
 DDP = "DDP (hand-written loop)"
 
+
 def _micro_step(model, opt, data, no_sync, on_backward=None) -> None:
     """One optimizer step over `data` (k micro-batches), `no_sync` on all but the last."""
     for i, (x, y) in enumerate(data):
@@ -73,8 +74,13 @@ def _micro_step(model, opt, data, no_sync, on_backward=None) -> None:
 
 
 def _sharded(args, mode: str, collectives: str = "auto"):
-    model = f2.shard_model(_bench.make_net(args.dim, args.layers), **_config(mode), collectives=collectives,
-                           host_allocator=args.host_allocator, log_plan=False)
+    model = f2.shard_model(
+        _bench.make_net(args.dim, args.layers),
+        **_config(mode),
+        collectives=collectives,
+        host_allocator=args.host_allocator,
+        log_plan=False,
+    )
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3), lambda: f2.no_sync(model)
 
 
@@ -122,29 +128,44 @@ def count_one(args, mode: str, k: int) -> dict:
     with count_collectives() as counts:
         _micro_step(model, opt, data, no_sync, on_backward=lambda: held.append(_held_grad_bytes(model)))
     peak = _peak_bytes(model, opt, data, no_sync)
-    return {"groups": groups, "ag": counts["all-gather"] / groups, "rs": counts["reduce-scatter"] / groups,
-            "ar": counts["all-reduce"], "ag_mib": counts["all-gather bytes"] / 2**20,
-            "rs_mib": counts["reduce-scatter bytes"] / 2**20, "grad_mib": max(held) / 2**20, "peak_mib": peak / 2**20}
+    return {
+        "groups": groups,
+        "ag": counts["all-gather"] / groups,
+        "rs": counts["reduce-scatter"] / groups,
+        "ar": counts["all-reduce"],
+        "ag_mib": counts["all-gather bytes"] / 2**20,
+        "rs_mib": counts["reduce-scatter bytes"] / 2**20,
+        "grad_mib": max(held) / 2**20,
+        "peak_mib": peak / 2**20,
+    }
 
 
 def run_counts(args) -> dict:
     rows = {(mode, k): count_one(args, mode, k) for mode in VARIANTS for k in args.ks}
     model = _bench.make_net(args.dim, args.layers)
     ddp, opt, no_sync = _ddp(args)
-    rows[("ddp", max(args.ks))] = {"peak_mib": _peak_bytes(ddp, opt, _bench.batches(max(args.ks), args.batch), no_sync) / 2**20}
+    rows[("ddp", max(args.ks))] = {
+        "peak_mib": _peak_bytes(ddp, opt, _bench.batches(max(args.ks), args.batch), no_sync) / 2**20
+    }
     if dist.get_rank() == 0:
         full = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
         world = dist.get_world_size()
-        print(f"[counts] per optimizer step, rank 0; model {full:.2f} MiB fp32 params ({args.layers} blocks, dim "
-              f"{args.dim}), grads of 1/{world} of it = {full / world:.2f} MiB")
-        print(f"{'mode':<14} {'k':>2} {'AG/group':>8} {'RS/group':>8} {'AG MiB':>8} {'RS MiB':>8} "
-              f"{'held grads MiB':>14} {'peak MiB':>9}")
+        print(
+            f"[counts] per optimizer step, rank 0; model {full:.2f} MiB fp32 params ({args.layers} blocks, dim "
+            f"{args.dim}), grads of 1/{world} of it = {full / world:.2f} MiB"
+        )
+        print(
+            f"{'mode':<14} {'k':>2} {'AG/group':>8} {'RS/group':>8} {'AG MiB':>8} {'RS MiB':>8} "
+            f"{'held grads MiB':>14} {'peak MiB':>9}"
+        )
         for (mode, k), r in rows.items():
             if mode == "ddp":
                 print(f"{'DDP':<14} {k:>2} {'':>8} {'':>8} {'':>8} {'':>8} {'':>14} {r['peak_mib']:>9.3f}")
                 continue
-            print(f"{mode:<14} {k:>2} {r['ag']:>8.2f} {r['rs']:>8.2f} {r['ag_mib']:>8.3f} {r['rs_mib']:>8.3f} "
-                  f"{r['grad_mib']:>14.3f} {r['peak_mib']:>9.3f}")
+            print(
+                f"{mode:<14} {k:>2} {r['ag']:>8.2f} {r['rs']:>8.2f} {r['ag_mib']:>8.3f} {r['rs_mib']:>8.3f} "
+                f"{r['grad_mib']:>14.3f} {r['peak_mib']:>9.3f}"
+            )
     return rows
 
 
@@ -152,13 +173,17 @@ def run_counts(args) -> dict:
 def run_time(args) -> None:
     for k in args.ks:
         variants, models = {}, {}
-        sharded = [(_variant_name(m, c), (lambda m=m, c=c: _sharded(args, m, c))) for c in args.collectives
-                   for m in (VARIANTS if c == "auto" else MODES)]
+        sharded = [
+            (_variant_name(m, c), (lambda m=m, c=c: _sharded(args, m, c)))
+            for c in args.collectives
+            for m in (VARIANTS if c == "auto" else MODES)
+        ]
         for name, build in [(DDP, lambda: _ddp(args))] + sharded:
             model, opt, no_sync = build()
             data = [_bench.batches(k, args.batch, seed=_bench.BATCH_SEED + s) for s in range(args.steps)]
-            variants[name] = (lambda model=model, opt=opt, no_sync=no_sync, data=data:
-                              _bench.timed_steps(lambda i: _micro_step(model, opt, data[i], no_sync), args.steps))
+            variants[name] = lambda model=model, opt=opt, no_sync=no_sync, data=data: _bench.timed_steps(
+                lambda i: _micro_step(model, opt, data[i], no_sync), args.steps
+            )
             models[name] = model
         results = _bench.interleave(variants, args.rounds)
         _bench.print_ratio_table(results, DDP, f"[time] core API vs hand-written DDP, k={k}, AdamW, clip 1.0")
@@ -174,14 +199,20 @@ def _check_same_weights(models: dict) -> None:
     from torch.distributed.tensor import DTensor
 
     def flat(model):
-        return torch.cat([(p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1)
-                          for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0].removeprefix("module."))])
+        return torch.cat(
+            [
+                (p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1)
+                for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0].removeprefix("module."))
+            ]
+        )
 
     ref = flat(models[DDP])
     diffs = {n: ((flat(m) - ref).norm() / ref.norm()).item() for n, m in models.items() if n != DDP}
     if dist.get_rank() == 0:
-        print("weights after all timed steps, relative difference to DDP: "
-              + ", ".join(f"{n} {d:.1e}" for n, d in diffs.items()))
+        print(
+            "weights after all timed steps, relative difference to DDP: "
+            + ", ".join(f"{n} {d:.1e}" for n, d in diffs.items())
+        )
 
 
 # --------------------------------------------------------------------------- Lightning
@@ -191,13 +222,25 @@ def fit_once(args, k: int, variant: str) -> list[float]:
     from fsdp2_strategy.integrations.lightning import FSDP2Strategy
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    strategy = "ddp" if variant == "ddp" else FSDP2Strategy(**_config(variant), host_allocator=args.host_allocator,
-                                                            log_plan=False)
+    strategy = (
+        "ddp"
+        if variant == "ddp"
+        else FSDP2Strategy(**_config(variant), host_allocator=args.host_allocator, log_plan=False)
+    )
     module = _bench.lightning_module(args.dim, args.layers, shard_in_configure_model=False)
     timer = _bench.step_timer()
-    trainer = pl.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy,
-                         max_steps=args.steps + 3, accumulate_grad_batches=k, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        strategy=strategy,
+        max_steps=args.steps + 3,
+        accumulate_grad_batches=k,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
     trainer.fit(module, _bench.tensor_loader((args.steps + 3) * k, args.batch))
     return timer.intervals(skip=2)
 
@@ -220,16 +263,25 @@ def plot(rows: dict, out: str, ks) -> None:
     fig, (comm, mem) = plt.subplots(1, 2, figsize=(10, 3.8))
     for i, mode in enumerate(MODES):
         color = f"C{i}"
-        comm.plot(ks, [rows[(mode, k)]["ag_mib"] + rows[(mode, k)]["rs_mib"] for k in ks], marker="o", color=color,
-                  label=mode)
-        mem.plot(ks, [rows[(mode, k)]["peak_mib"] for k in ks], marker="x", linestyle="--", color=color,
-                 label=f"{mode}: peak")
+        comm.plot(
+            ks, [rows[(mode, k)]["ag_mib"] + rows[(mode, k)]["rs_mib"] for k in ks], marker="o", color=color, label=mode
+        )
+        mem.plot(
+            ks,
+            [rows[(mode, k)]["peak_mib"] for k in ks],
+            marker="x",
+            linestyle="--",
+            color=color,
+            label=f"{mode}: peak",
+        )
         mem.plot(ks, [rows[(mode, k)]["grad_mib"] for k in ks], marker="o", color=color, label=f"{mode}: held grads")
     ddp = rows.get(("ddp", max(ks)))
     if ddp is not None:
         mem.axhline(ddp["peak_mib"], color="gray", linestyle=":", label="DDP: peak")
-    for ax, title, ylabel in ((comm, "all-gather + reduce-scatter bytes", "MiB per optimizer step (rank 0)"),
-                              (mem, "memory per rank (counted)", "MiB (rank 0)")):
+    for ax, title, ylabel in (
+        (comm, "all-gather + reduce-scatter bytes", "MiB per optimizer step (rank 0)"),
+        (mem, "memory per rank (counted)", "MiB (rank 0)"),
+    ):
         ax.set(xlabel="micro-batches per optimizer step (k)", ylabel=ylabel, title=title, xscale="log")
         ax.set_xticks(list(ks), [str(k) for k in ks])
         ax.xaxis.set_minor_formatter(NullFormatter())
@@ -241,7 +293,9 @@ def plot(rows: dict, out: str, ks) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", nargs="+", choices=["counts", "time", "lightning"], default=["counts", "time", "lightning"])
+    parser.add_argument(
+        "--part", nargs="+", choices=["counts", "time", "lightning"], default=["counts", "time", "lightning"]
+    )
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16, help="samples per rank and micro-batch")
@@ -249,19 +303,30 @@ def main() -> None:
     parser.add_argument("--lightning-k", type=int, default=None, help="accumulate_grad_batches (default: max of --ks)")
     parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps per variant per round")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (plus one warm-up round)")
-    parser.add_argument("--collectives", nargs="+", choices=["auto", "ring", "torch"], default=["auto"],
-                        help="FSDP2Config.collectives of the timed core-API variants (auto: rings on gloo)")
-    parser.add_argument("--host-allocator", choices=["auto", "system"], default="auto",
-                        help="FSDP2Config.host_allocator of every sharded variant; process-wide, so DDP "
-                             "in the same run gets it too (auto: glibc malloc keeps freed memory on CPU)")
+    parser.add_argument(
+        "--collectives",
+        nargs="+",
+        choices=["auto", "ring", "torch"],
+        default=["auto"],
+        help="FSDP2Config.collectives of the timed core-API variants (auto: rings on gloo)",
+    )
+    parser.add_argument(
+        "--host-allocator",
+        choices=["auto", "system"],
+        default="auto",
+        help="FSDP2Config.host_allocator of every sharded variant; process-wide, so DDP "
+        "in the same run gets it too (auto: glibc malloc keeps freed memory on CPU)",
+    )
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     if dist.get_rank() == 0:
-        print(f"world {dist.get_world_size()} (gloo, CPU), torch {torch.__version__}, dim {args.dim}, {args.layers} blocks, "
-              f"batch {args.batch}/rank/micro-batch, host_allocator {args.host_allocator}")
+        print(
+            f"world {dist.get_world_size()} (gloo, CPU), torch {torch.__version__}, dim {args.dim}, {args.layers} blocks, "
+            f"batch {args.batch}/rank/micro-batch, host_allocator {args.host_allocator}"
+        )
     if "counts" in args.part:
         rows = run_counts(args)
         if args.plot and dist.get_rank() == 0:

@@ -78,14 +78,31 @@ def _write_weights(path: Path, dim: int, layers: int) -> float:
 
 def _run_world(variant: str, path: Path, args: argparse.Namespace) -> list[float]:
     """One fresh torchrun world running `variant`; the growth of each rank in MiB."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world}",
-           __file__, "--worker", variant, "--path", str(path), "--dim", str(args.dim), "--layers", str(args.layers)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.world}",
+        __file__,
+        "--worker",
+        variant,
+        "--path",
+        str(path),
+        "--dim",
+        str(args.dim),
+        "--layers",
+        str(args.layers),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT):
-            return json.loads(line[len(RESULT):])["growth_mib"]
-    raise RuntimeError(f"{variant} world failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+            return json.loads(line[len(RESULT) :])["growth_mib"]
+    raise RuntimeError(
+        f"{variant} world failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    )
 
 
 def _plot(results: dict[str, list[list[float]]], full_mib: float, out: str) -> None:
@@ -133,8 +150,10 @@ def main() -> None:
                 results[variant].append(_run_world(variant, path, args))
     import torch
 
-    print(f"model: {full_mib:.0f} MiB fp32 ({args.layers} blocks of dim {args.dim}), world {args.world}, "
-          f"torch {torch.__version__}, median of {args.repeats} fresh worlds per variant")
+    print(
+        f"model: {full_mib:.0f} MiB fp32 ({args.layers} blocks of dim {args.dim}), world {args.world}, "
+        f"torch {torch.__version__}, median of {args.repeats} fresh worlds per variant"
+    )
     print(f"{'variant':<8} {'worst-rank peak growth (MiB)':>29} {'/ full model':>13}")
     median = {}
     for variant, runs in results.items():

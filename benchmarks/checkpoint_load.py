@@ -81,15 +81,33 @@ def _worker(mode: str, root: str, args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------- launcher
 def _world(world: int, mode: str, root: Path, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", __file__,
-           "--worker", mode, "--root", str(root), "--dim", str(args.dim), "--layers", str(args.layers),
-           "--inner", str(args.inner)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        __file__,
+        "--worker",
+        mode,
+        "--root",
+        str(root),
+        "--dim",
+        str(args.dim),
+        "--layers",
+        str(args.layers),
+        "--inner",
+        str(args.inner),
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT):
-            return json.loads(line[len(RESULT):])
-    raise RuntimeError(f"{mode} on {world} ranks failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+            return json.loads(line[len(RESULT) :])
+    raise RuntimeError(
+        f"{mode} on {world} ranks failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    )
 
 
 def main() -> None:
@@ -122,8 +140,10 @@ def main() -> None:
     import torch
 
     params = args.dim * (args.dim + 1) * args.layers
-    print(f"checkpoint: {params / 1e6:.1f} M params fp32 + AdamW state ({size:.0f} MiB on disk), saved by "
-          f"{args.save_world} ranks; torch {torch.__version__}; median of {args.repeats} worlds x {args.inner} loads")
+    print(
+        f"checkpoint: {params / 1e6:.1f} M params fp32 + AdamW state ({size:.0f} MiB on disk), saved by "
+        f"{args.save_world} ranks; torch {torch.__version__}; median of {args.repeats} worlds x {args.inner} loads"
+    )
     print(f"{'load world':>10} {'resharded':>10} {'load() median s':>16}")
     base = statistics.median(results[args.save_world]) if args.save_world in results else None
     for world, times in results.items():
@@ -131,7 +151,9 @@ def main() -> None:
     if base:
         for world, times in results.items():
             if world != args.save_world:
-                print(f"load on {world} / load on {args.save_world} ranks time ratio: {statistics.median(times) / base:.2f}")
+                print(
+                    f"load on {world} / load on {args.save_world} ranks time ratio: {statistics.median(times) / base:.2f}"
+                )
     print(f"weights after every load match the saved ones: {all_ok}")
 
 

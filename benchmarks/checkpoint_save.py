@@ -53,8 +53,10 @@ def main() -> None:
     root = [tempfile.mkdtemp(prefix="ckpt-bench-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(root)  # one shared folder for all ranks
     results = {"sync": [], "async": []}
-    savers = {"sync": Checkpointer(f"{root[0]}/sync", keep_last=1),
-              "async": Checkpointer(f"{root[0]}/async", keep_last=1, async_save=True)}
+    savers = {
+        "sync": Checkpointer(f"{root[0]}/sync", keep_last=1),
+        "async": Checkpointer(f"{root[0]}/async", keep_last=1, async_save=True),
+    }
     for i in range(args.repeats + 1):
         for mode, saver in savers.items():
             timing = time_save(saver, i, model, opt)
@@ -62,14 +64,18 @@ def main() -> None:
                 results[mode].append(timing)
     if dist.get_rank() == 0:
         params = sum(p.numel() for p in model.parameters())
-        print(f"model: {params / 1e6:.1f} M params fp32 + AdamW state, world {dist.get_world_size()}, torch {torch.__version__}")
+        print(
+            f"model: {params / 1e6:.1f} M params fp32 + AdamW state, world {dist.get_world_size()}, torch {torch.__version__}"
+        )
         print(f"{'mode':<6} {'save() blocks (median s)':>26} {'until committed (median s)':>28}")
         med = {}
         for mode, rows in results.items():
             med[mode] = (statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows))
             print(f"{mode:<6} {med[mode][0]:>26.3f} {med[mode][1]:>28.3f}")
-        print(f"async/sync blocking ratio: {med['async'][0] / med['sync'][0]:.2f}  "
-              f"commit-time ratio: {med['async'][1] / med['sync'][1]:.2f}")
+        print(
+            f"async/sync blocking ratio: {med['async'][0] / med['sync'][0]:.2f}  "
+            f"commit-time ratio: {med['async'][1] / med['sync'][1]:.2f}"
+        )
     f2.shutdown()
 
 

@@ -40,13 +40,19 @@ from _comm import observe_collectives  # noqa: E402
 
 # name -> (position, keyword) of the payload argument, whose bytes are counted
 PAYLOAD = {
-    "all_gather_single": (0, "output_tensor"), "all_gather_into_tensor": (0, "output_tensor"),  # gathered params
-    "reduce_scatter_single": (1, "input"), "reduce_scatter_tensor": (1, "input"),  # unsharded gradients
+    "all_gather_single": (0, "output_tensor"),
+    "all_gather_into_tensor": (0, "output_tensor"),  # gathered params
+    "reduce_scatter_single": (1, "input"),
+    "reduce_scatter_tensor": (1, "input"),  # unsharded gradients
     "all_reduce": (0, "tensor"),
 }
-KINDS = {"all_gather_single": "all-gather", "all_gather_into_tensor": "all-gather",
-         "reduce_scatter_single": "reduce-scatter", "reduce_scatter_tensor": "reduce-scatter",
-         "all_reduce": "all-reduce"}
+KINDS = {
+    "all_gather_single": "all-gather",
+    "all_gather_into_tensor": "all-gather",
+    "reduce_scatter_single": "reduce-scatter",
+    "reduce_scatter_tensor": "reduce-scatter",
+    "all_reduce": "all-reduce",
+}
 
 
 @contextlib.contextmanager
@@ -122,9 +128,18 @@ def lightning_counts(args: argparse.Namespace, strategy_name: str) -> Counter:
 
     with count_collectives() as counts:
         snaps = Snapshots(counts)
-        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps + 1,
-                             accumulate_grad_batches=args.accumulate, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, callbacks=[snaps])
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy,
+            max_steps=args.steps + 1,
+            accumulate_grad_batches=args.accumulate,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[snaps],
+        )
         trainer.fit(module, _bench.tensor_loader((args.steps + 1) * args.accumulate, args.batch))
     first, last = snaps.marks[0], snaps.marks[-1]  # from the end of the warm-up step to the end of the last
     n = len(snaps.marks) - 1
@@ -134,12 +149,16 @@ def lightning_counts(args: argparse.Namespace, strategy_name: str) -> Counter:
 # --------------------------------------------------------------------------- report
 def print_table(title: str, rows: dict[str, Counter], baseline: str) -> None:
     print(title)
-    print(f"{'variant':<44} {'reduce-scatters':>15} {'all-gathers':>11} {'all-reduces':>11} "
-          f"{'RS MiB':>8} {'AG MiB':>8} {'total MiB':>9}")
+    print(
+        f"{'variant':<44} {'reduce-scatters':>15} {'all-gathers':>11} {'all-reduces':>11} "
+        f"{'RS MiB':>8} {'AG MiB':>8} {'total MiB':>9}"
+    )
     for name, c in rows.items():
         total = _total(c) / 2**20
-        print(f"{name:<44} {c['reduce-scatter']:>15.1f} {c['all-gather']:>11.1f} {c['all-reduce']:>11.1f} "
-              f"{c['reduce-scatter bytes'] / 2**20:>8.2f} {c['all-gather bytes'] / 2**20:>8.2f} {total:>9.2f}")
+        print(
+            f"{name:<44} {c['reduce-scatter']:>15.1f} {c['all-gather']:>11.1f} {c['all-reduce']:>11.1f} "
+            f"{c['reduce-scatter bytes'] / 2**20:>8.2f} {c['all-gather bytes'] / 2**20:>8.2f} {total:>9.2f}"
+        )
     names = list(rows)
     ours = names[1]
     ratio = rows[ours]["reduce-scatter bytes"] / max(rows[baseline]["reduce-scatter bytes"], 1)
@@ -191,15 +210,21 @@ def main() -> None:
     k = args.accumulate
     tables: dict[str, dict[str, Counter]] = {}
     if "core" in args.part:
-        tables["core"] = {"fully_shard loop, sync every micro-batch": core_counts(args, skip_sync=False),
-                          "core API, f2.no_sync on k-1 micro-batches": core_counts(args, skip_sync=True)}
+        tables["core"] = {
+            "fully_shard loop, sync every micro-batch": core_counts(args, skip_sync=False),
+            "core API, f2.no_sync on k-1 micro-batches": core_counts(args, skip_sync=True),
+        }
     if "lightning" in args.part:
-        tables["lightning"] = {"ModelParallelStrategy + fully_shard": lightning_counts(args, "model_parallel"),
-                               'Trainer(strategy="fsdp2")': lightning_counts(args, "fsdp2")}
+        tables["lightning"] = {
+            "ModelParallelStrategy + fully_shard": lightning_counts(args, "model_parallel"),
+            'Trainer(strategy="fsdp2")': lightning_counts(args, "fsdp2"),
+        }
     if dist.get_rank() == 0:
         params = sum(p.numel() for p in _bench.make_net(args.dim, args.layers).parameters())
-        print(f"model: {params / 1e6:.2f} M params fp32 ({args.layers} blocks, dim {args.dim}), accumulate {k}, "
-              f"world {dist.get_world_size()}, torch {torch.__version__}; per optimizer step, rank 0")
+        print(
+            f"model: {params / 1e6:.2f} M params fp32 ({args.layers} blocks, dim {args.dim}), accumulate {k}, "
+            f"world {dist.get_world_size()}, torch {torch.__version__}; per optimizer step, rank 0"
+        )
         for part, rows in tables.items():
             print_table(f"[{part}]", rows, baseline=next(iter(rows)))
         if args.plot:

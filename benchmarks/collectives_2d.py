@@ -37,9 +37,16 @@ VOCAB, SEQ = 256, 64
 def kind(op: object) -> str:
     """'all-gather', 'reduce-scatter', 'all-reduce', ... from a c10d / functional op name."""
     name = str(op).lower()
-    for key, label in (("reduce_scatter", "reduce-scatter"), ("allgather", "all-gather"), ("all_gather", "all-gather"),
-                       ("allreduce", "all-reduce"), ("all_reduce", "all-reduce"), ("all_to_all", "all-to-all"),
-                       ("alltoall", "all-to-all"), ("broadcast", "broadcast")):
+    for key, label in (
+        ("reduce_scatter", "reduce-scatter"),
+        ("allgather", "all-gather"),
+        ("all_gather", "all-gather"),
+        ("allreduce", "all-reduce"),
+        ("all_reduce", "all-reduce"),
+        ("all_to_all", "all-to-all"),
+        ("alltoall", "all-to-all"),
+        ("broadcast", "broadcast"),
+    ):
         if key in name:
             return label
     return name
@@ -48,8 +55,13 @@ def kind(op: object) -> str:
 def step_counts(args: argparse.Namespace, tp: int) -> Counter:
     """Collectives of one step (after a warm-up step) of the GPT sharded with `tp`."""
     torch.manual_seed(0)
-    model = f2.shard_model(TPGPT(vocab=VOCAB, dim=args.dim, heads=8, layers=args.layers), wrap_policy=["TPBlock"],
-                           tensor_parallel_size=tp, tensor_parallel_plan=TP_PLAN, log_plan=False)
+    model = f2.shard_model(
+        TPGPT(vocab=VOCAB, dim=args.dim, heads=8, layers=args.layers),
+        wrap_policy=["TPBlock"],
+        tensor_parallel_size=tp,
+        tensor_parallel_plan=TP_PLAN,
+        log_plan=False,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     dp = dist.get_world_size() // tp
     g = torch.Generator().manual_seed(1 + dist.get_rank() // tp)  # one batch per data-parallel rank
@@ -82,8 +94,10 @@ def main() -> None:
     if dist.get_rank() == 0:
         world = dist.get_world_size()
         kinds = sorted({k for c in rows.values() for k in c})
-        print(f"GPT dim {args.dim}, {args.layers} blocks, world {world}, torch {torch.__version__}; "
-              f"collectives in one training step, rank 0 (CommDebugMode)")
+        print(
+            f"GPT dim {args.dim}, {args.layers} blocks, world {world}, torch {torch.__version__}; "
+            f"collectives in one training step, rank 0 (CommDebugMode)"
+        )
         print(f"{'variant':<20}" + "".join(f"{k:>16}" for k in kinds) + f"{'total':>10}")
         for name, c in rows.items():
             print(f"{name:<20}" + "".join(f"{c[k]:>16}" for k in kinds) + f"{sum(c.values()):>10}")

@@ -56,10 +56,24 @@ def run_world(mode: str, world: int = 2, timeout: float = 120) -> list[int]:
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for rank in range(world):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([sys.executable, "-c", WORKER, mode, os.path.join(tmp, "ckpt")], env=env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", WORKER, mode, os.path.join(tmp, "ckpt")],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
         codes = []
         for p in procs:
             try:

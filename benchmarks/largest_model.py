@@ -38,10 +38,18 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--device-memory", default="80GiB")
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--sizes", nargs="+", type=int, default=list(range(len(FAMILY))),
-                        help="indices into FAMILY to estimate (default: all)")
-    parser.add_argument("--device-type", default="cuda",
-                        help="device the ranks train on (attention kernels, collective buffers): an 80 GiB GPU by default")
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        type=int,
+        default=list(range(len(FAMILY))),
+        help="indices into FAMILY to estimate (default: all)",
+    )
+    parser.add_argument(
+        "--device-type",
+        default="cuda",
+        help="device the ranks train on (attention kernels, collective buffers): an 80 GiB GPU by default",
+    )
     parser.add_argument("--offload", nargs="+", type=int, default=[0, 1], help="offload settings to try (0/1)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "largest_model"))
     args = parser.parse_args()
@@ -51,17 +59,29 @@ def main() -> None:
         model = build(width, layers, args.seq)
         params = sum(p.numel() for p in model.parameters())
         batch = torch.zeros(1, args.seq, dtype=torch.long, device="meta")
-        table = f2.compare_strategies(model, {"mixed_precision": "bf16"}, world_size=args.world_size, nodes=args.nodes,
-                                      device_memory=budget, example_batch=batch,
-                                      offload=tuple(bool(o) for o in args.offload), device_type=args.device_type)
+        table = f2.compare_strategies(
+            model,
+            {"mixed_precision": "bf16"},
+            world_size=args.world_size,
+            nodes=args.nodes,
+            device_memory=budget,
+            example_batch=batch,
+            offload=tuple(bool(o) for o in args.offload),
+            device_type=args.device_type,
+        )
         for row in table.rows:
             results.setdefault(row.label, []).append((params, row.estimate.peak_bytes, bool(row.fits)))
-        print(f"{params / 1e9:6.2f} B params: fits {sum(r.fits for r in table.rows)}/{len(table.rows)}; "
-              f"recommended {table.recommended.label if table.recommended else 'none'}", flush=True)
+        print(
+            f"{params / 1e9:6.2f} B params: fits {sum(r.fits for r in table.rows)}/{len(table.rows)}; "
+            f"recommended {table.recommended.label if table.recommended else 'none'}",
+            flush=True,
+        )
     largest = {label: max((p for p, _, fits in pts if fits), default=0) for label, pts in results.items()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "points": results, "largest": largest}, indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps({"args": vars(args), "points": results, "largest": largest}, indent=1)
+    )
     for label, p in largest.items():
         print(f"{label:30s} largest fitting: {p / 1e9:6.2f} B")
     plot(largest, args, out.with_suffix(".png"))
@@ -78,8 +98,10 @@ def plot(largest: dict, args, path: Path) -> None:
     ax.barh(labels, [largest[k] / 1e9 for k in labels], color="tab:blue")
     ax.set_xscale("log")
     ax.set_xlabel("largest GPT that fits (billion parameters, estimated)")
-    ax.set_title(f"{args.world_size} ranks on {args.nodes} nodes, {args.device_memory} per rank, bf16, AdamW, "
-                 f"1 x {args.seq} tokens")
+    ax.set_title(
+        f"{args.world_size} ranks on {args.nodes} nodes, {args.device_memory} per rank, bf16, AdamW, "
+        f"1 x {args.seq} tokens"
+    )
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -54,9 +54,18 @@ def run_case(model: str, world: int, k: int) -> list[dict]:
     for name, cfg in settings_for(model).items():
         est = estimate_peak(model, cfg, world, micro_batches=k)
         measured = max(r[name] for r in per_rank)
-        rows.append({"model": model, "world": world, "k": k, "setting": name, "estimate": est.peak_bytes,
-                     "measured": measured, "error": (est.peak_bytes - measured) / measured,
-                     "communication": est.communication_bytes})
+        rows.append(
+            {
+                "model": model,
+                "world": world,
+                "k": k,
+                "setting": name,
+                "estimate": est.peak_bytes,
+                "measured": measured,
+                "error": (est.peak_bytes - measured) / measured,
+                "communication": est.communication_bytes,
+            }
+        )
     judge_auto(rows)
     return rows
 
@@ -66,8 +75,11 @@ def reestimate(out: Path) -> None:
     cases: dict = {}
     for r in rows:
         est = estimate_peak(r["model"], settings_for(r["model"])[r["setting"]], r["world"], micro_batches=r["k"])
-        r.update(estimate=est.peak_bytes, error=(est.peak_bytes - r["measured"]) / r["measured"],
-                 communication=est.communication_bytes)
+        r.update(
+            estimate=est.peak_bytes,
+            error=(est.peak_bytes - r["measured"]) / r["measured"],
+            communication=est.communication_bytes,
+        )
         cases.setdefault((r["model"], r["world"], r["k"]), []).append(r)
     for case in cases.values():
         judge_auto(case)
@@ -88,9 +100,11 @@ def judge_auto(rows: list[dict]) -> None:
 
 def summary(rows: list[dict]) -> None:
     worst = max(rows, key=lambda r: abs(r["error"]))
-    print(f"{len(rows)} cases; worst {worst['error'] * 100:+.1f}% ({worst['model']} W{worst['world']} k{worst['k']} "
-          f"{worst['setting']}); within 10%: {sum(abs(r['error']) < 0.1 for r in rows)}; "
-          f"auto picks over budget: {sum(1 for r in rows if r['auto_pick'] and not r['auto_ok'])}")
+    print(
+        f"{len(rows)} cases; worst {worst['error'] * 100:+.1f}% ({worst['model']} W{worst['world']} k{worst['k']} "
+        f"{worst['setting']}); within 10%: {sum(abs(r['error']) < 0.1 for r in rows)}; "
+        f"auto picks over budget: {sum(1 for r in rows if r['auto_pick'] and not r['auto_ok'])}"
+    )
 
 
 def main() -> None:
@@ -99,8 +113,11 @@ def main() -> None:
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--ks", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "memory_accuracy.json"))
-    parser.add_argument("--reestimate", action="store_true",
-                        help="recompute the estimates of the stored measurements (no runs), e.g. after an estimator change")
+    parser.add_argument(
+        "--reestimate",
+        action="store_true",
+        help="recompute the estimates of the stored measurements (no runs), e.g. after an estimator change",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     if args.reestimate:
@@ -116,9 +133,12 @@ def main() -> None:
                 rows += new
                 out.write_text(json.dumps(rows, indent=1))
                 for r in new:
-                    print(f"{model:8s} W{world} k{k} {r['setting']:17s} est {r['estimate'] / 2**20:9.2f} MiB  "
-                          f"measured {r['measured'] / 2**20:9.2f} MiB  {r['error'] * 100:+6.1f}%"
-                          f"{'  auto pick ' + ('OK' if r['auto_ok'] else 'OVER') if r['auto_pick'] else ''}", flush=True)
+                    print(
+                        f"{model:8s} W{world} k{k} {r['setting']:17s} est {r['estimate'] / 2**20:9.2f} MiB  "
+                        f"measured {r['measured'] / 2**20:9.2f} MiB  {r['error'] * 100:+6.1f}%"
+                        f"{'  auto pick ' + ('OK' if r['auto_ok'] else 'OVER') if r['auto_pick'] else ''}",
+                        flush=True,
+                    )
     summary(rows)
 
 

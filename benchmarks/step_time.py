@@ -84,14 +84,20 @@ HAND, CORE = "hand-written fully_shard loop", "core API (shard_model, no_sync)"
 def run_core(args: argparse.Namespace) -> None:
     ours, ours_losses = ours_step(args)
     hand, hand_losses = hand_step(args)
-    results = _bench.interleave({HAND: lambda: _bench.timed_steps(hand, args.steps),
-                                 CORE: lambda: _bench.timed_steps(ours, args.steps)}, args.rounds)
-    _bench.print_ratio_table(results, HAND, f"core API vs hand-written FSDP2, accumulate {args.accumulate}, clip 1.0, AdamW")
+    results = _bench.interleave(
+        {HAND: lambda: _bench.timed_steps(hand, args.steps), CORE: lambda: _bench.timed_steps(ours, args.steps)},
+        args.rounds,
+    )
+    _bench.print_ratio_table(
+        results, HAND, f"core API vs hand-written FSDP2, accumulate {args.accumulate}, clip 1.0, AdamW"
+    )
     if dist.get_rank() == 0:
         diff = max(abs(a - b) for a, b in zip(ours_losses, hand_losses))
         print(f"core/hand step-time ratio: {_ratio(results, CORE, HAND):.3f}")
-        print(f"loss after {len(ours_losses)} steps: ours {ours_losses[-1]:.6f}, hand {hand_losses[-1]:.6f} "
-              f"(max difference over all steps {diff:.2e})")
+        print(
+            f"loss after {len(ours_losses)} steps: ours {ours_losses[-1]:.6f}, hand {hand_losses[-1]:.6f} "
+            f"(max difference over all steps {diff:.2e})"
+        )
 
 
 # --------------------------------------------------------------------------- Lightning strategies
@@ -113,9 +119,18 @@ def fit_once(args: argparse.Namespace, strategy_name: str) -> list[float]:
         module = _bench.lightning_module(args.dim, args.layers, shard_in_configure_model=True)
     timer = _bench.step_timer()
     k = args.lightning_accumulate
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps + 3,
-                         accumulate_grad_batches=k, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[timer])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=args.steps + 3,
+        accumulate_grad_batches=k,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
     trainer.fit(module, _bench.tensor_loader((args.steps + 3) * k, args.batch))
     return timer.intervals(skip=2)
 
@@ -124,10 +139,14 @@ MPS, OURS = "ModelParallelStrategy + fully_shard", 'Trainer(strategy="fsdp2")'
 
 
 def run_lightning(args: argparse.Namespace) -> None:
-    results = _bench.interleave({MPS: lambda: fit_once(args, "model_parallel"), OURS: lambda: fit_once(args, "fsdp2")},
-                                args.rounds)
-    _bench.print_ratio_table(results, MPS, "Lightning: strategy='fsdp2' vs ModelParallelStrategy, "
-                                           f"accumulate_grad_batches={args.lightning_accumulate}")
+    results = _bench.interleave(
+        {MPS: lambda: fit_once(args, "model_parallel"), OURS: lambda: fit_once(args, "fsdp2")}, args.rounds
+    )
+    _bench.print_ratio_table(
+        results,
+        MPS,
+        f"Lightning: strategy='fsdp2' vs ModelParallelStrategy, accumulate_grad_batches={args.lightning_accumulate}",
+    )
     if dist.get_rank() == 0:
         print(f"fsdp2/ModelParallel step-time ratio: {_ratio(results, OURS, MPS):.3f}")
 
@@ -153,8 +172,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     if dist.get_rank() == 0:
-        print(f"model: {args.layers} blocks of dim {args.dim}, batch {args.batch}/rank, world {dist.get_world_size()}, "
-              f"torch {torch.__version__}")
+        print(
+            f"model: {args.layers} blocks of dim {args.dim}, batch {args.batch}/rank, world {dist.get_world_size()}, "
+            f"torch {torch.__version__}"
+        )
     if "core" in args.part:
         run_core(args)
     if "lightning" in args.part:

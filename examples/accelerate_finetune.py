@@ -53,8 +53,9 @@ def build(args: argparse.Namespace, train_set, test_set):
 
     accelerator = FSDP2Accelerator(
         gradient_accumulation_steps=args.accumulate,
-        project_config=ProjectConfiguration(project_dir=str(args.out_dir), automatic_checkpoint_naming=True,
-                                            total_limit=2),
+        project_config=ProjectConfiguration(
+            project_dir=str(args.out_dir), automatic_checkpoint_naming=True, total_limit=2
+        ),
     )
     set_seed(0)  # the same classifier head on every rank and in every run
     model = BertForSequenceClassification.from_pretrained(args.model_dir, num_labels=len(LABELS))
@@ -115,7 +116,9 @@ def reload_with_transformers(out: Path, model_dir: Path, test_rows: list, max_le
         raise RuntimeError(f"saved weights do not match BertForSequenceClassification: {problems}")
     print(f"reloaded {out} with transformers: every weight matched (no missing/unexpected keys)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    enc = tokenizer([t for t, _ in test_rows], padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    enc = tokenizer(
+        [t for t, _ in test_rows], padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+    )
     with torch.no_grad():
         predicted = model.eval()(**enc).logits.argmax(-1)
     return float((predicted == torch.tensor([y for _, y in test_rows])).float().mean())
@@ -154,8 +157,10 @@ def main() -> None:
     train_set, test_set = encode_splits(train_rows, test_rows, args.model_dir, args.max_length)
 
     accelerator, model, optimizer, loader, test_loader, scheduler, progress = build(args, train_set, test_set)
-    accelerator.print(f"{accelerator.num_processes} processes, {accelerator.distributed_type}, precision "
-                      f"{accelerator.mixed_precision}; sharding plan:\n{f2.sharding_plan(model)}")
+    accelerator.print(
+        f"{accelerator.num_processes} processes, {accelerator.distributed_type}, precision "
+        f"{accelerator.mixed_precision}; sharding plan:\n{f2.sharding_plan(model)}"
+    )
     before = accuracy(accelerator, model, test_loader)
     train(accelerator, model, optimizer, loader, scheduler, progress, args.max_steps // 2, args)
 

@@ -86,8 +86,9 @@ def train(fabric: Fabric, args: argparse.Namespace, model, optimizer, loader: Da
         optimizer.zero_grad()
         step += 1
         if step % args.ckpt_every == 0:
-            fabric.save(args.out_dir / "checkpoints" / f"step-{step}", {"model": model, "optimizer": optimizer,
-                                                                        "step": step})
+            fabric.save(
+                args.out_dir / "checkpoints" / f"step-{step}", {"model": model, "optimizer": optimizer, "step": step}
+            )
     return step
 
 
@@ -97,8 +98,12 @@ def export_and_reload(last_ckpt: Path, out: Path, model_dir: Path, test_rows: li
 
     f2.export_full(last_ckpt, out)  # the "model" entries of fabric.save's directory
     config = json.loads((model_dir / "config.json").read_text())
-    config.update(architectures=["BertForSequenceClassification"], num_labels=len(LABELS),
-                  id2label=dict(enumerate(LABELS)), label2id={n: i for i, n in enumerate(LABELS)})
+    config.update(
+        architectures=["BertForSequenceClassification"],
+        num_labels=len(LABELS),
+        id2label=dict(enumerate(LABELS)),
+        label2id={n: i for i, n in enumerate(LABELS)},
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(model_dir / name, out / name)
@@ -108,8 +113,9 @@ def export_and_reload(last_ckpt: Path, out: Path, model_dir: Path, test_rows: li
         raise RuntimeError(f"exported weights do not match BertForSequenceClassification: {problems}")
     model.eval()
     print(f"reloaded {out} with transformers: every weight matched (no missing/unexpected keys)")
-    enc = AutoTokenizer.from_pretrained(out)([t for t, _ in test_rows], padding=True, truncation=True,
-                                             max_length=max_length, return_tensors="pt")
+    enc = AutoTokenizer.from_pretrained(out)(
+        [t for t, _ in test_rows], padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+    )
     with torch.no_grad():
         predicted = model(**enc).logits.argmax(-1)
     return float((predicted == torch.tensor([y for _, y in test_rows])).float().mean())
@@ -160,8 +166,9 @@ def main() -> None:
     fabric.barrier()
     train_rows, test_rows = load_reviews(args.sentences)
     train_set, test_set = encode_splits(train_rows, test_rows, args.model_dir, args.max_length)
-    loader, test_loader = fabric.setup_dataloaders(DataLoader(train_set, batch_size=args.batch_size, shuffle=True),
-                                                   DataLoader(test_set, batch_size=64))
+    loader, test_loader = fabric.setup_dataloaders(
+        DataLoader(train_set, batch_size=args.batch_size, shuffle=True), DataLoader(test_set, batch_size=64)
+    )
 
     model, optimizer = build(fabric, args.model_dir, args.lr)
     before = accuracy(fabric, model, test_loader)
@@ -177,8 +184,10 @@ def main() -> None:
     after = accuracy(fabric, model, test_loader)
     last = max(cdir.committed_steps(ckpt_dir).items())[1]
     if fabric.global_rank == 0:
-        print(f"sentences: {len(train_rows)} train, {len(test_rows)} test; phase 1 stopped at step "
-              f"{args.max_steps // 2}, resumed from step-{resumed_at}, finished at step {reached}")
+        print(
+            f"sentences: {len(train_rows)} train, {len(test_rows)} test; phase 1 stopped at step "
+            f"{args.max_steps // 2}, resumed from step-{resumed_at}, finished at step {reached}"
+        )
         print(f"accuracy before fine-tuning: {before:.3f}")
         print(f"accuracy after fine-tuning (sharded model): {after:.3f}")
         reloaded = export_and_reload(last, args.out_dir / "hf_model", args.model_dir, test_rows, args.max_length)

@@ -95,12 +95,19 @@ class StartStep(Callback):
 
 
 def make_trainer(args: argparse.Namespace, max_steps: int, ckpt_dir: Path, *extra: Callback) -> pl.Trainer:
-    checkpoints = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=args.ckpt_every, save_last=True,
-                                  save_top_k=-1)
+    checkpoints = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=args.ckpt_every, save_last=True, save_top_k=-1)
     return pl.Trainer(
-        accelerator=args.accelerator, devices=args.devices, strategy="fsdp2", precision=args.precision,
-        max_steps=max_steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
-        callbacks=[checkpoints, *extra], logger=False, enable_model_summary=False, enable_progress_bar=args.progress,
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy="fsdp2",
+        precision=args.precision,
+        max_steps=max_steps,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip,
+        callbacks=[checkpoints, *extra],
+        logger=False,
+        enable_model_summary=False,
+        enable_progress_bar=args.progress,
         log_every_n_steps=1,
     )
 
@@ -122,8 +129,14 @@ def train(args: argparse.Namespace, train_set: TensorDataset, test_set: TensorDa
     resumed = ReviewClassifier(str(args.model_dir), lr=args.lr)
     second.fit(resumed, loader, ckpt_path="last")
     after = accuracy(second, resumed, test_loader)
-    return {"before": before, "after": after, "resumed_at": start.step, "final_step": second.global_step,
-            "last": Path(second.checkpoint_callback.last_model_path), "rank": second.global_rank}
+    return {
+        "before": before,
+        "after": after,
+        "resumed_at": start.step,
+        "final_step": second.global_step,
+        "last": Path(second.checkpoint_callback.last_model_path),
+        "rank": second.global_rank,
+    }
 
 
 # --------------------------------------------------------------------------- export and reload
@@ -133,8 +146,12 @@ def export_and_reload(last_ckpt: Path, out: Path, model_dir: Path, test_rows: li
 
     f2.export_full(last_ckpt, out)  # same as: fsdp2-strategy consolidate LAST_CKPT OUT
     config = json.loads((model_dir / "config.json").read_text())
-    config.update(architectures=["BertForSequenceClassification"], num_labels=len(LABELS),
-                  id2label=dict(enumerate(LABELS)), label2id={n: i for i, n in enumerate(LABELS)})
+    config.update(
+        architectures=["BertForSequenceClassification"],
+        num_labels=len(LABELS),
+        id2label=dict(enumerate(LABELS)),
+        label2id={n: i for i, n in enumerate(LABELS)},
+    )
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         shutil.copy(model_dir / name, out / name)
@@ -146,8 +163,9 @@ def export_and_reload(last_ckpt: Path, out: Path, model_dir: Path, test_rows: li
     model.eval()
     print(f"reloaded {out} with transformers: every weight matched (no missing/unexpected keys)")
     tokenizer = AutoTokenizer.from_pretrained(out)
-    enc = tokenizer([t for t, _ in test_rows], padding=True, truncation=True, max_length=max_length,
-                    return_tensors="pt")
+    enc = tokenizer(
+        [t for t, _ in test_rows], padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+    )
     with torch.no_grad():
         predicted = model(**enc).logits.argmax(-1)
     labels = torch.tensor([y for _, y in test_rows])
@@ -208,12 +226,15 @@ def main() -> None:
 
     result = train(args, train_set, test_set, ckpt_dir)
     if result["rank"] == 0:
-        print(f"sentences: {len(train_rows)} train, {len(test_rows)} test; second run resumed from "
-              f"\"last\" at step {result['resumed_at']}, finished at step {result['final_step']}")
+        print(
+            f"sentences: {len(train_rows)} train, {len(test_rows)} test; second run resumed from "
+            f'"last" at step {result["resumed_at"]}, finished at step {result["final_step"]}'
+        )
         print(f"accuracy before fine-tuning: {result['before']:.3f}")
         print(f"accuracy after fine-tuning (sharded model): {result['after']:.3f}")
-        reloaded = export_and_reload(result["last"], args.out_dir / "hf_model", args.model_dir, test_rows,
-                                     args.max_length)
+        reloaded = export_and_reload(
+            result["last"], args.out_dir / "hf_model", args.model_dir, test_rows, args.max_length
+        )
         print(f"accuracy of the exported model reloaded with transformers: {reloaded:.3f}")
         print(f"exported Hugging Face model: {args.out_dir / 'hf_model'}")
     f2.shutdown()  # every rank: barrier, destroy the process group, exit without the gloo exit-time abort

@@ -100,7 +100,7 @@ def weight_checksums(model: nn.Module) -> dict[str, list[float]]:
     total = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(total)
     names = [n for n, _ in model.named_parameters()]
-    return {n: total[2 * i: 2 * i + 2].tolist() for i, n in enumerate(names)}
+    return {n: total[2 * i : 2 * i + 2].tolist() for i, n in enumerate(names)}
 
 
 def file_checksums(path: Path) -> dict[str, list[float]]:
@@ -165,17 +165,24 @@ def report(rows: list, full_mib: float, checksum: dict, expected: dict, finite: 
     """Print the per-rank memory table (rank 0)."""
     print(f"model: {full_mib:.0f} MiB of fp32 parameters in full, sharded over {len(rows)} ranks")
     gpu = rows[0][4] is not None
-    print(f"{'rank':>4} {'RSS before (MiB)':>17} {'peak growth (MiB)':>18} {'own shard (MiB)':>16}"
-          + (f" {'GPU peak (MiB)':>15}" if gpu else ""))
+    print(
+        f"{'rank':>4} {'RSS before (MiB)':>17} {'peak growth (MiB)':>18} {'own shard (MiB)':>16}"
+        + (f" {'GPU peak (MiB)':>15}" if gpu else "")
+    )
     for rank, before, growth, shard, gpu_peak in rows:
         print(f"{rank:>4} {before:>17.0f} {growth:>18.0f} {shard:>16.0f}" + (f" {gpu_peak:>15.0f}" if gpu else ""))
     worst = max(r[2] for r in rows)
     print(f"largest per-rank peak growth / full model size: {worst / full_mib:.2f}")
-    wrong = [n for n in expected if n not in checksum
-             or any(abs(a - b) > 1e-6 * max(1.0, abs(b)) for a, b in zip(checksum[n], expected[n]))]
+    wrong = [
+        n
+        for n in expected
+        if n not in checksum or any(abs(a - b) > 1e-6 * max(1.0, abs(b)) for a, b in zip(checksum[n], expected[n]))
+    ]
     match = not wrong and set(checksum) == set(expected)
-    print(f"weights match the file: {match} ({len(expected)} tensors, each by its sum and row-weighted sum"
-          f"{'; differing: ' + ', '.join(wrong[:5]) if wrong else ''}); forward output finite: {finite}")
+    print(
+        f"weights match the file: {match} ({len(expected)} tensors, each by its sum and row-weighted sum"
+        f"{'; differing: ' + ', '.join(wrong[:5]) if wrong else ''}); forward output finite: {finite}"
+    )
 
 
 if __name__ == "__main__":

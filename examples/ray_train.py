@@ -64,13 +64,21 @@ def train_fn(config: dict) -> None:
             Path(config["ckpt_dir"], "killed").touch()
             os.kill(os.getpid(), signal.SIGKILL)  # what a lost node looks like to Ray
         if step % config["ckpt_every"] == 0:
-            save_and_report(checkpointer, step, {"loss": loss.item(), "step": step}, model=model, optimizer=optimizer,
-                            extra={"step": step})
+            save_and_report(
+                checkpointer,
+                step,
+                {"loss": loss.item(), "step": step},
+                model=model,
+                optimizer=optimizer,
+                extra={"step": step},
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--address", default=None, help="Ray cluster address ('auto' for a running cluster); default local")
+    parser.add_argument(
+        "--address", default=None, help="Ray cluster address ('auto' for a running cluster); default local"
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--gpu", action="store_true", help="one GPU per worker (nccl, plus gloo for CPU tensors)")
     parser.add_argument("--steps", type=int, default=20)
@@ -83,13 +91,20 @@ def main() -> None:
     ray.init(address=args.address, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     trainer = TorchTrainer(
         train_fn,
-        train_loop_config={"steps": args.steps, "ckpt_every": args.ckpt_every, "kill_at": args.kill_at,
-                           "ckpt_dir": str(storage / "fsdp2_steps")},
+        train_loop_config={
+            "steps": args.steps,
+            "ckpt_every": args.ckpt_every,
+            "kill_at": args.kill_at,
+            "ckpt_dir": str(storage / "fsdp2_steps"),
+        },
         # With GPUs, also a gloo backend for the CPU collectives of DCP and offloaded state.
         torch_config=TorchConfig(backend="cpu:gloo,cuda:nccl" if args.gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=args.gpu),
-        run_config=RunConfig(name="fsdp2_ray_train", storage_path=str(storage / "ray"),
-                             failure_config=FailureConfig(max_failures=args.max_failures)),
+        run_config=RunConfig(
+            name="fsdp2_ray_train",
+            storage_path=str(storage / "ray"),
+            failure_config=FailureConfig(max_failures=args.max_failures),
+        ),
     )
     result = trainer.fit()
     print(f"final metrics {result.metrics}; latest checkpoint {result.checkpoint.path}")

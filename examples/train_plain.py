@@ -55,7 +55,9 @@ def main(steps: int, accumulate: int, ckpt_dir: str, save_every: int) -> None:
         if (step + 1) % save_every == 0:
             ckpt.save(step, model=model, optimizer=optimizer, extra={"step": step})  # returns before the write ends
         if step % 5 == 0 or step == start + steps - 1:
-            f2.distributed.log_rank_zero("step %d loss %.4f grad-norm %.3f", step, loss.item() * accumulate, norm.item())
+            f2.distributed.log_rank_zero(
+                "step %d loss %.4f grad-norm %.3f", step, loss.item() * accumulate, norm.item()
+            )
     ckpt.wait()  # commit the last asynchronous save
     f2.shutdown()
 

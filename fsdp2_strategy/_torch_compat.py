@@ -59,8 +59,9 @@ FSDPMeshInfo = _private(f"{_FSDP}._fsdp_common", "FSDPMeshInfo")
 AllGather = _private(f"{_FSDP}._fsdp_api", "AllGather")
 ReduceScatter = _private(f"{_FSDP}._fsdp_api", "ReduceScatter")
 composable_checkpoint = _private("torch.distributed._composable", "checkpoint")
-compute_local_shape_and_global_offset = _private("torch.distributed.tensor._utils",
-                                                 "compute_local_shape_and_global_offset")
+compute_local_shape_and_global_offset = _private(
+    "torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"
+)
 apply_to_tensors = _private("torch.distributed.utils", "_apply_to_tensors")
 TorchDispatchMode = _private("torch.utils._python_dispatch", "TorchDispatchMode")
 disable_current_modes = _private("torch.utils._python_dispatch", "_disable_current_modes")

@@ -213,7 +213,9 @@ class FSDP2Config:
         _check_module_list(self.activation_checkpointing, "FSDP2Config.activation_checkpointing", allow_auto=True)
         self._validate_ignored_modules()
         if not isinstance(self.compile, (bool, dict)):
-            raise ValueError(f"FSDP2Config.compile={self.compile!r} is invalid; use True, False or a dict of torch.compile kwargs.")
+            raise ValueError(
+                f"FSDP2Config.compile={self.compile!r} is invalid; use True, False or a dict of torch.compile kwargs."
+            )
         _check_nonneg_int(self.forward_prefetch, "FSDP2Config.forward_prefetch")
         _check_nonneg_int(self.backward_prefetch, "FSDP2Config.backward_prefetch")
         self.module_overrides = self._validated_overrides(self.module_overrides)
@@ -225,7 +227,9 @@ class FSDP2Config:
     def _validate_tensor_parallel(self) -> None:
         size = self.tensor_parallel_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"FSDP2Config.tensor_parallel_size={size!r} is invalid; use an int >= 1 (1: no tensor parallelism).")
+            raise ValueError(
+                f"FSDP2Config.tensor_parallel_size={size!r} is invalid; use an int >= 1 (1: no tensor parallelism)."
+            )
         _check_tensor_parallel_plan(self.tensor_parallel_plan, "FSDP2Config.tensor_parallel_plan")
         if size > 1 and self.sharding_strategy == "auto":
             raise ValueError(
@@ -233,7 +237,9 @@ class FSDP2Config:
                 "tensor parallelism yet; name a sharding_strategy (FULL_SHARD, HYBRID_SHARD, ...)."
             )
         if size > 1:
-            changed = [p for p, o in self.module_overrides.items() if o.sharding_strategy not in (None, self.sharding_strategy)]
+            changed = [
+                p for p, o in self.module_overrides.items() if o.sharding_strategy not in (None, self.sharding_strategy)
+            ]
             if changed:
                 raise ValueError(
                     f"FSDP2Config.module_overrides {changed} change the sharding strategy, which needs another mesh; "
@@ -315,8 +321,10 @@ class FSDP2Config:
     def yaml_fields(path: str | Path) -> dict[str, Any]:
         """The fields a YAML file sets, as `from_yaml` reads them (not yet validated)."""
         if not Path(path).is_file():
-            raise FileNotFoundError(f"FSDP2Config YAML file {path} does not exist; pass the path of a YAML mapping "
-                                    "of FSDP2Config fields (or a dict / an FSDP2Config).")
+            raise FileNotFoundError(
+                f"FSDP2Config YAML file {path} does not exist; pass the path of a YAML mapping "
+                "of FSDP2Config fields (or a dict / an FSDP2Config)."
+            )
         try:
             with open(path) as f:
                 data = yaml.safe_load(f) or {}

@@ -36,13 +36,28 @@ def parse_bytes(value: Any, name: str = "memory_budget") -> int | None:
     """None, an int of bytes, or text such as "80GiB", "80GB", "512MiB"."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
         return value
-    units = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
-             "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+    units = {
+        "": 1,
+        "B": 1,
+        "K": 2**10,
+        "KB": 10**3,
+        "KIB": 2**10,
+        "M": 2**20,
+        "MB": 10**6,
+        "MIB": 2**20,
+        "G": 2**30,
+        "GB": 10**9,
+        "GIB": 2**30,
+        "T": 2**40,
+        "TB": 10**12,
+        "TIB": 2**40,
+    }
     match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(value)) if isinstance(value, str) else None
     if match and match.group(2).upper() in units and float(match.group(1)) > 0:
         return int(float(match.group(1)) * units[match.group(2).upper()])
-    raise ValueError(f"{name}={value!r} is invalid; use None, a positive int of bytes, or text like '80GiB' or '512MB'.")
-
+    raise ValueError(
+        f"{name}={value!r} is invalid; use None, a positive int of bytes, or text like '80GiB' or '512MB'."
+    )
 
 
 def _check_reshard(value: Any, name: str) -> None:

@@ -70,7 +70,7 @@ def settings_for(name: str, config: FSDP2Config) -> GroupSettings:
 
 
 def _prefixes(name: str) -> list[str]:
-    """"a.b.c" -> ["a", "a.b", "a.b.c"]."""
+    """ "a.b.c" -> ["a", "a.b", "a.b.c"]."""
     parts = name.split(".") if name else []
     return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
@@ -112,7 +112,9 @@ def merge_tied_groups(model: nn.Module, wrapped: list[str]) -> list[str]:
         keep.difference_update(dropped)
         log_rank_zero(
             "Tied parameter shared by %s: not sharding %s separately; the weight stays in group %r.",
-            ", ".join(repr(n) for n in names), ", ".join(repr(d) for d in dropped), ancestor or "<root>",
+            ", ".join(repr(n) for n in names),
+            ", ".join(repr(d) for d in dropped),
+            ancestor or "<root>",
         )
     return [n for n in wrapped if n in keep]
 

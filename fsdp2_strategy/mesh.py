@@ -100,8 +100,13 @@ class MeshCache:
     `tp_mesh` is its "tp" sub-mesh (FSDP2 needs both to share that parent).
     """
 
-    def __init__(self, device_type: str | None = None, given: DeviceMesh | None = None, tp_size: int = 1,
-                 tp_mesh: DeviceMesh | None = None):
+    def __init__(
+        self,
+        device_type: str | None = None,
+        given: DeviceMesh | None = None,
+        tp_size: int = 1,
+        tp_mesh: DeviceMesh | None = None,
+    ):
         self.device_type = device_type or mesh_device_type()
         self.given = given
         self.tp_size = tp_size

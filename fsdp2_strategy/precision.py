@@ -13,9 +13,14 @@ def dtype_from_name(value: Any, name: str) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         return value
     aliases = {
-        "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-        "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-        "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "half": torch.float16,
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "float": torch.float32,
     }
     key = str(value).lower().removeprefix("torch.")
     if key in aliases:
@@ -27,7 +32,7 @@ _POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_i
 
 
 def resolve_mixed_precision(value: Any, field: str = "FSDP2Config.mixed_precision") -> MixedPrecisionPolicy:
-    """"bf16"/"fp16" mean low-precision compute with fp32 master weights and fp32 gradient
+    """ "bf16"/"fp16" mean low-precision compute with fp32 master weights and fp32 gradient
     reduction (reducing in bf16 loses digits across many ranks); a dict may name dtypes as strings."""
     if value is None:
         return MixedPrecisionPolicy()
@@ -41,7 +46,9 @@ def resolve_mixed_precision(value: Any, field: str = "FSDP2Config.mixed_precisio
     unknown = set(value) - set(_POLICY_FIELDS)
     if unknown:
         raise ValueError(f"{field} has unknown keys {sorted(unknown)}; accepted keys: {list(_POLICY_FIELDS)}.")
-    kwargs: dict[str, Any] = {k: dtype_from_name(v, f"{field}[{k!r}]") for k, v in value.items() if k != "cast_forward_inputs"}
+    kwargs: dict[str, Any] = {
+        k: dtype_from_name(v, f"{field}[{k!r}]") for k, v in value.items() if k != "cast_forward_inputs"
+    }
     if "cast_forward_inputs" in value:
         kwargs["cast_forward_inputs"] = bool(value["cast_forward_inputs"])
     return MixedPrecisionPolicy(**kwargs)

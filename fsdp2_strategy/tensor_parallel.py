@@ -40,7 +40,12 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
 """Plan strings (Hugging Face's names) and the torch style each means."""
 
 # Which weight dim a style splits, per module type: the size that must divide by the TP size.
-_SPLIT_DIM = {("colwise", nn.Linear): 0, ("rowwise", nn.Linear): 1, ("colwise", nn.Embedding): 1, ("rowwise", nn.Embedding): 0}
+_SPLIT_DIM = {
+    ("colwise", nn.Linear): 0,
+    ("rowwise", nn.Linear): 1,
+    ("colwise", nn.Embedding): 1,
+    ("rowwise", nn.Embedding): 0,
+}
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_heads", "heads")
 
 
@@ -101,7 +106,9 @@ def resolve_plan(model: nn.Module, plan: Any) -> dict[str, tuple[str, ParallelSt
     for pattern, style in spec.items():
         matched = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not matched:
-            raise ValueError(f"FSDP2Config.tensor_parallel_plan: {pattern!r} matches no module of {type(model).__name__}.")
+            raise ValueError(
+                f"FSDP2Config.tensor_parallel_plan: {pattern!r} matches no module of {type(model).__name__}."
+            )
         for name in matched:
             if name not in resolved and not _user_parallelised(model.get_submodule(name)):
                 resolved[name] = (style, STYLES[style]()) if isinstance(style, str) else (type(style).__name__, style)
@@ -125,7 +132,8 @@ def check_sizes(model: nn.Module, plan: Mapping[str, tuple[str, ParallelStyle]],
                 problems.append(f"{name.rpartition('.')[0] or '<root>'}.{attr}={heads} heads")
     if problems:
         raise ValueError(
-            f"FSDP2Config.tensor_parallel_size={tp_size} does not divide: " + "; ".join(sorted(set(problems)))
+            f"FSDP2Config.tensor_parallel_size={tp_size} does not divide: "
+            + "; ".join(sorted(set(problems)))
             + ". Pick a tensor_parallel_size that divides these sizes."
         )
 
@@ -137,8 +145,10 @@ def apply_tensor_parallel(model: nn.Module, plan: Any, tp_mesh: DeviceMesh) -> d
         before = {n for n, m in model.named_modules() if _user_parallelised(m)}
         result = plan(model, tp_mesh)
         if result is not None and result is not model:
-            raise ValueError("FSDP2Config.tensor_parallel_plan callable must parallelise the model in place and "
-                             "return None or the same model.")
+            raise ValueError(
+                "FSDP2Config.tensor_parallel_plan callable must parallelise the model in place and "
+                "return None or the same model."
+            )
         styles = {n: "callable" for n, m in model.named_modules() if _user_parallelised(m) and n not in before}
     elif plan == "auto" and not declared_plan(model) and any(_user_parallelised(m) for m in model.modules()):
         styles = {}  # no declared plan, and the user parallelised the model (e.g. in configure_model)

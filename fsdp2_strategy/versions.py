@@ -81,9 +81,12 @@ def warn_untested_versions() -> None:
         return
     _warned = True
     found = ", ".join(f"{name} {version} (tested {tested_range(name)})" for name, version in newer.items())
-    _logger.warning("fsdp2_strategy %s was tested up to the releases in its README's version matrix; this "
-                    "environment has newer ones: %s. Run your tests, or pin the tested releases.", _package_version(),
-                    found)
+    _logger.warning(
+        "fsdp2_strategy %s was tested up to the releases in its README's version matrix; this "
+        "environment has newer ones: %s. Run your tests, or pin the tested releases.",
+        _package_version(),
+        found,
+    )
 
 
 def _package_version() -> str:

@@ -61,20 +61,27 @@ class Env:
         (root / "random.safetensors").write_bytes(bytes(range(256)) * 8)  # length field ~ 5e17
         (root / "truncated.safetensors").write_bytes(data[: len(data) // 2])
         (root / "not_json.safetensors").write_bytes((16).to_bytes(8, "little") + b"\xff" * 16 + b"\0" * 64)
-        _write_raw_safetensors(root / "overlap.safetensors", {
-            "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-            "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
-        }, 24)
-        _write_raw_safetensors(root / "wrong_size.safetensors", {
-            "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, 8)
-        _write_raw_safetensors(root / "float8.safetensors", {
-            "a": {"dtype": "F8_E4M3", "shape": [4], "data_offsets": [0, 4]}}, 4)
+        _write_raw_safetensors(
+            root / "overlap.safetensors",
+            {
+                "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+            },
+            24,
+        )
+        _write_raw_safetensors(
+            root / "wrong_size.safetensors", {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, 8
+        )
+        _write_raw_safetensors(
+            root / "float8.safetensors", {"a": {"dtype": "F8_E4M3", "shape": [4], "data_offsets": [0, 4]}}, 4
+        )
         (root / "random.pt").write_bytes(bytes(range(256)) * 4)
         (root / "index_bad").mkdir()
         (root / "index_bad" / "model.safetensors.index.json").write_text("{not json")
         (root / "index_gap").mkdir()
         (root / "index_gap" / "model.safetensors.index.json").write_text(
-            json.dumps({"weight_map": {"tok.weight": "model-00001-of-00002.safetensors"}}))
+            json.dumps({"weight_map": {"tok.weight": "model-00001-of-00002.safetensors"}})
+        )
         (root / "two_files").mkdir()
         for name in ("a.safetensors", "b.safetensors"):
             shutil.copy(root / "good.safetensors", root / "two_files" / name)
@@ -85,16 +92,23 @@ class Env:
 
     def _write_checkpoints(self, root: Path) -> None:
         f2.Checkpointer(root / "ckpt").save(1, model=self.model)
-        edits = (("damaged", _flip_byte), ("garbage", _garbage_metadata), ("shardless", _drop_shards),
-                 ("plain", _drop_checksums))
+        edits = (
+            ("damaged", _flip_byte),
+            ("garbage", _garbage_metadata),
+            ("shardless", _drop_shards),
+            ("plain", _drop_checksums),
+        )
         for name, edit in edits:
             shutil.copytree(root / "ckpt", root / name)
             edit(root / name / "step-000001")
 
     def snapshot(self) -> tuple:
         """Every file's digest, every folder, and the model's tensors (to assert nothing changed)."""
-        files = {str(p.relative_to(self.root)): hashlib.sha256(p.read_bytes()).hexdigest()
-                 for p in sorted(self.root.rglob("*")) if p.is_file()}
+        files = {
+            str(p.relative_to(self.root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(self.root.rglob("*"))
+            if p.is_file()
+        }
         dirs = sorted(str(p.relative_to(self.root)) for p in self.root.rglob("*") if p.is_dir())
         return files, dirs, {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
@@ -144,5 +158,3 @@ def assert_unchanged(before: tuple, after: tuple) -> None:
     assert after[0] == before[0], "files on disk changed"
     assert after[1] == before[1], "folders on disk changed"
     assert all(torch.equal(after[2][k], v) for k, v in before[2].items()), "model weights changed"
-
-

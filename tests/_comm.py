@@ -16,8 +16,10 @@ import torch.distributed as dist
 from fsdp2_strategy.shard.ring_comms import RingAllGather, RingReduceScatter
 
 NAMES = ("reduce_scatter_single", "all_gather_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
-RINGS = ((RingAllGather, "ring_all_gather", "all_gather_single"),
-         (RingReduceScatter, "ring_reduce_scatter", "reduce_scatter_single"))
+RINGS = (
+    (RingAllGather, "ring_all_gather", "all_gather_single"),
+    (RingReduceScatter, "ring_reduce_scatter", "reduce_scatter_single"),
+)
 
 
 @contextlib.contextmanager

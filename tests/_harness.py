@@ -37,12 +37,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple, env: dict, pg_timeout: float) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple, env: dict, pg_timeout: float
+) -> None:
     os.environ.update(
         {
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(env.pop("LOCAL_WORLD_SIZE", world_size)),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
         }
     )
     os.environ.update({k: str(v) for k, v in env.items()})

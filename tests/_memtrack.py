@@ -111,8 +111,14 @@ def train_step(model, opt, batch, loss_fn, micro_batches: int, accumulation: str
     opt.zero_grad(set_to_none=True)
 
 
-def measure_peak(model_name: str, config: dict, optimizer="adamw", micro_batches: int = 1,
-                 accumulation: str = "sync_last", batch_size: int = 8) -> int:
+def measure_peak(
+    model_name: str,
+    config: dict,
+    optimizer="adamw",
+    micro_batches: int = 1,
+    accumulation: str = "sync_last",
+    batch_size: int = 8,
+) -> int:
     """Peak live tensor bytes of this rank during one steady-state optimizer step."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -129,9 +135,25 @@ def measure_peak(model_name: str, config: dict, optimizer="adamw", micro_batches
     return max(s["Total"] for s in snapshot.values())
 
 
-def estimate_peak(model_name: str, config: dict, world_size: int, optimizer="adamw", micro_batches: int = 1,
-                  accumulation: str = "sync_last", batch_size: int = 8, nodes: int = 1):
+def estimate_peak(
+    model_name: str,
+    config: dict,
+    world_size: int,
+    optimizer="adamw",
+    micro_batches: int = 1,
+    accumulation: str = "sync_last",
+    batch_size: int = 8,
+    nodes: int = 1,
+):
     make_model, make_batch_, loss_fn = MODELS[model_name]
-    return f2.estimate_memory(make_model(), config, world_size=world_size, nodes=nodes, optimizer=optimizer,
-                              example_batch=make_batch_(batch_size), loss_fn=loss_fn,
-                              accumulation=accumulation, micro_batches=micro_batches)
+    return f2.estimate_memory(
+        make_model(),
+        config,
+        world_size=world_size,
+        nodes=nodes,
+        optimizer=optimizer,
+        example_batch=make_batch_(batch_size),
+        loss_fn=loss_fn,
+        accumulation=accumulation,
+        micro_batches=micro_batches,
+    )

@@ -87,8 +87,14 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 # A GPT whose attention has separate q/k/v projections and `-1` heads in `view`, as column-wise
 # tensor parallelism needs; `TP_PLAN` splits it (globs relative to `TPGPT`). Also used by
 # benchmarks/collectives_2d.py.
-TP_PLAN = {"blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
-           "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+TP_PLAN = {
+    "blocks.*.attn.q": "colwise",
+    "blocks.*.attn.k": "colwise",
+    "blocks.*.attn.v": "colwise",
+    "blocks.*.attn.proj": "rowwise",
+    "blocks.*.mlp.0": "colwise",
+    "blocks.*.mlp.2": "rowwise",
+}
 
 
 class TPAttention(nn.Module):
@@ -143,8 +149,9 @@ def lm_loss(model: nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def sgd_reference(initial: nn.Module, data: torch.utils.data.TensorDataset, steps: list[list[int]], lr: float,
-                  prefix: str = "") -> dict[str, torch.Tensor]:
+def sgd_reference(
+    initial: nn.Module, data: torch.utils.data.TensorDataset, steps: list[list[int]], lr: float, prefix: str = ""
+) -> dict[str, torch.Tensor]:
     """One process, SGD: step s on the rows every rank saw at step s; parameters named `prefix + name`."""
     model = copy.deepcopy(initial)
     opt = torch.optim.SGD(model.parameters(), lr=lr)

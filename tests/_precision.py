@@ -40,9 +40,14 @@ def tied_names(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if counts[id(p)] > 1]
 
 
-def policy_grads(model: nn.Module, rank_batches: Sequence[Sequence[tuple]], loss: Callable[..., torch.Tensor],
-                 dtype: torch.dtype, scale: float = 1.0,
-                 cast: Callable[[nn.Module], nn.Module] | None = None) -> dict[str, torch.Tensor]:
+def policy_grads(
+    model: nn.Module,
+    rank_batches: Sequence[Sequence[tuple]],
+    loss: Callable[..., torch.Tensor],
+    dtype: torch.dtype,
+    scale: float = 1.0,
+    cast: Callable[[nn.Module], nn.Module] | None = None,
+) -> dict[str, torch.Tensor]:
     """fp32 gradients of `model`'s weights as the policy promises them.
 
     `rank_batches[r]` lists rank r's micro-batches, each the argument tuple of `loss(low_model, *args)`;
@@ -64,8 +69,9 @@ def policy_grads(model: nn.Module, rank_batches: Sequence[Sequence[tuple]], loss
     return total
 
 
-def true_precision_update(model: nn.Module, rank_batches: Sequence[tuple], loss: Callable[..., torch.Tensor],
-                          dtype: torch.dtype, lr: float) -> dict[str, torch.Tensor]:
+def true_precision_update(
+    model: nn.Module, rank_batches: Sequence[tuple], loss: Callable[..., torch.Tensor], dtype: torch.dtype, lr: float
+) -> dict[str, torch.Tensor]:
     """The weights (as fp32) one SGD step gives in pure `dtype` ("bf16-true"): weights, compute, the
     average over ranks and the update all in `dtype`. `rank_batches[r]` is rank r's argument tuple of
     `loss(low_model, *args)`."""

@@ -48,7 +48,7 @@ def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
 
 def _local(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     n = x.shape[0] // world
-    return x[rank * n:(rank + 1) * n]
+    return x[rank * n : (rank + 1) * n]
 
 
 def _write_full_weights(model: nn.Module, out: str) -> None:
@@ -114,8 +114,14 @@ def core_train(config: dict) -> None:
         if step == config["kill_in_train"] and rank == 1:
             _kill_once(marks / "killed-in-train")
         if step % config["every"] == 0:
-            save_and_report(checkpointer, step, {"loss": loss.item(), "step": step}, model=model, optimizer=opt,
-                            extra={"step": step})
+            save_and_report(
+                checkpointer,
+                step,
+                {"loss": loss.item(), "step": step},
+                model=model,
+                optimizer=opt,
+                extra={"step": step},
+            )
     _write_full_weights(model, config["out"])
 
 
@@ -175,11 +181,18 @@ def lightning_train(config: dict) -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=EpochSampler())
     module = Module()
     trainer = pl.Trainer(
-        max_steps=config["steps"], accelerator="cpu", devices="auto",
+        max_steps=config["steps"],
+        accelerator="cpu",
+        devices="auto",
         strategy=RayFSDP2Strategy(wrap_policy=[nn.Linear]),
-        callbacks=[ModelCheckpoint(dirpath=config["root"], every_n_train_steps=config["every"], save_top_k=-1),
-                   KillOnce()],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        callbacks=[
+            ModelCheckpoint(dirpath=config["root"], every_n_train_steps=config["every"], save_top_k=-1),
+            KillOnce(),
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
     )
     trainer = ray.train.lightning.prepare_trainer(trainer)
     ckpt_path = checkpoint_path(config["root"])

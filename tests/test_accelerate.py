@@ -39,16 +39,33 @@ def _run(args: list[str], timeout: int) -> None:
     # ACCELERATE_USE_CPU: Accelerate's FSDP launcher drops the files' `use_cpu: true`, so on a
     # machine with GPUs these CPU tests would otherwise ask for one GPU per process.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
-    proc = subprocess.run([sys.executable, *args], env=dict(env, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true"), cwd=SCRIPTS,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, *args],
+        env=dict(env, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true"),
+        cwd=SCRIPTS,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
 
 def accelerate_launch(config: Path, script: str, *args: str, timeout: int = 300) -> None:
     """`accelerate launch --config_file CONFIG SCRIPT ARGS...`, as a user runs it (on a free port:
     the default 29500 may still be held by the previous world's exiting processes)."""
-    _run(["-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", str(free_port()),
-          script, *args], timeout)
+    _run(
+        [
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config),
+            "--main_process_port",
+            str(free_port()),
+            script,
+            *args,
+        ],
+        timeout,
+    )
 
 
 def _load(path: Path) -> dict:
@@ -64,14 +81,35 @@ def runs(tmp_path_factory) -> dict:
     accelerate_launch(SCRIPTS / "fsdp2.yaml", "flows.py", str(work / "flows.json"), str(work))
     _run(["resume.py", str(work / "resume.json"), str(work / "state_step2")], timeout=120)
     # The same resume as a 1-process `accelerate launch` (torchrun's agent store: env://).
-    _run(["-m", "accelerate.commands.launch", "--config_file", str(SCRIPTS / "fsdp2.yaml"), "--num_processes", "1",
-          "--main_process_port", str(free_port()), "resume.py", str(work / "resume_launched.json"),
-          str(work / "state_step2")], timeout=120)
-    accelerate_launch(SCRIPTS / "fsdp2_variant.yaml", "flows.py", str(work / "variant.json"), str(work / "variant"),
-                      "config_from_launch,launch_variant")
-    return {"flows": _load(work / "flows.json"), "resume": _load(work / "resume.json"),
-            "resume_launched": _load(work / "resume_launched.json"),
-            "variant": _load(work / "variant.json")}
+    _run(
+        [
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(SCRIPTS / "fsdp2.yaml"),
+            "--num_processes",
+            "1",
+            "--main_process_port",
+            str(free_port()),
+            "resume.py",
+            str(work / "resume_launched.json"),
+            str(work / "state_step2"),
+        ],
+        timeout=120,
+    )
+    accelerate_launch(
+        SCRIPTS / "fsdp2_variant.yaml",
+        "flows.py",
+        str(work / "variant.json"),
+        str(work / "variant"),
+        "config_from_launch,launch_variant",
+    )
+    return {
+        "flows": _load(work / "flows.json"),
+        "resume": _load(work / "resume.json"),
+        "resume_launched": _load(work / "resume_launched.json"),
+        "variant": _load(work / "variant.json"),
+    }
 
 
 @pytest.fixture
@@ -196,8 +234,16 @@ def test_prepare_model_alone_for_evaluation(flows):
 def test_save_state_load_state_resume_exactly(flows):
     r = flows["checkpoints"]
     assert _close(r["resumed"], r["continued"]) and r["lr_resumed"] == r["lr_continued"]
-    for name in (".metadata", "checksums.json", "__0_0.distcp", "__1_0.distcp", "scheduler.bin",
-                 "random_states_0.pkl", "random_states_1.pkl", "model.safetensors"):
+    for name in (
+        ".metadata",
+        "checksums.json",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "scheduler.bin",
+        "random_states_0.pkl",
+        "random_states_1.pkl",
+        "model.safetensors",
+    ):
         assert name in r["listing"], name
     assert r["export_diff"] == 0.0  # state_dict_type="full": consolidated weights beside the shards
     assert not [p for p in r["parent"] + r["parent_after_resave"] if p.startswith(".tmp")]
@@ -289,8 +335,10 @@ ENV = {"FSDP_VERSION": "2", "ACCELERATE_MIXED_PRECISION": "no"}
 @pytest.mark.parametrize(
     "env, expected",
     [
-        ({"FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block, Block"},
-         {"wrap_policy": ["GPT2Block", "Block"]}),
+        (
+            {"FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block, Block"},
+            {"wrap_policy": ["GPT2Block", "Block"]},
+        ),
         ({"FSDP_AUTO_WRAP_POLICY": "transformer_based_wrap"}, {"wrap_policy": "auto"}),  # _no_split_modules
         ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "5000"}, {"wrap_policy": 5000}),
         ({"FSDP_AUTO_WRAP_POLICY": "NO_WRAP"}, {"wrap_policy": None}),
@@ -338,11 +386,18 @@ def test_bad_accelerate_values_name_the_key(env, words):
 
 
 def test_plugin_sources_in_order_env_then_config_file_then_keywords(monkeypatch, tmp_path):
-    for key, value in {"FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "5000",
-                       "FSDP_OFFLOAD_PARAMS": "true", "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"}.items():
+    for key, value in {
+        "FSDP_VERSION": "2",
+        "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP",
+        "FSDP_MIN_NUM_PARAMS": "5000",
+        "FSDP_OFFLOAD_PARAMS": "true",
+        "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
+    }.items():
         monkeypatch.setenv(key, value)
     yaml_file = tmp_path / "fsdp2.yaml"
-    yaml_file.write_text("wrap_policy: [Block]\nforward_prefetch: 2\nmodule_overrides:\n  head: {mixed_precision: fp32}\n")
+    yaml_file.write_text(
+        "wrap_policy: [Block]\nforward_prefetch: 2\nmodule_overrides:\n  head: {mixed_precision: fp32}\n"
+    )
     plugin = FSDP2Plugin(config=str(yaml_file), forward_prefetch=3, keep_last=2)
     cfg = plugin.fsdp2_config
     assert cfg.wrap_policy == ["Block"]  # the FSDP2Config file beats the accelerate config
@@ -433,5 +488,3 @@ def test_private_api_change_fails_loudly(monkeypatch):
     assert "Install accelerate>=" in str(info.value) and "tested with accelerate" in str(info.value)
     with pytest.raises(ImportError, match="_models"):
         compat.check_accelerator(object())
-
-

@@ -24,9 +24,22 @@ TOL = 1e-5  # fp32 parity, relative
 def flows(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("accelerate_tp") / "tp.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_"))}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                           "tensor_parallel.py", str(out)], env=dict(env, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true"),
-                          cwd=SCRIPTS, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=4",
+            "tensor_parallel.py",
+            str(out),
+        ],
+        env=dict(env, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true"),
+        cwd=SCRIPTS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     result = json.loads(out.read_text())
     assert_no_flow_failed(result)
@@ -53,4 +66,8 @@ def test_sizes_become_config_and_mesh(flows, flow):
 def test_unsupported_sizes_are_refused(flows):
     errors = flows["errors"]
     assert "cp_size=2" in errors["cp"] and "cp_size=1" in errors["cp"]
-    assert "dp_shard_size=1" in errors["product"] and "tp_size=2" in errors["product"] and "4 processes" in errors["product"]
+    assert (
+        "dp_shard_size=1" in errors["product"]
+        and "tp_size=2" in errors["product"]
+        and "4 processes" in errors["product"]
+    )

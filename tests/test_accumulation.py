@@ -80,12 +80,14 @@ def _reference(model: torch.nn.Module, idx, target, world: int, skips) -> tuple[
     return grads, full_params(model)
 
 
-def _step_grads_in_dtype(template: torch.nn.Module, weights: dict, idx, target, world: int, skips, step: int,
-                         dtype: torch.dtype) -> dict:
+def _step_grads_in_dtype(
+    template: torch.nn.Module, weights: dict, idx, target, world: int, skips, step: int, dtype: torch.dtype
+) -> dict:
     """The gradients of optimizer step `step` from `weights` as the policy promises them (tests/_precision.py)."""
+
     def loss(model, rank, i):
         start = _global_micro(step, i, world).start + rank * MICRO
-        return _ce(model, idx[start:start + MICRO], target[start:start + MICRO], skips[i])
+        return _ce(model, idx[start : start + MICRO], target[start : start + MICRO], skips[i])
 
     rank_batches = [[(r, i) for i in range(K)] for r in range(world)]
     return policy_grads(with_weights(template, weights), rank_batches, loss, dtype, scale=1 / K)
@@ -123,17 +125,23 @@ def _errors(trace: dict, ref_grads: list[dict], ref_params: dict | None, names: 
     applied to the engine's own gradients, in fp32 on the fp32 weights)."""
     grads, weights = trace["grads"], trace["weights"]
     if ref_params is None:
-        param_err = max(rel_diff(weights[s + 1][n], weights[s][n] - LR * grads[s][n]) for s in range(STEPS) for n in names)
+        param_err = max(
+            rel_diff(weights[s + 1][n], weights[s][n] - LR * grads[s][n]) for s in range(STEPS) for n in names
+        )
     else:
         param_err = max(rel_diff(weights[-1][n], ref_params[n]) for n in names)
-    return {"grad": max(rel_diff(g[n], r[n]) for g, r in zip(grads, ref_grads) for n in names),
-            "first_grad": max(rel_diff(grads[0][n], ref_grads[0][n]) for n in names), "param": param_err}
+    return {
+        "grad": max(rel_diff(g[n], r[n]) for g, r in zip(grads, ref_grads) for n in names),
+        "first_grad": max(rel_diff(grads[0][n], ref_grads[0][n]) for n in names),
+        "param": param_err,
+    }
 
 
 def _modes_world():
     import torch.distributed as dist
 
     import fsdp2_strategy as f2
+
     rank, world = dist.get_rank(), dist.get_world_size()
     idx, target = make_batch(n=STEPS * K * MICRO * world)
     torch.manual_seed(0)
@@ -149,8 +157,10 @@ def _modes_world():
             model = f2.shard_model(copy.deepcopy(ref), cfg, accumulation=mode, log_plan=False)
             trace = _train(model, idx, target, rank, world, skips)
             if low:  # bf16: each step's gradients from the engine's own weights, the policy written out
-                ref_grads = [_step_grads_in_dtype(ref, trace["weights"][s], idx, target, world, skips, s, low)
-                             for s in range(STEPS)]
+                ref_grads = [
+                    _step_grads_in_dtype(ref, trace["weights"][s], idx, target, world, skips, s, low)
+                    for s in range(STEPS)
+                ]
                 ref_params = None
             untied = [n for n in trace["weights"][0] if n not in TIED]
             errors = _errors(trace, ref_grads, ref_params, untied)
@@ -159,9 +169,14 @@ def _modes_world():
             finals[mode] = trace["weights"][-1]
             counts = trace["counts"]
             out[(variant, mode)] = {
-                "grad_err": errors["grad"], "first_grad_err": errors["first_grad"], "param_err": errors["param"],
-                "tied_grad_err": tied["grad"], "tied_param_err": tied["param"], "sharded_after_step": sharded,
-                "reductions": sorted(trace["reductions"]), "grad_dtypes": sorted(trace["grad_dtypes"]),
+                "grad_err": errors["grad"],
+                "first_grad_err": errors["first_grad"],
+                "param_err": errors["param"],
+                "tied_grad_err": tied["grad"],
+                "tied_param_err": tied["param"],
+                "sharded_after_step": sharded,
+                "reductions": sorted(trace["reductions"]),
+                "grad_dtypes": sorted(trace["grad_dtypes"]),
                 "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
                 "all_gathers": counts["all_gather_into_tensor"] + counts["all_gather_single"],
                 "reduce_scatters": counts["reduce_scatter_tensor"] + counts["reduce_scatter_single"],
@@ -171,7 +186,9 @@ def _modes_world():
         out[(variant, "mode_spread")] = max(
             rel_diff(finals[m][n], finals["sync_last"][n]) for m in MODES for n in finals[m]
         )
-    out["plan"] = next(line for line in str(f2.sharding_plan(model)).splitlines() if line.startswith("gradient accumulation"))
+    out["plan"] = next(
+        line for line in str(f2.sharding_plan(model)).splitlines() if line.startswith("gradient accumulation")
+    )
     out["exception"] = _exception_checks(ref, idx, target)
     out["gathered_on_entry"] = _gathered_on_entering_no_sync(ref)
     return out
@@ -231,7 +248,9 @@ def _exception_checks(ref, idx, target) -> dict:
                 loss_fn(model, idx[mine], target[mine]).backward()
             grads = {n: g / 2 for n, g in full_grads(model).items()}
             out[(mode, when)] = {
-                "sharded": sharded, "baseline": dict(baseline), "after": dict(after),
+                "sharded": sharded,
+                "baseline": dict(baseline),
+                "after": dict(after),
                 "grad_err": max(rel_diff(grads[n], expected_grads[n]) for n in expected_grads),
             }
     return out
@@ -345,12 +364,34 @@ def test_accumulation_benchmark_counts_each_mode():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "benchmarks/accumulation.py",
-           "--dim", "64", "--layers", "2", "--batch", "2", "--ks", "1", "4", "--part", "counts"]
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "benchmarks/accumulation.py",
+        "--dim",
+        "64",
+        "--layers",
+        "2",
+        "--batch",
+        "2",
+        "--ks",
+        "1",
+        "4",
+        "--part",
+        "counts",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=root, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {(line.split()[0], int(line.split()[1])): [float(v) for v in line.split()[2:]]
-            for line in proc.stdout.splitlines() if line.split()[:1] and line.split()[0] in MODES + ("one_group",)}
+    rows = {
+        (line.split()[0], int(line.split()[1])): [float(v) for v in line.split()[2:]]
+        for line in proc.stdout.splitlines()
+        if line.split()[:1] and line.split()[0] in MODES + ("one_group",)
+    }
     # columns: all-gathers/group, reduce-scatters/group, AG MiB, RS MiB, held gradient MiB, peak MiB
     assert rows[("keep_gathered", 4)][:2] == [1.0, 1.0]  # each group gathered and reduced once per step
     assert rows[("one_group", 4)][:4] == rows[("keep_gathered", 4)][:4]  # the same bytes, in one group

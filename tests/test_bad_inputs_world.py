@@ -52,39 +52,93 @@ def _optimizer_before_sharding(model: torch.nn.Module, root: Path) -> Callable[[
 
 
 WORLD_ROWS = [
-    WorldRow("shard_model wrap_policy class name", lambda m, r: lambda: f2.shard_model(m, wrap_policy=["Blok"]),
-             ValueError, ("FSDP2Config.wrap_policy", "'Blok'", "Did you mean 'Block'")),
-    WorldRow("shard_model mesh_shape vs world size", lambda m, r: lambda: f2.shard_model(m, mesh_shape=(3,)),
-             ValueError, ("mesh_shape=(3,)", "world size is 2", "must equal the world size")),
-    WorldRow("shard_model reshard_after_forward factor", lambda m, r: lambda: f2.shard_model(m, reshard_after_forward=3),
-             ValueError, ("reshard_after_forward=3 does not divide the shard group size 2", "[1, 2]")),
-    WorldRow("shard_model module_overrides reshard", lambda m, r: lambda: f2.shard_model(
-        m, module_overrides={"blocks.0": {"reshard_after_forward": 3}}), ValueError,
-        ("module_overrides['blocks.0'].reshard_after_forward=3", "[1, 2]")),
-    WorldRow("shard_model activation_checkpointing without blocks", lambda m, r: lambda: f2.shard_model(
-        m, wrap_policy=None, activation_checkpointing="auto"), ValueError,
-        ("activation_checkpointing='auto'", "name the block classes")),
-    WorldRow("shard_model ignored_modules class name", lambda m, r: lambda: f2.shard_model(m, ignored_modules=["Nope"]),
-             ValueError, ("FSDP2Config.ignored_modules", "'Nope'", "Classes in the model")),
-    WorldRow("fully_shard FSDP2 reshard_after_forward factor",
-             lambda m, r: lambda: f2.fully_shard(m, reshard_after_forward=3), ValueError,
-             ("reshard_after_forward as an int", "factor of 2, not 3")),  # torch's own message
-    WorldRow("optimizer created before shard_model", _optimizer_before_sharding, ValueError,
-             ("SGD was created before shard_model()", "Create the optimizer after")),
-    WorldRow("forward() called directly", lambda m, r: (_shard(m), lambda: m.blocks[0].forward(torch.randn(2, 4, 32)))[1],
-             ValueError, ("Block.forward() was called directly", "model(inputs)", "register_fsdp_forward_method")),
-    WorldRow("load_full_weights damaged file", lambda m, r: (_shard(m), lambda: f2.load_full_weights(
-        m, r / "random.safetensors"))[1], ValueError, ("random.safetensors", "header length", "download or export")),
-    WorldRow("load_full_weights damaged file, meta model", lambda m, r: (_shard(m), lambda: f2.load_full_weights(
-        m, r / "truncated.safetensors"))[1], ValueError, ("truncated.safetensors", "truncated?", "download or export"),
-        meta=True),
-    WorldRow("load_full_weights other architecture", lambda m, r: (_shard(m), lambda: f2.load_full_weights(
-        m, r / "good.safetensors"))[1], ValueError, ("shape mismatch", "pos: checkpoint (16, 32), model (16, 16)",
-                                                     "same architecture"), dim=16),
-    WorldRow("Checkpointer.load other architecture", lambda m, r: (_shard(m), lambda: f2.Checkpointer(r / "ckpt").load(
-        model=m))[1], ValueError, ("does not match the model", "shape mismatch"), dim=16),
-    WorldRow("Checkpointer.load damaged shard", lambda m, r: (_shard(m), lambda: f2.Checkpointer(r / "damaged").load(
-        model=m))[1], ValueError, ("damaged and was not loaded", ".distcp: corrupted", "Load an earlier step")),
+    WorldRow(
+        "shard_model wrap_policy class name",
+        lambda m, r: lambda: f2.shard_model(m, wrap_policy=["Blok"]),
+        ValueError,
+        ("FSDP2Config.wrap_policy", "'Blok'", "Did you mean 'Block'"),
+    ),
+    WorldRow(
+        "shard_model mesh_shape vs world size",
+        lambda m, r: lambda: f2.shard_model(m, mesh_shape=(3,)),
+        ValueError,
+        ("mesh_shape=(3,)", "world size is 2", "must equal the world size"),
+    ),
+    WorldRow(
+        "shard_model reshard_after_forward factor",
+        lambda m, r: lambda: f2.shard_model(m, reshard_after_forward=3),
+        ValueError,
+        ("reshard_after_forward=3 does not divide the shard group size 2", "[1, 2]"),
+    ),
+    WorldRow(
+        "shard_model module_overrides reshard",
+        lambda m, r: lambda: f2.shard_model(m, module_overrides={"blocks.0": {"reshard_after_forward": 3}}),
+        ValueError,
+        ("module_overrides['blocks.0'].reshard_after_forward=3", "[1, 2]"),
+    ),
+    WorldRow(
+        "shard_model activation_checkpointing without blocks",
+        lambda m, r: lambda: f2.shard_model(m, wrap_policy=None, activation_checkpointing="auto"),
+        ValueError,
+        ("activation_checkpointing='auto'", "name the block classes"),
+    ),
+    WorldRow(
+        "shard_model ignored_modules class name",
+        lambda m, r: lambda: f2.shard_model(m, ignored_modules=["Nope"]),
+        ValueError,
+        ("FSDP2Config.ignored_modules", "'Nope'", "Classes in the model"),
+    ),
+    WorldRow(
+        "fully_shard FSDP2 reshard_after_forward factor",
+        lambda m, r: lambda: f2.fully_shard(m, reshard_after_forward=3),
+        ValueError,
+        ("reshard_after_forward as an int", "factor of 2, not 3"),
+    ),  # torch's own message
+    WorldRow(
+        "optimizer created before shard_model",
+        _optimizer_before_sharding,
+        ValueError,
+        ("SGD was created before shard_model()", "Create the optimizer after"),
+    ),
+    WorldRow(
+        "forward() called directly",
+        lambda m, r: (_shard(m), lambda: m.blocks[0].forward(torch.randn(2, 4, 32)))[1],
+        ValueError,
+        ("Block.forward() was called directly", "model(inputs)", "register_fsdp_forward_method"),
+    ),
+    WorldRow(
+        "load_full_weights damaged file",
+        lambda m, r: (_shard(m), lambda: f2.load_full_weights(m, r / "random.safetensors"))[1],
+        ValueError,
+        ("random.safetensors", "header length", "download or export"),
+    ),
+    WorldRow(
+        "load_full_weights damaged file, meta model",
+        lambda m, r: (_shard(m), lambda: f2.load_full_weights(m, r / "truncated.safetensors"))[1],
+        ValueError,
+        ("truncated.safetensors", "truncated?", "download or export"),
+        meta=True,
+    ),
+    WorldRow(
+        "load_full_weights other architecture",
+        lambda m, r: (_shard(m), lambda: f2.load_full_weights(m, r / "good.safetensors"))[1],
+        ValueError,
+        ("shape mismatch", "pos: checkpoint (16, 32), model (16, 16)", "same architecture"),
+        dim=16,
+    ),
+    WorldRow(
+        "Checkpointer.load other architecture",
+        lambda m, r: (_shard(m), lambda: f2.Checkpointer(r / "ckpt").load(model=m))[1],
+        ValueError,
+        ("does not match the model", "shape mismatch"),
+        dim=16,
+    ),
+    WorldRow(
+        "Checkpointer.load damaged shard",
+        lambda m, r: (_shard(m), lambda: f2.Checkpointer(r / "damaged").load(model=m))[1],
+        ValueError,
+        ("damaged and was not loaded", ".distcp: corrupted", "Load an earlier step"),
+    ),
 ]
 
 
@@ -100,13 +154,19 @@ def _state(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def _same(a: dict, b: dict) -> bool:
-    return (a["sharded"] == b["sharded"] and a["meta"] == b["meta"]
-            and all(torch.equal(a["tensors"][k], b["tensors"][k]) for k in a["tensors"]))
+    return (
+        a["sharded"] == b["sharded"]
+        and a["meta"] == b["meta"]
+        and all(torch.equal(a["tensors"][k], b["tensors"][k]) for k in a["tensors"])
+    )
 
 
 def _files(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
-            if p.is_file() or p.is_dir() and not any(p.iterdir())}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() or p.is_dir() and not any(p.iterdir())
+    }
 
 
 class _Records(logging.Handler):

@@ -315,8 +315,11 @@ def _four_rank_world(root: str) -> dict:
     ck.load(model=fsdp, optimizer=fsdp_opt, step=3)
     hsdp, hsdp_opt = _build(seed=13, shard_kwargs={"sharding_strategy": "HYBRID_SHARD", "mesh_shape": (2, 2)})
     ck.load(model=hsdp, optimizer=hsdp_opt, step=3)
-    return {"fsdp": _snapshot(fsdp, fsdp_opt), "hsdp": _snapshot(hsdp, hsdp_opt),
-            "hsdp_mesh": tuple(next(hsdp.parameters()).device_mesh.shape)}
+    return {
+        "fsdp": _snapshot(fsdp, fsdp_opt),
+        "hsdp": _snapshot(hsdp, hsdp_opt),
+        "hsdp_mesh": tuple(next(hsdp.parameters()).device_mesh.shape),
+    }
 
 
 def test_two_rank_checkpoint_loads_on_four_ranks_fsdp_and_hsdp(main_world):

@@ -80,5 +80,6 @@ def test_mismatch_lists_keys_and_shapes(tmp_path):
     with pytest.raises(ValueError) as info:
         cdir.check_compatible(cdir.read_metadata(final), current, "state_dict.", final, strict=False)
     assert "missing" not in str(info.value) and "w: checkpoint (4, 3) vs model (5, 3)" in str(info.value)
-    cdir.check_compatible(cdir.read_metadata(final), {"w": torch.zeros(4, 3), "new": torch.zeros(2)}, "state_dict.",
-                          final, strict=False)
+    cdir.check_compatible(
+        cdir.read_metadata(final), {"w": torch.zeros(4, 3), "new": torch.zeros(2)}, "state_dict.", final, strict=False
+    )

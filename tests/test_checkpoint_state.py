@@ -95,7 +95,8 @@ def _unstepped_world(root: str) -> dict:
     fresh, fresh_opt = _build(seed=3)
     ck.load(model=fresh, optimizer=fresh_opt, step=2)
     out["stepped_state_loaded"] = len(fresh_opt.state) == len(list(fresh.parameters())) and all(
-        float(s["step"]) == 1.0 for s in fresh_opt.state.values())
+        float(s["step"]) == 1.0 for s in fresh_opt.state.values()
+    )
 
     # load_dir, non-strict: a model with an extra parameter loads the keys both sides have.
     from fsdp2_strategy.checkpoint.state import sharded_state
@@ -189,8 +190,13 @@ def test_every_layer_reads_the_strategy_table():
 
     assert SHARDING_STRATEGIES == strategies.NAMES
     shapes = {name: strategy_mesh_shape(name, None, 4) for name in strategies.NAMES}
-    assert shapes == {"FULL_SHARD": (4,), "SHARD_GRAD_OP": (4,), "HYBRID_SHARD": (1, 4),
-                      "HYBRID_SHARD_ZERO2": (1, 4), "NO_SHARD": (4, 1)}
+    assert shapes == {
+        "FULL_SHARD": (4,),
+        "SHARD_GRAD_OP": (4,),
+        "HYBRID_SHARD": (1, 4),
+        "HYBRID_SHARD_ZERO2": (1, 4),
+        "NO_SHARD": (4, 1),
+    }
     assert [default_reshard_after_forward(n) for n in strategies.NAMES] == [None, False, None, False, False]
     pytest.importorskip("accelerate")
     from fsdp2_strategy.integrations.accelerate import FSDP2Plugin
@@ -198,5 +204,10 @@ def test_every_layer_reads_the_strategy_table():
 
     assert STRATEGIES == strategies.NAMES
     mirrored = {n: FSDP2Plugin(read_env=False, sharding_strategy=n).reshard_after_forward for n in strategies.NAMES}
-    assert mirrored == {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "HYBRID_SHARD": True,
-                        "HYBRID_SHARD_ZERO2": False, "NO_SHARD": False}
+    assert mirrored == {
+        "FULL_SHARD": True,
+        "SHARD_GRAD_OP": False,
+        "HYBRID_SHARD": True,
+        "HYBRID_SHARD_ZERO2": False,
+        "NO_SHARD": False,
+    }

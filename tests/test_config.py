@@ -94,7 +94,9 @@ def test_mesh_shape_must_match_world_size():
 
 def test_int_reshard_must_divide_shard_size():
     check_reshard_factor(2, 4, "FSDP2Config.reshard_after_forward")
-    with pytest.raises(ValueError, match="reshard_after_forward=3 does not divide the shard group size 4.*\\[1, 2, 4\\]"):
+    with pytest.raises(
+        ValueError, match="reshard_after_forward=3 does not divide the shard group size 4.*\\[1, 2, 4\\]"
+    ):
         check_reshard_factor(3, 4, "FSDP2Config.reshard_after_forward")
 
 
@@ -112,7 +114,9 @@ def test_wrap_policies_resolve():
 
 
 def test_unknown_class_name_suggests_close_matches():
-    with pytest.raises(ValueError, match="wrap_policy: no module in TinyGPT has class name 'Blok'.*Did you mean 'Block'"):
+    with pytest.raises(
+        ValueError, match="wrap_policy: no module in TinyGPT has class name 'Blok'.*Did you mean 'Block'"
+    ):
         select_wrapped(TinyGPT(), ["Blok"])
 
 

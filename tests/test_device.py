@@ -23,11 +23,13 @@ TOL = 1e-5
 
 def _run(mode: str, work: Path) -> dict:
     out = work / f"{mode}.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), mode, str(out), str(work / mode)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), mode, str(out), str(work / mode)], capture_output=True, text=True, timeout=300
+    )
     result = json.loads(out.read_text()) if out.exists() else {}
     assert proc.returncode == 0 and "error" not in result, (
-        f"{mode} failed ({proc.returncode}):\n{result.get('error', '')}\n{proc.stderr[-4000:]}")
+        f"{mode} failed ({proc.returncode}):\n{result.get('error', '')}\n{proc.stderr[-4000:]}"
+    )
     return result
 
 

@@ -31,8 +31,13 @@ print("shutdown returned")
 
 def test_shutdown_destroys_the_group_runs_atexit_hooks_and_exits_with_the_code(tmp_path: Path):
     report = tmp_path / "report.txt"
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(report), str(free_port())], capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(report), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "shutdown returned" not in proc.stdout
     initialized, tmpdir = report.read_text().split()

@@ -37,8 +37,9 @@ def _measure_all():
     peaks[("convnet", "FULL_SHARD", 1)] = measure_peak("convnet", SETTINGS["FULL_SHARD"])
     peaks[("gpt", "FULL_SHARD", 4)] = measure_peak("gpt", SETTINGS["FULL_SHARD"], micro_batches=4)
     peaks[("gpt", "FULL_SHARD+bf16", 1)] = measure_peak("gpt", ONLY_AT_K["FULL_SHARD+bf16"])
-    peaks[("gpt", "keep_gathered", 4)] = measure_peak("gpt", ONLY_AT_K["keep_gathered"], micro_batches=4,
-                                                      accumulation="keep_gathered")
+    peaks[("gpt", "keep_gathered", 4)] = measure_peak(
+        "gpt", ONLY_AT_K["keep_gathered"], micro_batches=4, accumulation="keep_gathered"
+    )
     return peaks
 
 
@@ -48,7 +49,9 @@ def test_estimates_match_measured_peaks_of_two_rank_runs():
     for key in measured[0]:
         model, name, k = key
         config = SETTINGS.get(name) or ONLY_AT_K[name]
-        estimate = estimate_peak(model, config, 2, micro_batches=k, accumulation=config.get("accumulation", "sync_last"))
+        estimate = estimate_peak(
+            model, config, 2, micro_batches=k, accumulation=config.get("accumulation", "sync_last")
+        )
         peak = max(r[key] for r in measured)
         # Checkpointing's recomputation temporaries and bf16 casts are approximated (measured -5.3 %
         # and +3.2 %); everything else is played exactly (measured within 0.02 %).
@@ -63,8 +66,10 @@ def _gpt():
 
 def test_strategies_order_memory_and_communication_as_sharding_implies():
     batch = torch.randint(0, 512, (4, 64))
-    est = {s: f2.estimate_memory(_gpt(), {"sharding_strategy": s}, world_size=4, example_batch=batch)
-           for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")}
+    est = {
+        s: f2.estimate_memory(_gpt(), {"sharding_strategy": s}, world_size=4, example_batch=batch)
+        for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")
+    }
     assert est["FULL_SHARD"].peak_bytes < est["SHARD_GRAD_OP"].peak_bytes < est["NO_SHARD"].peak_bytes
     # NO_SHARD all-reduces full gradients and gathers nothing; FULL_SHARD gathers again in backward.
     full = sum(p.numel() * 4 for p in _gpt().parameters())
@@ -101,39 +106,52 @@ def test_hybrid_shards_inside_a_node_and_all_reduces_across_nodes():
     assert est.communication["all_reduce"] == pytest.approx(full / 2, rel=1e-6)
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    ({"world_size": 0}, "world_size"),
-    ({"world_size": 4, "nodes": 3}, "nodes"),
-    ({"world_size": 2, "accumulation": "sometimes"}, "accumulation"),
-    ({"world_size": 2, "optimizer": "lion"}, "optimizer"),
-    ({"world_size": 2, "device_type": "meta"}, "device_type"),
-])
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        ({"world_size": 0}, "world_size"),
+        ({"world_size": 4, "nodes": 3}, "nodes"),
+        ({"world_size": 2, "accumulation": "sometimes"}, "accumulation"),
+        ({"world_size": 2, "optimizer": "lion"}, "optimizer"),
+        ({"world_size": 2, "device_type": "meta"}, "device_type"),
+    ],
+)
 def test_bad_arguments_name_the_keyword(kwargs, word):
     with pytest.raises(ValueError, match=word):
         f2.estimate_memory(_gpt(), **kwargs)
 
 
-@pytest.mark.parametrize("device_type, collectives, extra_halves", [
-    ("cpu", "torch", 2),  # gloo's reduce-scatter copies its whole input
-    ("cpu", "auto", 1),  # the ring's receive buffer: one output, half the input on 2 ranks
-    ("cuda", "ring", 1),
-    ("cuda", "auto", 0),  # NCCL: no scratch
-])
+@pytest.mark.parametrize(
+    "device_type, collectives, extra_halves",
+    [
+        ("cpu", "torch", 2),  # gloo's reduce-scatter copies its whole input
+        ("cpu", "auto", 1),  # the ring's receive buffer: one output, half the input on 2 ranks
+        ("cuda", "ring", 1),
+        ("cuda", "auto", 0),  # NCCL: no scratch
+    ],
+)
 def test_reduce_scatter_scratch_follows_backend_and_collectives(device_type, collectives, extra_halves):
     """The estimate exceeds NCCL's by the largest group's reduce-scatter scratch (here the root's:
     embeddings, padded input): gloo's copy of the input, or the ring's output-sized receive buffer."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=8191, dim=64, heads=4, layers=2, seq=16)  # odd rows: dim 0 is padded
-    got = f2.estimate_memory(model, {"sharding_strategy": "FULL_SHARD", "collectives": collectives}, world_size=2,
-                             device_type=device_type)
+    got = f2.estimate_memory(
+        model, {"sharding_strategy": "FULL_SHARD", "collectives": collectives}, world_size=2, device_type=device_type
+    )
     nccl = f2.estimate_memory(model, {"sharding_strategy": "FULL_SHARD"}, world_size=2, device_type="cuda")
-    root_input = sum(math.ceil(p.shape[0] / 2) * 2 * p[0].numel() * 4 for n, p in model.named_parameters()
-                     if not n.startswith("blocks.") and p.ndim > 0)
+    root_input = sum(
+        math.ceil(p.shape[0] / 2) * 2 * p[0].numel() * 4
+        for n, p in model.named_parameters()
+        if not n.startswith("blocks.") and p.ndim > 0
+    )
     assert got.peak_bytes - nccl.peak_bytes == root_input // 2 * extra_halves
-    nosync = f2.estimate_memory(model, {"sharding_strategy": "NO_SHARD", "collectives": collectives}, world_size=2,
-                                device_type=device_type)
-    assert nosync.peak_bytes == f2.estimate_memory(model, {"sharding_strategy": "NO_SHARD"}, world_size=2,
-                                                   device_type="cuda").peak_bytes  # no reduce-scatter: all-reduce
+    nosync = f2.estimate_memory(
+        model, {"sharding_strategy": "NO_SHARD", "collectives": collectives}, world_size=2, device_type=device_type
+    )
+    assert (
+        nosync.peak_bytes
+        == f2.estimate_memory(model, {"sharding_strategy": "NO_SHARD"}, world_size=2, device_type="cuda").peak_bytes
+    )  # no reduce-scatter: all-reduce
 
 
 class _Attention(nn.Module):
@@ -152,8 +170,12 @@ def test_attention_dropout_on_cpu_runs_the_math_kernel_and_saves_the_matrix():
     """torch's CPU flash kernel is chosen only without dropout: with dropout the estimate for "cpu"
     counts the saved attention matrix (b*h*s*s floats at least); an accelerator runs a fused kernel."""
     batch = torch.randn(4, 128, 64)
-    act = {(p, d): f2.estimate_memory(_Attention(p), {"sharding_strategy": "NO_SHARD"}, world_size=2,
-                                      example_batch=batch, device_type=d).activation_peak_bytes
-           for p in (0.0, 0.1) for d in ("cpu", "cuda")}
+    act = {
+        (p, d): f2.estimate_memory(
+            _Attention(p), {"sharding_strategy": "NO_SHARD"}, world_size=2, example_batch=batch, device_type=d
+        ).activation_peak_bytes
+        for p in (0.0, 0.1)
+        for d in ("cpu", "cuda")
+    }
     assert act[(0.0, "cpu")] == act[(0.0, "cuda")] == act[(0.1, "cuda")]
     assert act[(0.1, "cpu")] - act[(0.0, "cpu")] >= 4 * 4 * 128 * 128 * 4

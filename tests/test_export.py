@@ -73,14 +73,25 @@ def test_consolidate_to_hf_safetensors_and_torch(tmp_path):
     # CLI: torch format and inspect; a missing checkpoint is a clear error.
     cli = [sys.executable, "-m", "fsdp2_strategy.cli"]
     env = dict(os.environ)
-    done = subprocess.run(cli + ["consolidate", str(root), str(tmp_path / "pt"), "--format", "torch"],
-                          capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        cli + ["consolidate", str(root), str(tmp_path / "pt"), "--format", "torch"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr
     state = torch.load(tmp_path / "pt" / "model.pt")
     assert all(torch.equal(state[k], full[k]) for k in full)
     shown = subprocess.run(cli + ["inspect", str(root)], capture_output=True, text=True, timeout=120, env=env)
-    assert shown.returncode == 0 and "saved by 2 rank(s)" in shown.stdout and "model.transformer.h.0.attn.c_attn.weight" in shown.stdout
-    missing = subprocess.run(cli + ["inspect", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=120, env=env)
+    assert (
+        shown.returncode == 0
+        and "saved by 2 rank(s)" in shown.stdout
+        and "model.transformer.h.0.attn.c_attn.weight" in shown.stdout
+    )
+    missing = subprocess.run(
+        cli + ["inspect", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=120, env=env
+    )
     assert missing.returncode == 2 and "No committed checkpoint" in missing.stderr
     with pytest.raises(ValueError, match="format='onnx'"):
         f2.export_full(root, tmp_path / "x", format="onnx")
@@ -108,8 +119,12 @@ def test_consolidate_and_inspect_refuse_a_damaged_checkpoint(tmp_path):
     info = f2.inspect_checkpoint(tmp_path / "root")
     assert info.problems and "DAMAGED: __0_0.distcp: corrupted" in str(info)
     cli = [sys.executable, "-m", "fsdp2_strategy.cli"]
-    consolidate = subprocess.run(cli + ["consolidate", str(tmp_path / "root"), str(tmp_path / "out")],
-                                 capture_output=True, text=True, timeout=120)
+    consolidate = subprocess.run(
+        cli + ["consolidate", str(tmp_path / "root"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert consolidate.returncode == 2 and "damaged" in consolidate.stderr
     inspect = subprocess.run(cli + ["inspect", str(tmp_path / "root")], capture_output=True, text=True, timeout=120)
     assert inspect.returncode == 1 and "DAMAGED" in inspect.stdout

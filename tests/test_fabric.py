@@ -36,8 +36,9 @@ TOL = 1e-5  # fp32 parity, relative
 
 def _run(args: list[str], timeout: int) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, *args], env=env, cwd=SCRIPTS, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, *args], env=env, cwd=SCRIPTS, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
 
@@ -45,8 +46,22 @@ def _run(args: list[str], timeout: int) -> None:
 def runs(tmp_path_factory) -> dict:
     """`fabric run` x2 (every flow, a checkpoint) -> 1 process resuming it -> spawn x2."""
     work = tmp_path_factory.mktemp("fabric")
-    _run(["-m", "lightning.fabric.cli", "--accelerator", "cpu", "--devices", "2", "--main-port", str(free_port()),
-          "flows.py", str(work / "flows.json"), str(work)], timeout=300)
+    _run(
+        [
+            "-m",
+            "lightning.fabric.cli",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "2",
+            "--main-port",
+            str(free_port()),
+            "flows.py",
+            str(work / "flows.json"),
+            str(work),
+        ],
+        timeout=300,
+    )
     _run(["single.py", str(work / "single.json"), str(work)], timeout=180)
     _run(["spawn.py", str(work / "spawn.json"), str(work)], timeout=300)
     out = {name: json.loads((work / f"{name}.json").read_text()) for name in ("flows", "single", "spawn")}
@@ -58,8 +73,21 @@ def runs(tmp_path_factory) -> dict:
 def tp_run(tmp_path_factory) -> dict:
     """`fabric run` x4: 2 data parallel x 2 tensor parallel."""
     out = tmp_path_factory.mktemp("fabric_tp") / "tp.json"
-    _run(["-m", "lightning.fabric.cli", "--accelerator", "cpu", "--devices", "4", "--main-port", str(free_port()),
-          "tensor_parallel.py", str(out)], timeout=300)
+    _run(
+        [
+            "-m",
+            "lightning.fabric.cli",
+            "--accelerator",
+            "cpu",
+            "--devices",
+            "4",
+            "--main-port",
+            str(free_port()),
+            "tensor_parallel.py",
+            str(out),
+        ],
+        timeout=300,
+    )
     result = json.loads(out.read_text())
     assert_no_flow_failed(result)
     return result["plan"]
@@ -72,9 +100,14 @@ def flows(runs) -> dict:
 
 # ---------------------------------------------------------------------- no processes needed
 def test_import_registers_the_trainer_adapters_names():
-    assert {"fsdp2", "fsdp2_hybrid", "fsdp2_cpu_offload", "fsdp2_spawn"} <= set(STRATEGY_REGISTRY.available_strategies())
+    assert {"fsdp2", "fsdp2_hybrid", "fsdp2_cpu_offload", "fsdp2_spawn"} <= set(
+        STRATEGY_REGISTRY.available_strategies()
+    )
     assert isinstance(Fabric(strategy="fsdp2", accelerator="cpu", devices=2).strategy, FSDP2FabricStrategy)
-    assert Fabric(strategy="fsdp2_hybrid", accelerator="cpu", devices=2).strategy.fsdp2_config.sharding_strategy == "HYBRID_SHARD"
+    assert (
+        Fabric(strategy="fsdp2_hybrid", accelerator="cpu", devices=2).strategy.fsdp2_config.sharding_strategy
+        == "HYBRID_SHARD"
+    )
     assert Fabric(strategy="fsdp2_cpu_offload", accelerator="cpu", devices=2).strategy.fsdp2_config.cpu_offload is True
     assert Fabric(strategy="fsdp2_spawn", accelerator="cpu", devices=2).strategy._start_method == "spawn"
 
@@ -148,7 +181,11 @@ def test_precision_strings_map_to_fsdp2_policies(flows):
     assert p["bf16-mixed"]["plan_precision"] == ["bf16/fp32"] and p["bf16-mixed"]["compute_dtype"] == "torch.bfloat16"
     assert p["bf16-mixed"]["stored_dtypes"] == ["torch.float32"]
     fp16 = p["16-mixed"]
-    assert fp16["sharded_scaler"] and fp16["compute_dtype"] == "torch.float16" and fp16["stored_dtypes"] == ["torch.float32"]
+    assert (
+        fp16["sharded_scaler"]
+        and fp16["compute_dtype"] == "torch.float16"
+        and fp16["stored_dtypes"] == ["torch.float32"]
+    )
     assert fp16["scale"] == 2.0**10  # the step ran: a skipped step would have halved the scale
     assert p["bf16-true"]["stored_dtypes"] == ["torch.bfloat16"] and p["bf16-true"]["compute_dtype"] == "torch.bfloat16"
     assert p["32-true"]["compute_dtype"] == "torch.float32" and p["32-true"]["plan_precision"] == ["param"]
@@ -156,8 +193,12 @@ def test_precision_strings_map_to_fsdp2_policies(flows):
     # One step against the policy written out without the engine (tests/_precision.py; "-true": one
     # bf16 process; "32-true": one fp32 process): the same arithmetic up to fp32 summation order
     # (measured <= 2.2e-08; bf16-true 0). Gradients reduce-scattered in the policy's reduce dtype.
-    for name, reduce_dtype in (("bf16-mixed", "float32"), ("16-mixed", "float32"), ("bf16-true", "bfloat16"),
-                               ("32-true", "float32")):
+    for name, reduce_dtype in (
+        ("bf16-mixed", "float32"),
+        ("16-mixed", "float32"),
+        ("bf16-true", "bfloat16"),
+        ("32-true", "float32"),
+    ):
         assert p[name]["update_diff"] < TOL, (name, p[name])
         scatters = {d for n, d in p[name]["reductions"] if n.startswith("reduce_scatter")}
         assert scatters == {reduce_dtype}, (name, p[name]["reductions"])
@@ -226,6 +267,9 @@ def test_tensor_parallel_two_by_two_matches_one_process(tp_run):
 def test_hybrid_sharding_with_tensor_parallel_is_refused_by_name():
     strategy = FSDP2FabricStrategy(sharding_strategy="HYBRID_SHARD", tensor_parallel_size=2)
     Fabric(accelerator="cpu", devices=4, strategy=strategy)  # not launched: no process group
-    with pytest.raises(ValueError, match=r"(?s)FSDP2FabricStrategy\(sharding_strategy='HYBRID_SHARD'.*"
-                                         r"tensor_parallel_size=2\) is not supported.*FULL_SHARD"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)FSDP2FabricStrategy\(sharding_strategy='HYBRID_SHARD'.*"
+        r"tensor_parallel_size=2\) is not supported.*FULL_SHARD",
+    ):
         strategy.setup_environment()

@@ -28,8 +28,9 @@ TOL = 1e-5  # fp32 parity, relative
 
 def _run(args: list[str], timeout: int, env: dict | None = None) -> None:
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    proc = subprocess.run([sys.executable, *args], env=full_env, cwd=SCRIPTS, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, *args], env=full_env, cwd=SCRIPTS, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
 
 
@@ -44,8 +45,16 @@ def runs(tmp_path_factory) -> dict:
     _run(["single.py", "train", str(work / "single.json"), str(work)], timeout=120)
     single_ckpt = work / "single_ckpts" / "epoch=0-step=4.ckpt"
     _torchrun("flows.py", str(work / "flows.json"), str(work), str(single_ckpt))
-    _run(["single.py", "resume", str(work / "resume.json"), str(work / "ckpts" / "epoch=0-step=4.ckpt"),
-          str(work / "flows.json")], timeout=120)
+    _run(
+        [
+            "single.py",
+            "resume",
+            str(work / "resume.json"),
+            str(work / "ckpts" / "epoch=0-step=4.ckpt"),
+            str(work / "flows.json"),
+        ],
+        timeout=120,
+    )
     out = {name: json.loads((work / f"{name}.json").read_text()) for name in ("single", "flows", "resume")}
     assert_no_flow_failed(out["flows"])
     return out
@@ -142,7 +151,9 @@ def test_precision_strings_map_to_fsdp2_policies(flows):
     # 16-mixed: an initial scale of 2**10 does not overflow, so the step ran (scale unchanged), and the
     # update equals the policy written out with the loss scaled by 2**10 and unscaled in fp32 (5.3e-09).
     fp16 = p["fp16_mixed"]
-    assert fp16["sharded_scaler"] and fp16["out_dtype"] == "torch.float16" and fp16["stored_dtypes"] == ["torch.float32"]
+    assert (
+        fp16["sharded_scaler"] and fp16["out_dtype"] == "torch.float16" and fp16["stored_dtypes"] == ["torch.float32"]
+    )
     assert fp16["scale_after"] == 2.0**10 and fp16["update_diff"] < TOL and _reduced_in(fp16, "float32")
     # bf16-true: weights, batch, compute, reduction and update all bf16; equal to one bf16 process (measured 0).
     true = p["bf16_true"]
@@ -251,9 +262,25 @@ def test_two_nodes_hybrid_replicates_across_nodes(tmp_path):
     out, port = tmp_path / "nodes.json", free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [
-        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={r}",
-                          "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}", "nodes.py", str(out)],
-                         cwd=SCRIPTS, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node_rank={r}",
+                "--nproc_per_node=1",
+                "--master_addr=127.0.0.1",
+                f"--master_port={port}",
+                "nodes.py",
+                str(out),
+            ],
+            cwd=SCRIPTS,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in (0, 1)
     ]
     try:
@@ -283,8 +310,10 @@ trainer:
 
 def test_lightning_cli_yaml_and_subprocess_launcher(tmp_path):
     """`strategy:` as class_path + init_args (FSDP2Config fields), launched by Lightning itself."""
-    strategy = ("\n    class_path: fsdp2_strategy.integrations.lightning.FSDP2Strategy"
-                "\n    init_args:\n      wrap_policy: [ResidualBlock]\n      reshard_after_forward: false")
+    strategy = (
+        "\n    class_path: fsdp2_strategy.integrations.lightning.FSDP2Strategy"
+        "\n    init_args:\n      wrap_policy: [ResidualBlock]\n      reshard_after_forward: false"
+    )
     config = tmp_path / "cli.yaml"
     config.write_text(_CLI_YAML.format(accelerator="cpu", devices=2, strategy=strategy))
     out = tmp_path / "cli.json"

@@ -55,6 +55,9 @@ def test_hybrid_sharding_with_tensor_parallel_is_refused_by_name():
 
     strategy = FSDP2Strategy(sharding_strategy="HYBRID_SHARD", tensor_parallel_size=2)
     pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)  # not launched: no process group
-    with pytest.raises(ValueError, match=r"(?s)FSDP2Strategy\(sharding_strategy='HYBRID_SHARD'.*"
-                                         r"tensor_parallel_size=2\) is not supported.*FULL_SHARD"):
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)FSDP2Strategy\(sharding_strategy='HYBRID_SHARD'.*"
+        r"tensor_parallel_size=2\) is not supported.*FULL_SHARD",
+    ):
         strategy.setup_environment()

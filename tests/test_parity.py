@@ -26,8 +26,12 @@ CASES = {
     "ac_classes": dict(activation_checkpointing=["Attention"], wrap_policy=["Block"]),
     "prefetch": dict(forward_prefetch=2, backward_prefetch=2),
     "reshard_int": dict(reshard_after_forward=1),
-    "overrides": dict(module_overrides={"blocks.1": {"sharding_strategy": "HYBRID_SHARD"},
-                                        "blocks.2": {"reshard_after_forward": False}}),
+    "overrides": dict(
+        module_overrides={
+            "blocks.1": {"sharding_strategy": "HYBRID_SHARD"},
+            "blocks.2": {"reshard_after_forward": False},
+        }
+    ),
     "scalar_param": dict(),
     "bf16": dict(mixed_precision="bf16"),
     "fp16": dict(mixed_precision="fp16"),
@@ -63,8 +67,12 @@ def _parity_world(names):
         if name in LOW:
             # The policy written out without the engine: each rank's half on a bf16 (fp16) copy, fp32
             # gradients averaged; the update is AdamW on the fp32 weights from the engine's own gradients.
-            ref_grads = policy_grads(ref, [[(idx[r * 4:(r + 1) * 4], target[r * 4:(r + 1) * 4])] for r in range(world)],
-                                     loss_fn, LOW[name])
+            ref_grads = policy_grads(
+                ref,
+                [[(idx[r * 4 : (r + 1) * 4], target[r * 4 : (r + 1) * 4])] for r in range(world)],
+                loss_fn,
+                LOW[name],
+            )
             for n, p in ref.named_parameters():
                 p.grad = grads[n].clone()
         else:
@@ -101,7 +109,9 @@ def _check(report):
         param_tol = UPDATE_TOL if name in LOW else TOL_FP32
         assert r["grad_err"] < TOL_FP32, f"{name}: gradient relative difference {r['grad_err']:.2e} >= {TOL_FP32}"
         assert r["tied_grad_err"] < tied_tol, f"{name}: tied gradient difference {r['tied_grad_err']:.2e} >= {tied_tol}"
-        assert r["param_err"] < param_tol, f"{name}: parameter difference after one step {r['param_err']:.2e} >= {param_tol}"
+        assert r["param_err"] < param_tol, (
+            f"{name}: parameter difference after one step {r['param_err']:.2e} >= {param_tol}"
+        )
         # fp32 master weights and optimizer state; gradients reduced in fp32 (bf16 too: its reduce dtype).
         assert r["param_dtypes"] == ["torch.float32"], (name, r)
         assert r["state_dtypes"] in ([], ["torch.float32"]), (name, r)

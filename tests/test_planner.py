@@ -78,8 +78,9 @@ def _auto_world(budget_fits_full_only, budget_nothing, batch_budgets=()):
         row = []
         for batch in (None, _batch()):
             try:
-                sharded = f2.shard_model(gpt(8), sharding_strategy="auto", memory_budget=budget, log_plan=False,
-                                         example_batch=batch)
+                sharded = f2.shard_model(
+                    gpt(8), sharding_strategy="auto", memory_budget=budget, log_plan=False, example_batch=batch
+                )
                 row.append(sharded.blocks[0]._fsdp2_group.strategy)
             except ValueError as exc:
                 row.append(str(exc))
@@ -92,21 +93,29 @@ def _batch():
 
 
 def test_auto_picks_the_least_communication_that_fits_and_explains_when_nothing_does():
-    est = {s: f2.estimate_memory(gpt(8), {"sharding_strategy": s}, world_size=2, device_type="cpu").peak_bytes
-           for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")}
+    est = {
+        s: f2.estimate_memory(gpt(8), {"sharding_strategy": s}, world_size=2, device_type="cpu").peak_bytes
+        for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+    }
     assert est["FULL_SHARD"] < est["SHARD_GRAD_OP"] < est["NO_SHARD"]
     budget = (est["FULL_SHARD"] + est["SHARD_GRAD_OP"]) // 2  # SHARD_GRAD_OP communicates less but does not fit
     # Budgets that SHARD_GRAD_OP fits without activations: with the example batch's activations
     # one fits FULL_SHARD only (more sharded), the other nothing at all.
-    with_batch = {s: f2.estimate_memory(gpt(8), {"sharding_strategy": s}, world_size=2, example_batch=_batch(),
-                                        device_type="cpu").peak_bytes for s in ("FULL_SHARD", "SHARD_GRAD_OP")}
-    no_batch_sgo = f2.estimate_memory(gpt(8), {"sharding_strategy": "SHARD_GRAD_OP"}, world_size=2,
-                                      device_type="cpu").peak_bytes
+    with_batch = {
+        s: f2.estimate_memory(
+            gpt(8), {"sharding_strategy": s}, world_size=2, example_batch=_batch(), device_type="cpu"
+        ).peak_bytes
+        for s in ("FULL_SHARD", "SHARD_GRAD_OP")
+    }
+    no_batch_sgo = f2.estimate_memory(
+        gpt(8), {"sharding_strategy": "SHARD_GRAD_OP"}, world_size=2, device_type="cpu"
+    ).peak_bytes
     full_only = (with_batch["FULL_SHARD"] + with_batch["SHARD_GRAD_OP"]) // 2
     too_small = (no_batch_sgo + with_batch["FULL_SHARD"]) // 2
     assert no_batch_sgo <= too_small < with_batch["FULL_SHARD"] < full_only < with_batch["SHARD_GRAD_OP"]
-    chosen, error, by_batch = run_distributed(_auto_world, 2, budget, int(est["FULL_SHARD"] * 0.9),
-                                              (full_only, too_small))[0]
+    chosen, error, by_batch = run_distributed(
+        _auto_world, 2, budget, int(est["FULL_SHARD"] * 0.9), (full_only, too_small)
+    )[0]
     assert chosen == "FULL_SHARD"
     assert error is not None and "smallest peak" in error and "ranks" in error and "memory_budget" in error
     assert by_batch[0] == ["SHARD_GRAD_OP", "FULL_SHARD"]

@@ -40,8 +40,9 @@ def cluster():
     saved = {k: os.environ.get(k) for k in tuned}
     os.environ.update(tuned)
     # Logical CPUs: 2 workers plus Ray's controller; the real machine has 2 shared cores.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    ray.init(
+        num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}
+    )
     yield
     ray.shutdown()
     for k, v in saved.items():
@@ -53,11 +54,15 @@ def cluster():
 
 def _fit(fn, config: dict, tmp_path: Path, *, max_failures: int = 0):
     trainer = TorchTrainer(
-        fn, train_loop_config=config,
+        fn,
+        train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name="run", storage_path=str(tmp_path / "ray_storage"),
-                             failure_config=FailureConfig(max_failures=max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=None)),
+        run_config=RunConfig(
+            name="run",
+            storage_path=str(tmp_path / "ray_storage"),
+            failure_config=FailureConfig(max_failures=max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=None),
+        ),
     )
     return trainer.fit()
 
@@ -72,8 +77,15 @@ def _assert_close(got: dict, want: dict, prefix: str = "") -> None:
 def test_core_resumes_after_sigkill_in_training_and_in_save(cluster, tmp_path):
     marks = tmp_path / "marks"
     marks.mkdir()
-    config = {"root": str(tmp_path / "ckpt"), "marks": str(marks), "out": str(tmp_path / "final.pt"),
-              "steps": 8, "every": 2, "kill_in_train": 5, "kill_in_save": 6}
+    config = {
+        "root": str(tmp_path / "ckpt"),
+        "marks": str(marks),
+        "out": str(tmp_path / "final.pt"),
+        "steps": 8,
+        "every": 2,
+        "kill_in_train": 5,
+        "kill_in_save": 6,
+    }
     result = _fit(fns.core_train, config, tmp_path, max_failures=2)
     assert result.error is None
     # Attempt 1 died at step 5, after committing and reporting step 4; attempt 2 died inside the
@@ -126,12 +138,18 @@ def test_accelerate_from_config_file(cluster, tmp_path):
 
 def test_accelerate_config_env_maps_yaml_as_accelerate_launch_does(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("distributed_type: FSDP\nuse_cpu: true\nmixed_precision: bf16\nfsdp_config:\n"
-                    "  fsdp_version: 2\n  fsdp_offload_params: false\n  fsdp_transformer_layer_cls_to_wrap: [Block, Head]\n"
-                    "  fsdp_min_num_params: 100\n  fsdp_backward_prefetch: null\n")
+    path.write_text(
+        "distributed_type: FSDP\nuse_cpu: true\nmixed_precision: bf16\nfsdp_config:\n"
+        "  fsdp_version: 2\n  fsdp_offload_params: false\n  fsdp_transformer_layer_cls_to_wrap: [Block, Head]\n"
+        "  fsdp_min_num_params: 100\n  fsdp_backward_prefetch: null\n"
+    )
     assert accelerate_config_env(path) == {
-        "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "false", "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block,Head",
-        "FSDP_MIN_NUM_PARAMS": "100", "ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "bf16",
+        "FSDP_VERSION": "2",
+        "FSDP_OFFLOAD_PARAMS": "false",
+        "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block,Head",
+        "FSDP_MIN_NUM_PARAMS": "100",
+        "ACCELERATE_USE_FSDP": "true",
+        "ACCELERATE_MIXED_PRECISION": "bf16",
         "ACCELERATE_USE_CPU": "true",
     }
     with pytest.raises(FileNotFoundError, match="accelerate config"):
@@ -152,8 +170,9 @@ def test_ray_train_example_runs_as_documented(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "examples/ray_train.py", "--steps", "6", "--ckpt-every", "2", "--storage", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        cmd, cwd=root, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "attempt starting at step 0" in out, out[-4000:]

@@ -45,8 +45,9 @@ def _collective_checks() -> dict:
                 full = torch.randn(1000 * n, generator=gen).to(dtype)
                 want = torch.empty(1000, dtype=dtype)
                 # gloo refuses AVG: the reference sums and divides.
-                dist.reduce_scatter_tensor(want, full.clone(), op=dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op,
-                                           group=group)
+                dist.reduce_scatter_tensor(
+                    want, full.clone(), op=dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op, group=group
+                )
                 if op == dist.ReduceOp.AVG:
                     want = want / n
                 got = torch.zeros(1000, dtype=dtype)
@@ -91,8 +92,9 @@ def _train(collectives: str, ref: torch.nn.Module, **config) -> dict:
     from fsdp2_strategy.shard.ring_comms import RingAllGather
 
     rank = dist.get_rank()
-    model = f2.shard_model(copy.deepcopy(ref), collectives=collectives, accumulation="keep_gathered", log_plan=False,
-                           **config)
+    model = f2.shard_model(
+        copy.deepcopy(ref), collectives=collectives, accumulation="keep_gathered", log_plan=False, **config
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)  # AdamW would magnify rounding where a gradient is ~0
     idx, target = make_batch(n=4 * WORLD * 2, seed=3)
     with count_collectives() as counts:
@@ -115,8 +117,12 @@ def _world() -> dict:
 
     torch.manual_seed(0)
     ref = TinyGPT()
-    out = {"collectives": _collective_checks(), "auto": _train("auto", ref), "torch": _train("torch", ref),
-           "ring": _train("ring", ref)}
+    out = {
+        "collectives": _collective_checks(),
+        "auto": _train("auto", ref),
+        "torch": _train("torch", ref),
+        "ring": _train("ring", ref),
+    }
     # HSDP 2x2: rings inside each 2-rank shard group, torch's all-reduce across the replicas.
     hsdp = {"sharding_strategy": "HYBRID_SHARD", "mesh_shape": (2, 2)}
     out["hsdp_auto"], out["hsdp_torch"] = _train("auto", ref, **hsdp), _train("torch", ref, **hsdp)
@@ -162,7 +168,8 @@ def test_async_all_gather(world):
 
 def test_mismatched_sizes_are_refused(world):
     assert world[0]["collectives"]["size_error"] == (
-        "RingReduceScatter: the full buffer has 7 elements, not 2 x 3 (the chunk's) for a group of 2 ranks.")
+        "RingReduceScatter: the full buffer has 7 elements, not 2 x 3 (the chunk's) for a group of 2 ranks."
+    )
 
 
 def test_ring_scratch_is_one_output(world):
@@ -198,7 +205,10 @@ def test_rings_carry_every_fsdp_collective_on_gloo(world):
         # Counted once whichever carried them: the same FSDP collectives per step.
         assert auto["counts"]["all_gather_single"] == torch_["counts"]["all_gather_single"] > 0
         assert auto["counts"]["reduce_scatter_single"] == torch_["counts"]["reduce_scatter_single"] == 2 * groups
-        assert auto["plan"] == f"collectives: point-to-point rings on {groups} of {groups} FSDP groups, torch's on the rest"
+        assert (
+            auto["plan"]
+            == f"collectives: point-to-point rings on {groups} of {groups} FSDP groups, torch's on the rest"
+        )
         assert torch_["plan"] == "collectives: torch's"
 
 

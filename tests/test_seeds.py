@@ -46,7 +46,7 @@ def _local(x):
     import torch.distributed as dist
 
     per = x.shape[0] // dist.get_world_size()
-    return x[dist.get_rank() * per:(dist.get_rank() + 1) * per]
+    return x[dist.get_rank() * per : (dist.get_rank() + 1) * per]
 
 
 def _name(n: str) -> str:
@@ -101,8 +101,9 @@ def _fp32_parity(model, ref, x, y, **call):
 class MLP(nn.Module):
     def __init__(self, d_in=16, hidden=64, d_out=4):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, d_out))
+        self.net = nn.Sequential(
+            nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, d_out)
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -150,7 +151,9 @@ def _api_docs_blocks(out):
     torch.manual_seed(1)
     model = MLP()
     ref = copy.deepcopy(model)
-    FSDP(model, process_group=None, fsdp_auto_wrap_policy=functools.partial(custom_auto_wrap_policy, min_num_params=1000))
+    FSDP(
+        model, process_group=None, fsdp_auto_wrap_policy=functools.partial(custom_auto_wrap_policy, min_num_params=1000)
+    )
     out["docs_policy_groups"] = [g.name for g in f2.sharding_plan(model).groups]
     out["docs_policy"] = _fp32_parity(model, ref, _batch(16), _batch(4, seed=1))
 
@@ -170,8 +173,12 @@ def _notebook_strategies(out):
     from fsdp2_strategy import fully_shard as FSDP
 
     x, y = _batch(16), _batch(4, seed=1)
-    for strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD,
-                     ShardingStrategy.HYBRID_SHARD):
+    for strategy in (
+        ShardingStrategy.FULL_SHARD,
+        ShardingStrategy.SHARD_GRAD_OP,
+        ShardingStrategy.NO_SHARD,
+        ShardingStrategy.HYBRID_SHARD,
+    ):
         torch.manual_seed(2)
         model = MLP()
         ref = copy.deepcopy(model)
@@ -359,7 +366,7 @@ class Attention(nn.Module):
     def __init__(self, dim=32):
         super().__init__()
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
-        self.register_buffer("scale", torch.tensor(dim ** -0.5))
+        self.register_buffer("scale", torch.tensor(dim**-0.5))
 
     def forward(self, x):
         att = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) * self.scale, dim=-1)
@@ -416,7 +423,7 @@ def _policy_parity(model, ref, x, y, dtype, cast=None) -> dict:
     with collective_dtypes() as reductions:
         F.mse_loss(model(_local(x)).float(), _local(y)).backward()
     per = x.shape[0] // dist.get_world_size()
-    halves = [[(x[r * per:(r + 1) * per], y[r * per:(r + 1) * per])] for r in range(dist.get_world_size())]
+    halves = [[(x[r * per : (r + 1) * per], y[r * per : (r + 1) * per])] for r in range(dist.get_world_size())]
     ref_grads = policy_grads(ref, halves, lambda low, xs, ys: F.mse_loss(low(xs).float(), ys), dtype, cast=cast)
     got = _grads(model)
     assert set(got) == set(ref_grads), (sorted(got), sorted(ref_grads))
@@ -435,6 +442,7 @@ def _cast_inputs(module: nn.Module, dtype: torch.dtype, output_dtype: torch.dtyp
 
 def _attention_in(dtype):
     """fully_shard_overview example 2's policy: only the attention layer (weights, buffer, inputs) in `dtype`."""
+
     def cast(model):
         low = copy.deepcopy(model)
         low.attention_layer.to(dtype)
@@ -483,8 +491,9 @@ def _precision_world():
     _record_dtypes(model.attention_layer.q, seen, "fp16_attention")
     out["fp16_buffer"] = str(model.attention_layer.scale.dtype)
     out["fp16_plan_note"] = f2.sharding_plan(model).groups[0].note
-    out["fp16_grad_err"] = _policy_parity(model, ref, _batch(5, 8, seed=11), _batch(5, 4, seed=12), torch.float16,
-                                          cast=_attention_in(torch.float16))
+    out["fp16_grad_err"] = _policy_parity(
+        model, ref, _batch(5, 8, seed=11), _batch(5, 4, seed=12), torch.float16, cast=_attention_in(torch.float16)
+    )
 
     # sharding_strategies_notebook's FSDP init, with the most common FSDP1 precision setting.
     torch.manual_seed(11)
@@ -500,7 +509,6 @@ def _precision_world():
         backward_prefetch=prefetch_policy,
         # sharding control
         sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,  # Zero2 or DDP, or Full_Shard (FSDP default)
-
         device_id=torch.device("cpu"),  # the seed's torch.cuda.current_device()
         forward_prefetch=True,
     )
@@ -510,13 +518,19 @@ def _precision_world():
     out["bf16_rows"] = [(g.name, g.strategy, g.precision) for g in plan.groups]
     out["bf16_root_note"] = plan.groups[0].note
     out["bf16_buffers"] = sorted({str(b.dtype) for b in model.buffers() if b.is_floating_point()})
-    out["bf16_grad_err"] = _policy_parity(model, ref, _batch(5, 8, seed=13), _batch(5, 4, seed=14), torch.bfloat16,
-                                          cast=_blocks_in_bf16_norm_in_fp32)
+    out["bf16_grad_err"] = _policy_parity(
+        model, ref, _batch(5, 8, seed=13), _batch(5, 4, seed=14), torch.bfloat16, cast=_blocks_in_bf16_norm_in_fp32
+    )
 
     # buffer_dtype=bf16: the BatchNorm group computes in fp32 and keeps fp32 statistics (as in FSDP1).
     torch.manual_seed(11)
-    model = fully_shard(BlockNet(), auto_wrap_policy=my_auto_wrap_policy, mixed_precision=MixedPrecision(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16))
+    model = fully_shard(
+        BlockNet(),
+        auto_wrap_policy=my_auto_wrap_policy,
+        mixed_precision=MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16
+        ),
+    )
     out["bf16_bn_buffers"] = sorted({str(b.dtype) for b in model.norm.buffers() if b.is_floating_point()})
     out["bf16_bn_forward"] = str(model(_local(_batch(5, 8))).dtype)
 
@@ -529,12 +543,17 @@ def _precision_world():
     fully_shard(model, mixed_precision=bf16)
     _record_dtypes(model.inp, seen, "nested_root")
     _record_dtypes(model.attention_layer.q, seen, "nested_block")
-    out["nested_grad_err"] = _policy_parity(model, ref, _batch(5, 8, seed=15), _batch(5, 4, seed=16), torch.bfloat16,
-                                            cast=_all_in_bf16)
+    out["nested_grad_err"] = _policy_parity(
+        model, ref, _batch(5, 8, seed=15), _batch(5, 4, seed=16), torch.bfloat16, cast=_all_in_bf16
+    )
 
     # FSDP1 fields with no FSDP2 meaning are refused, naming the field.
-    out["low_precision_grads"] = _error(ValueError, fully_shard, MLP(),
-                                        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True))
+    out["low_precision_grads"] = _error(
+        ValueError,
+        fully_shard,
+        MLP(),
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True),
+    )
     out["seen"] = {k: sorted(v) for k, v in seen.items()}
     return out
 
@@ -556,8 +575,12 @@ def test_seed_precision_blocks_compute_in_the_policy_dtype():
     assert seen["bf16_block"] == ["torch.bfloat16"]
     assert seen["bf16_batchnorm"] == ["torch.float32"]
     rows = {name: (strategy, precision) for name, strategy, precision in res["bf16_rows"]}
-    assert rows == {"<root>": ("SHARD_GRAD_OP", "bf16/fp32"), "norm": ("SHARD_GRAD_OP", "fp32/fp32"),
-                    "blocks.0": ("SHARD_GRAD_OP", "bf16/fp32"), "blocks.1": ("SHARD_GRAD_OP", "bf16/fp32")}
+    assert rows == {
+        "<root>": ("SHARD_GRAD_OP", "bf16/fp32"),
+        "norm": ("SHARD_GRAD_OP", "fp32/fp32"),
+        "blocks.0": ("SHARD_GRAD_OP", "bf16/fp32"),
+        "blocks.1": ("SHARD_GRAD_OP", "bf16/fp32"),
+    }
     # buffer_dtype=float32 equals the buffers' dtype: nothing cast, nothing said about buffers.
     assert res["bf16_buffers"] == ["torch.float32"] and "buffers" not in res["bf16_root_note"]
     bf16 = res["bf16_grad_err"]  # against the policy written out (BatchNorm in fp32), fp32 reduction
@@ -610,7 +633,8 @@ def _ddp_world(root):
     ref = copy.deepcopy(model)
     fully_shard(model.gpt_layers, sharding_strategy=ShardingStrategy.FULL_SHARD)
     DDP._set_params_and_buffers_to_ignore_for_model(
-        model, [n for n, p in model.named_parameters() if isinstance(p, DTensor)])
+        model, [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    )
     ddp = DDP(model)
     out["ddp_ignore"] = _fp32_parity(ddp, ref, x, y)
 
@@ -670,8 +694,10 @@ def test_shard_part_replicate_the_rest(tmp_path):
     # Under no_sync the replicated gradients stayed local (they differ across ranks).
     assert res["unsynced_differs"] > 1e-3
     block = sum(p.numel() for p in Block(32, 4).parameters())
-    assert res["plan"] == [("gpt_layers", "Sequential", "FULL_SHARD", 2 * block),
-                           ("embed, head", "replicate", "REPLICATED", 8 * 32 + 32 + 32 * 4 + 4)], res["plan"]
+    assert res["plan"] == [
+        ("gpt_layers", "Sequential", "FULL_SHARD", 2 * block),
+        ("embed, head", "replicate", "REPLICATED", 8 * 32 + 32 + 32 * 4 + 4),
+    ], res["plan"]
     assert "f2.replicate" in res["plan_text"]
     assert "meta device" in res["meta_error"] and "to_empty" in res["meta_error"]
 

@@ -48,7 +48,9 @@ def _memory_ties_plan_world():
     out["plan_names"] = [g.name for g in plan.groups]
     out["plan_text"] = str(plan)
     out["plan_total"] = plan.total_params
-    out["full_params"] = sum(p.numel() for p in {id(p): p for p in TinyGPT(dim=64, layers=4, vocab=128).parameters()}.values())
+    out["full_params"] = sum(
+        p.numel() for p in {id(p): p for p in TinyGPT(dim=64, layers=4, vocab=128).parameters()}.values()
+    )
     # The tie survives sharding: one parameter object, in the root group.
     out["tied"] = model.head.weight is model.tok.weight
 
@@ -62,11 +64,15 @@ def _memory_ties_plan_world():
 
     # Seeds' example: per-module strategy and precision by glob.
     seeds = TinyGPT(layers=2, tied=False)
-    f2.shard_model(seeds, module_overrides={
-        "blocks.0": {"sharding_strategy": "FULL_SHARD"},
-        "blocks.1": {"sharding_strategy": "HYBRID_SHARD"},
-        "*.attn": {"mixed_precision": "fp16"},
-    }, log_plan=False)
+    f2.shard_model(
+        seeds,
+        module_overrides={
+            "blocks.0": {"sharding_strategy": "FULL_SHARD"},
+            "blocks.1": {"sharding_strategy": "HYBRID_SHARD"},
+            "*.attn": {"mixed_precision": "fp16"},
+        },
+        log_plan=False,
+    )
     rows = {g.name: g for g in f2.sharding_plan(seeds).groups}
     out["override_rows"] = {n: (g.strategy, g.precision, g.mesh_shape) for n, g in rows.items()}
     loss_fn(seeds, idx, target).backward()
@@ -200,7 +206,9 @@ def _fsdp1_and_errors_world():
     out["fsdp1_rows"] = [(g.name, g.strategy, g.precision, g.cpu_offload, g.reshard_after_forward) for g in plan.groups]
     out["ignored_plain"] = not isinstance(model.ln_f.weight, DTensor)
     model2 = TinyGPT()
-    f2.fully_shard(model2, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}))
+    f2.fully_shard(
+        model2, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    )
     out["callable_policy"] = [g.name for g in f2.sharding_plan(model2).groups]
     _expect(ValueError, "process_group", f2.fully_shard, TinyGPT(), process_group=object())
     flags = TinyGPT()
@@ -209,10 +217,21 @@ def _fsdp1_and_errors_world():
 
     # Errors, each before the model is touched.
     _expect(ValueError, r"mesh_shape=\(3,\).*world size is 2", f2.shard_model, TinyGPT(), mesh_shape=(3,))
-    _expect(ValueError, r"reshard_after_forward=3 does not divide.*\[1, 2\]", f2.shard_model, TinyGPT(), reshard_after_forward=3)
+    _expect(
+        ValueError,
+        r"reshard_after_forward=3 does not divide.*\[1, 2\]",
+        f2.shard_model,
+        TinyGPT(),
+        reshard_after_forward=3,
+    )
     _expect(ValueError, "wrap_policy.*'Blok'.*Did you mean 'Block'", f2.shard_model, TinyGPT(), wrap_policy=["Blok"])
-    _expect(ValueError, "module_overrides\\['decoder\\.\\*'\\] matches no module", f2.shard_model, TinyGPT(),
-            module_overrides={"decoder.*": {"mixed_precision": "bf16"}})
+    _expect(
+        ValueError,
+        "module_overrides\\['decoder\\.\\*'\\] matches no module",
+        f2.shard_model,
+        TinyGPT(),
+        module_overrides={"decoder.*": {"mixed_precision": "bf16"}},
+    )
     _expect(ValueError, "ignored_modules.*'Dropout'", f2.shard_model, TinyGPT(), ignored_modules=["Dropout"])
     untouched = TinyGPT()
     try:
@@ -279,11 +298,20 @@ def _world_size_world(strategy_cases):
     return errs
 
 
-@pytest.mark.parametrize("world, cases", [
-    (1, {"full": {}}),
-    (4, {"full": {}, "hsdp_2x2": {"sharding_strategy": "HYBRID_SHARD", "mesh_shape": (2, 2)},
-         "reshard_to_2": {"reshard_after_forward": 2}}),
-])
+@pytest.mark.parametrize(
+    "world, cases",
+    [
+        (1, {"full": {}}),
+        (
+            4,
+            {
+                "full": {},
+                "hsdp_2x2": {"sharding_strategy": "HYBRID_SHARD", "mesh_shape": (2, 2)},
+                "reshard_to_2": {"reshard_after_forward": 2},
+            },
+        ),
+    ],
+)
 def test_world_sizes_one_and_four(world, cases):
     for errs in run_distributed(_world_size_world, world, cases, timeout=300):
         assert set(errs) == set(cases)

@@ -14,15 +14,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _torchrun(script: str, *args: str, timeout: int = 300) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
 
 def _losses(out: str) -> list[tuple[int, float]]:
-    return [(int(line.split("step ")[1].split()[0]), float(line.split("loss ")[1].split()[0]))
-            for line in out.splitlines() if " loss " in line]
+    return [
+        (int(line.split("step ")[1].split()[0]), float(line.split("loss ")[1].split()[0]))
+        for line in out.splitlines()
+        if " loss " in line
+    ]
 
 
 def test_plain_example_trains_and_resumes(tmp_path):
@@ -41,16 +45,27 @@ def test_checkpoint_benchmark_runs():
 
 
 def test_exit_hazard_script_runs():
-    proc = subprocess.run([sys.executable, "benchmarks/exit_hazard.py", "--runs", "1", "--modes", "shutdown"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/exit_hazard.py", "--runs", "1", "--modes", "shutdown"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "shutdown        0 / 1" in proc.stdout
 
 
 def _python(script: str, *args: str, timeout: int = 300) -> str:
     """Run a script that starts its own worlds (a launcher, or Lightning's own launcher)."""
-    proc = subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [sys.executable, script, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -62,7 +77,9 @@ def _value(out: str, prefix: str) -> float:
 
 
 def test_meta_init_example_loads_the_right_weights():
-    out = _torchrun("examples/meta_init.py", "--dim", "128", "--layers", "4", "--weights", "/tmp/smoke_meta_init.safetensors")
+    out = _torchrun(
+        "examples/meta_init.py", "--dim", "128", "--layers", "4", "--weights", "/tmp/smoke_meta_init.safetensors"
+    )
     assert "weights match the file: True" in out and "forward output finite: True" in out
     assert "largest per-rank peak growth / full model size" in out
 
@@ -93,8 +110,26 @@ def test_ring_collectives_benchmark_checks_and_times_both():
 
 
 def test_accumulation_time_benchmark_compares_collectives():
-    out = _torchrun("benchmarks/accumulation.py", "--dim", "32", "--layers", "2", "--batch", "2", "--ks", "2",
-                    "--steps", "1", "--rounds", "1", "--part", "time", "--collectives", "auto", "torch")
+    out = _torchrun(
+        "benchmarks/accumulation.py",
+        "--dim",
+        "32",
+        "--layers",
+        "2",
+        "--batch",
+        "2",
+        "--ks",
+        "2",
+        "--steps",
+        "1",
+        "--rounds",
+        "1",
+        "--part",
+        "time",
+        "--collectives",
+        "auto",
+        "torch",
+    )
     assert "keep_gathered (torch collectives)" in out, out[-2000:]
     line = next(line for line in out.splitlines() if line.startswith("weights after all timed steps"))
     diffs = [float(part.split()[-1]) for part in line.split(":", 1)[1].split(",")]
@@ -109,8 +144,20 @@ def test_checkpoint_load_benchmark_reshards_correctly():
 
 
 def test_lightning_finetune_example_end_to_end(tmp_path):
-    out = _python("examples/lightning_finetune.py", "--max-steps", "4", "--ckpt-every", "2", "--sentences", "64",
-                  "--max-length", "16", "--out-dir", str(tmp_path), timeout=400)
+    out = _python(
+        "examples/lightning_finetune.py",
+        "--max-steps",
+        "4",
+        "--ckpt-every",
+        "2",
+        "--sentences",
+        "64",
+        "--max-length",
+        "16",
+        "--out-dir",
+        str(tmp_path),
+        timeout=400,
+    )
     assert 'resumed from "last" at step 2, finished at step 4' in out
     before = _value(out, "accuracy before fine-tuning:")
     after = _value(out, "accuracy after fine-tuning (sharded model):")
@@ -125,12 +172,35 @@ def test_lightning_finetune_example_end_to_end(tmp_path):
 def test_accelerate_finetune_example_with_its_config_file(tmp_path):
     """`accelerate launch --config_file examples/accelerate_fsdp2.yaml examples/accelerate_finetune.py`, as documented."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate_fsdp2.yaml",
-           "--main_process_port", str(free_port()), "examples/accelerate_finetune.py", "--max-steps", "4",
-           "--ckpt-every", "2", "--sentences", "64", "--max-length", "16", "--out-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "examples/accelerate_fsdp2.yaml",
+        "--main_process_port",
+        str(free_port()),
+        "examples/accelerate_finetune.py",
+        "--max-steps",
+        "4",
+        "--ckpt-every",
+        "2",
+        "--sentences",
+        "64",
+        "--max-length",
+        "16",
+        "--out-dir",
+        str(tmp_path),
+    ]
     # ACCELERATE_USE_CPU: the file's `use_cpu: true` does not reach the processes (see README).
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400,
-                          env=dict(env, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true"))
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=dict(env, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true"),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "DistributedType.FSDP, precision bf16" in out and "BertLayer" in out  # the config file's keys
@@ -162,8 +232,20 @@ def test_readme_documents_every_config_field():
 
 def test_fabric_finetune_example_end_to_end(tmp_path):
     """`python examples/fabric_finetune.py`: Fabric starts the second process itself (fabric.launch())."""
-    out = _python("examples/fabric_finetune.py", "--max-steps", "4", "--ckpt-every", "2", "--sentences", "64",
-                  "--max-length", "16", "--out-dir", str(tmp_path), timeout=400)
+    out = _python(
+        "examples/fabric_finetune.py",
+        "--max-steps",
+        "4",
+        "--ckpt-every",
+        "2",
+        "--sentences",
+        "64",
+        "--max-length",
+        "16",
+        "--out-dir",
+        str(tmp_path),
+        timeout=400,
+    )
     assert "phase 1 stopped at step 2, resumed from step-2, finished at step 4" in out
     after = _value(out, "accuracy after fine-tuning (sharded model):")
     reloaded = _value(out, "accuracy of the exported model reloaded with transformers:")

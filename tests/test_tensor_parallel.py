@@ -154,9 +154,11 @@ def _world_2x2(root: str) -> dict:
 
     # (6) sizes that do not divide.
     errors = {}
-    for label, kwargs, make in (("world", {"tensor_parallel_size": 3}, _model),
-                                ("heads", {"tensor_parallel_size": 2}, lambda: _model(dim=24, heads=3)),
-                                ("glob", {"tensor_parallel_size": 2, "tensor_parallel_plan": {"nope.*": "colwise"}}, _model)):
+    for label, kwargs, make in (
+        ("world", {"tensor_parallel_size": 3}, _model),
+        ("heads", {"tensor_parallel_size": 2}, lambda: _model(dim=24, heads=3)),
+        ("glob", {"tensor_parallel_size": 2, "tensor_parallel_plan": {"nope.*": "colwise"}}, _model),
+    ):
         try:
             f2.shard_model(make(), log_plan=False, **{"tensor_parallel_plan": PLAN, **kwargs})
             errors[label] = "no error"

@@ -40,14 +40,17 @@ def _conditional_block_errors(rank):
     for pattern in ((False, True), (True, False)):
         torch.manual_seed(0)
         ref = Cond()
-        model = f2.shard_model(copy.deepcopy(ref), wrap_policy=[torch.nn.Linear], mixed_precision="bf16", log_plan=False)
+        model = f2.shard_model(
+            copy.deepcopy(ref), wrap_policy=[torch.nn.Linear], mixed_precision="bf16", log_plan=False
+        )
         for i, use_b in enumerate(pattern):
             local = x[rank * 4 + i * 2 : rank * 4 + i * 2 + 2]
             with f2.no_sync(model) if i == 0 else contextlib.nullcontext():
                 (model(local, use_b).sum() / 2).backward()
         batches = [[(x[r * 4 + i * 2 : r * 4 + i * 2 + 2], use_b) for i, use_b in enumerate(pattern)] for r in range(2)]
-        ref_grads = policy_grads(ref, batches, lambda low, xs, use_b: low(xs.to(torch.bfloat16), use_b).sum(),
-                                 torch.bfloat16, scale=1 / 2)
+        ref_grads = policy_grads(
+            ref, batches, lambda low, xs, use_b: low(xs.to(torch.bfloat16), use_b).sum(), torch.bfloat16, scale=1 / 2
+        )
         errors[pattern] = max(rel_diff(_full(p.grad), ref_grads[n]) for n, p in model.named_parameters())
     return errors
 
@@ -69,8 +72,10 @@ def _accumulate_and_clip_world():
         "bf16": {"mixed_precision": "bf16"},
     }
     # bf16's reference: the policy written out, each rank's 4 micro-batches; its global norm.
-    batches = [[(idx[r * 8 + i * 2: r * 8 + i * 2 + 2], target[r * 8 + i * 2: r * 8 + i * 2 + 2]) for i in range(4)]
-               for r in range(2)]
+    batches = [
+        [(idx[r * 8 + i * 2 : r * 8 + i * 2 + 2], target[r * 8 + i * 2 : r * 8 + i * 2 + 2]) for i in range(4)]
+        for r in range(2)
+    ]
     bf16_grads = policy_grads(ref, batches, loss_fn, torch.bfloat16, scale=1 / 4)
     bf16_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in bf16_grads.values()]))
     # Reference: the whole global batch in one process, mean loss, torch's own clipping.
@@ -94,13 +99,18 @@ def _accumulate_and_clip_world():
         out[f"{name}_all_reduces"] = counts["all_reduce"]
         out[f"{name}_groups"] = len(f2.sharding_plan(model).groups) - 1  # minus the scalar row
         norm = f2.clip_grad_norm_(model.parameters(), max_norm=0.5)
-        out[f"{name}_norm"] = (norm.item(), (bf16_norm if name == "bf16" else ref_norm).item(), norm.dim(),
-                               type(norm).__name__)
+        out[f"{name}_norm"] = (
+            norm.item(),
+            (bf16_norm if name == "bf16" else ref_norm).item(),
+            norm.dim(),
+            type(norm).__name__,
+        )
         if name == "bf16":  # clipped like the policy's gradients: untied ones to fp32 summation order
             coef = min(1.0, 0.5 / (bf16_norm.item() + 1e-6))
             tied = tied_names(ref)
-            out["bf16_policy_err"] = max(rel_diff(_full(p.grad), coef * bf16_grads[n])
-                                         for n, p in model.named_parameters() if n not in tied)
+            out["bf16_policy_err"] = max(
+                rel_diff(_full(p.grad), coef * bf16_grads[n]) for n, p in model.named_parameters() if n not in tied
+            )
         out[f"{name}_grad_err"] = max(rel_diff(_full(p.grad), ref_grads[n]) for n, p in model.named_parameters())
         if name == "full":
             inf = f2.clip_grad_norm_(model.parameters(), max_norm=1e9, norm_type=float("inf"))
@@ -131,7 +141,10 @@ def test_no_sync_accumulation_and_global_norm_clipping():
     expected = {"full": (4, 1), "mixed_meshes": (4, 2), "hsdp_2x1": (0, 5)}
     for name, (reduce_scatters, all_reduces) in expected.items():
         assert res[f"{name}_groups"] == 4
-        assert (res[f"{name}_reduce_scatters"], res[f"{name}_all_reduces"]) == (reduce_scatters, all_reduces), (name, res)
+        assert (res[f"{name}_reduce_scatters"], res[f"{name}_all_reduces"]) == (reduce_scatters, all_reduces), (
+            name,
+            res,
+        )
     for name in expected:
         norm, ref_norm, ndim, kind = res[f"{name}_norm"]
         assert abs(norm - ref_norm) / ref_norm < 1e-5, (name, norm, ref_norm)
@@ -194,13 +207,14 @@ def test_optimizer_built_before_sharding_is_rebound():
         assert message is not None and "already has state for 'pos'" in message
 
 
-
 class Stepper(TinyGPT):
     """A root whose trainer calls `step(batch)` instead of forward (as Lightning calls training_step)."""
 
     def step(self, idx, target, weights):
         self.seen = str(weights.dtype)
-        per_token = torch.nn.functional.cross_entropy(self(idx).float().flatten(0, 1), target.flatten(), reduction="none")
+        per_token = torch.nn.functional.cross_entropy(
+            self(idx).float().flatten(0, 1), target.flatten(), reduction="none"
+        )
         return (per_token * weights.flatten()).mean()
 
 
@@ -222,8 +236,12 @@ def _step_method_world():
     part = slice(rank * 4, rank * 4 + 4)
     model.step(idx[part], tgt[part], weights[part]).backward()
     # The bf16 policy written out without the engine, the weights given to step() left in fp32.
-    ref_grads = policy_grads(ref, [[(idx[s], tgt[s], weights[s])] for s in (slice(0, 4), slice(4, 8))],
-                             lambda low, *batch: low.step(*batch), torch.bfloat16)
+    ref_grads = policy_grads(
+        ref,
+        [[(idx[s], tgt[s], weights[s])] for s in (slice(0, 4), slice(4, 8))],
+        lambda low, *batch: low.step(*batch),
+        torch.bfloat16,
+    )
     tied = tied_names(ref)
     grads = {n: _full(p.grad) for n, p in model.named_parameters()}
     untied_err = max(rel_diff(grads[n], ref_grads[n]) for n in ref_grads if n not in tied)

@@ -70,7 +70,7 @@ def test_declared_floors_are_the_oldest_tested_releases():
 
 def test_readme_matrix_names_the_tested_range():
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Tested versions"):]
+    section = readme[readme.index("## Tested versions") :]
     section = section[: section.index("\n## ", 4)]
     for name, (low, high) in versions.TESTED.items():
         assert name in section.lower(), name

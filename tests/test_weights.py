@@ -20,7 +20,10 @@ def _write_sources(tmp: str) -> dict:
     save_file(state, f"{tmp}/model.safetensors")
     # A Hugging Face style folder: two shard files plus an index.
     keys = sorted(state)
-    halves = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2], "model-00002-of-00002.safetensors": keys[len(keys) // 2 :]}
+    halves = {
+        "model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+        "model-00002-of-00002.safetensors": keys[len(keys) // 2 :],
+    }
     import os
 
     os.makedirs(f"{tmp}/folder", exist_ok=True)
@@ -55,7 +58,9 @@ def _load_world(tmp: str):
             out[(source, meta)] = all(torch.equal(sd[k], expected[k]) for k in expected)
     model = f2.shard_model(TinyGPT(temperature=True, tied=False), log_plan=False)
     f2.load_full_weights(model, f"{tmp}/bf16.safetensors")
-    out["bf16"] = all(torch.equal(full(v), expected[k].to(torch.bfloat16).float()) for k, v in model.state_dict().items())
+    out["bf16"] = all(
+        torch.equal(full(v), expected[k].to(torch.bfloat16).float()) for k, v in model.state_dict().items()
+    )
     # A 1-row head on 2 ranks: rank 1's shard of the weight is empty.
     head = torch.nn.Linear(8, 1)
     if torch.distributed.get_rank() == 0:
@@ -83,8 +88,15 @@ def test_load_full_weights_every_format(tmp_path):
     results = run_distributed(_load_world, 2, str(tmp_path))
     assert all(r["empty_shard"] for r in results)  # including rank 1, which owns no row of the head
     res = results[0]
-    for key in [("model.safetensors", False), ("model.safetensors", True), ("folder", False), ("folder", True),
-                ("model.pt", False), ("model.pt", True), "bf16"]:
+    for key in [
+        ("model.safetensors", False),
+        ("model.safetensors", True),
+        ("folder", False),
+        ("folder", True),
+        ("model.pt", False),
+        ("model.pt", True),
+        "bf16",
+    ]:
         assert res[key], key
     assert "shape mismatch" in res["shape_msg"] and "pos: checkpoint (16, 32), model (16, 48)" in res["shape_msg"]
     assert "unexpected keys ['temperature']" in res["keys_msg"]

@@ -78,8 +78,14 @@ class Checkpointer:
         return self.root / step_dir_name(step)
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-             extra: Any = None) -> None:
+    def save(
+        self,
+        step: int,
+        *,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: Any = None,
+    ) -> None:
         """Save `model`/`optimizer` state (sharded) and `extra` as step `step`.
 
         `extra` is any picklable object (step counters, RNG states, data-loader position);
@@ -111,7 +117,9 @@ class Checkpointer:
         try:
             future.result()
         except (CheckpointException, Exception) as exc:
-            raise RuntimeError(f"asynchronous DCP save of step {step} into {self._tmp_path(step)} failed: {exc}") from exc
+            raise RuntimeError(
+                f"asynchronous DCP save of step {step} into {self._tmp_path(step)} failed: {exc}"
+            ) from exc
         self._commit(step)
 
     def close(self) -> None:
@@ -122,8 +130,13 @@ class Checkpointer:
             self._stager = None
 
     # ------------------------------------------------------------------ load
-    def load(self, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-             step: int | str = "latest") -> Any:
+    def load(
+        self,
+        *,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        step: int | str = "latest",
+    ) -> Any:
         """Load step `step` (default: the latest committed) into `model`/`optimizer`; return `extra`.
 
         Works across world sizes and sharding layouts (DCP reshards on read). Raises
@@ -133,11 +146,17 @@ class Checkpointer:
         self.wait()
         _check_types(model, optimizer)
         if model is None and optimizer is not None:
-            raise ValueError("Checkpointer.load(optimizer=...) needs model= too: optimizer state is keyed by parameter names.")
+            raise ValueError(
+                "Checkpointer.load(optimizer=...) needs model= too: optimizer state is keyed by parameter names."
+            )
         path = cdir.resolve_step(self.root, step)
         others = sorted(s for s, p in cdir.committed_steps(self.root).items() if p != path)
-        return load_step_dir(path, model=model, optimizer=optimizer,
-                             hint=f"Load an earlier step with load(step=N); other committed steps: {others or 'none'}.")
+        return load_step_dir(
+            path,
+            model=model,
+            optimizer=optimizer,
+            hint=f"Load an earlier step with load(step=N); other committed steps: {others or 'none'}.",
+        )
 
     # ------------------------------------------------------------------ internals
     def _tmp_path(self, step: int) -> Path:
@@ -155,8 +174,13 @@ class Checkpointer:
         if self._stager is None:
             self._stager = _make_stager()
         try:
-            response = dcp.async_save(state, storage_writer=self._storage_writer(tmp), process_group=self._async_group,
-                                      async_stager=self._stager, no_dist=not is_distributed())
+            response = dcp.async_save(
+                state,
+                storage_writer=self._storage_writer(tmp),
+                process_group=self._async_group,
+                async_stager=self._stager,
+                no_dist=not is_distributed(),
+            )
         except CheckpointException as exc:
             raise RuntimeError(f"DCP async save into {tmp} failed: {exc}") from exc
         # A Future, or AsyncSaveResponse when staging itself is asynchronous.
@@ -190,8 +214,13 @@ def _check_types(model: Any, optimizer: Any) -> None:
         raise ValueError(f"Checkpointer: optimizer= must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
 
 
-def load_step_dir(path: str | os.PathLike, *, model: nn.Module | None = None,
-                  optimizer: torch.optim.Optimizer | None = None, hint: str = "") -> Any:
+def load_step_dir(
+    path: str | os.PathLike,
+    *,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    hint: str = "",
+) -> Any:
     """Collective: load one committed step directory written by `Checkpointer.save`; return its `extra`.
 
     For a step directory that lives outside a Checkpointer root (a copy a cluster manager such
@@ -231,12 +260,14 @@ def _read_extra(path: Path) -> Any:
     return torch.load(file, map_location="cpu", weights_only=False)
 
 
-
 def _make_stager():
     """A DCP stager that copies to CPU synchronously; pinned memory and non-blocking copies
     only with an accelerator (on a CPU-only machine they fail)."""
     accel = torch.accelerator.is_available()
     # Synchronous staging: `save()` returns once the copy exists, so the caller may modify
     # parameters (next optimizer step) at once while the background thread writes the copy.
-    return DefaultStager(StagingOptions(use_pinned_memory=accel, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=accel))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=accel, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=accel
+        )
+    )

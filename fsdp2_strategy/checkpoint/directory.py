@@ -209,7 +209,8 @@ def verify_dir(path: Path, hint: str = "") -> None:
     if problems:
         raise ValueError(
             f"Checkpoint {path} is damaged and was not loaded (the model is unchanged):\n  "
-            + "\n  ".join(problems[:_MAX_LISTED]) + (f"\n{hint}" if hint else "")
+            + "\n  ".join(problems[:_MAX_LISTED])
+            + (f"\n{hint}" if hint else "")
         )
 
 
@@ -220,8 +221,10 @@ def read_metadata(path: Path) -> Metadata:
     except FileNotFoundError:
         raise
     except Exception as exc:  # a truncated or overwritten `.metadata` fails anywhere inside unpickling
-        raise ValueError(f"{Path(path) / METADATA} is unreadable ({type(exc).__name__}: {exc}): the checkpoint is "
-                         "damaged. Load or export an earlier step.") from exc
+        raise ValueError(
+            f"{Path(path) / METADATA} is unreadable ({type(exc).__name__}: {exc}): the checkpoint is "
+            "damaged. Load or export an earlier step."
+        ) from exc
 
 
 def load_dcp(state: dict, path: Path) -> None:
@@ -239,8 +242,9 @@ def dcp_failure(exc: CheckpointException) -> str:
     return "; ".join(errors) or str(exc).splitlines()[0]
 
 
-def load_dir(path: Path, models: Models, optimizers: Optimizers | None = None, *, strict: bool = True,
-             hint: str = "") -> None:
+def load_dir(
+    path: Path, models: Models, optimizers: Optimizers | None = None, *, strict: bool = True, hint: str = ""
+) -> None:
     """Collective: load the models and optimizers saved under their keys in committed directory `path`.
 
     The counterpart of `save_dir`. In order: checksums verified (`hint` is added to that error),
@@ -253,8 +257,11 @@ def load_dir(path: Path, models: Models, optimizers: Optimizers | None = None, *
     verify_dir(path, hint)
     metadata = read_metadata(path)
     optimizers = optimizers or {}
-    absent = [f"no optimizer state under {key!r} in checkpoint (it was saved without that optimizer); load without it"
-              for key in optimizers if not has_prefix(metadata, key + ".")]
+    absent = [
+        f"no optimizer state under {key!r} in checkpoint (it was saved without that optimizer); load without it"
+        for key in optimizers
+        if not has_prefix(metadata, key + ".")
+    ]
     model_states = {key: get_model_state_dict(model) for key, model in models.items()}
     for i, (key, current) in enumerate(model_states.items()):
         check_compatible(metadata, current, key + ".", path, absent if i == 0 else None, strict=strict)
@@ -270,8 +277,15 @@ def load_dir(path: Path, models: Models, optimizers: Optimizers | None = None, *
     apply_state(state, models, optimizers, strict=strict, unstepped=unstepped)
 
 
-def check_compatible(metadata: Metadata, current: Mapping[str, Any], prefix: str, path: Path,
-                     extra_problems: list[str] | None = None, *, strict: bool = True) -> None:
+def check_compatible(
+    metadata: Metadata,
+    current: Mapping[str, Any],
+    prefix: str,
+    path: Path,
+    extra_problems: list[str] | None = None,
+    *,
+    strict: bool = True,
+) -> None:
     """Raise ValueError listing keys and shapes that differ between the checkpoint and `current`.
 
     `current` is the model's (sharded) state dict; its keys sit under `prefix` in the checkpoint.
@@ -283,13 +297,17 @@ def check_compatible(metadata: Metadata, current: Mapping[str, Any], prefix: str
     shapes = sorted(
         f"{k}: checkpoint {tuple(saved[k].size)} vs model {tuple(current[k].shape)}"
         for k in set(saved) & set(current)
-        if isinstance(saved[k], TensorStorageMetadata) and isinstance(current[k], torch.Tensor)
+        if isinstance(saved[k], TensorStorageMetadata)
+        and isinstance(current[k], torch.Tensor)
         and tuple(saved[k].size) != tuple(current[k].shape)
     )
     problems = [
         f"{label} ({len(items)}): {_listing(items)}"
-        for label, items in (("missing in checkpoint", missing), ("unexpected in checkpoint", unexpected),
-                             ("shape mismatch", shapes))
+        for label, items in (
+            ("missing in checkpoint", missing),
+            ("unexpected in checkpoint", unexpected),
+            ("shape mismatch", shapes),
+        )
         if items
     ] + list(extra_problems or [])
     if problems:
@@ -298,7 +316,7 @@ def check_compatible(metadata: Metadata, current: Mapping[str, Any], prefix: str
 
 def saved_keys(metadata: Metadata, prefix: str) -> dict[str, Any]:
     """The checkpoint's entries under `prefix`, keyed without it."""
-    return {k[len(prefix):]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
 
 
 def has_prefix(metadata: Metadata, prefix: str) -> bool:

@@ -47,7 +47,7 @@ def model_tensor_keys(metadata: Metadata) -> dict[str, str]:
     for prefix in MODEL_PREFIXES:
         prefixed = {k for k in tensors if k.startswith(prefix)}
         if prefixed:
-            return {k[len(prefix):]: k for k in sorted(prefixed)}
+            return {k[len(prefix) :]: k for k in sorted(prefixed)}
     return {k: k for k in sorted(tensors)}
 
 
@@ -75,21 +75,28 @@ def write_model_view(checkpoint_dir: str | Path, key: str, view: str, *, as_key:
     prefix = key + "."
 
     def renamed(fqn: str) -> str:
-        return as_key + "." + fqn[len(prefix):]
+        return as_key + "." + fqn[len(prefix) :]
 
     view_metadata = Metadata(
         state_dict_metadata={renamed(k): v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)},
-        planner_data={renamed(k): (as_key, *path[1:]) for k, path in (metadata.planner_data or {}).items()
-                      if k.startswith(prefix)},
-        storage_data={dataclasses.replace(index, fqn=renamed(index.fqn)):
-                      dataclasses.replace(info, relative_path=f"../{info.relative_path}")
-                      for index, info in metadata.storage_data.items() if index.fqn.startswith(prefix)},
+        planner_data={
+            renamed(k): (as_key, *path[1:]) for k, path in (metadata.planner_data or {}).items() if k.startswith(prefix)
+        },
+        storage_data={
+            dataclasses.replace(index, fqn=renamed(index.fqn)): dataclasses.replace(
+                info, relative_path=f"../{info.relative_path}"
+            )
+            for index, info in metadata.storage_data.items()
+            if index.fqn.startswith(prefix)
+        },
         storage_meta=metadata.storage_meta,
         version=metadata.version,
     )
     if not view_metadata.state_dict_metadata:
-        raise ValueError(f"{checkpoint_dir} holds no entries under {key!r}; saved keys start with "
-                         f"{sorted({k.split('.')[0] for k in metadata.state_dict_metadata})}.")
+        raise ValueError(
+            f"{checkpoint_dir} holds no entries under {key!r}; saved keys start with "
+            f"{sorted({k.split('.')[0] for k in metadata.state_dict_metadata})}."
+        )
     out = checkpoint_dir / view
     out.mkdir(exist_ok=True)
     with open(out / cdir.METADATA, "wb") as f:
@@ -151,6 +158,7 @@ def _progress(total: int, desc: str):
 
         return tqdm(total=total, desc=desc, unit="B", unit_scale=True)
     except ImportError:  # tqdm is optional: fall back to log lines
+
         class _Log:
             def __init__(self):
                 self.done = 0
@@ -189,8 +197,11 @@ def export_full(
     integrity.warn_if_unverified(ckpt_dir)
     problems = integrity.check(ckpt_dir)  # one process: every file listed in checksums.json
     if problems:
-        raise ValueError(f"Checkpoint {ckpt_dir} is damaged and was not exported:\n  " + "\n  ".join(problems)
-                         + "\nExport an earlier step (step=N, or --step N).")
+        raise ValueError(
+            f"Checkpoint {ckpt_dir} is damaged and was not exported:\n  "
+            + "\n  ".join(problems)
+            + "\nExport an earlier step (step=N, or --step N)."
+        )
     metadata = cdir.read_metadata(ckpt_dir)
     keys = model_tensor_keys(metadata)
     if not keys:
@@ -223,7 +234,9 @@ def _write_safetensors(ckpt_dir, metadata, keys, batches, dtype, out: Path, bar,
     for i, names in enumerate(batches, start=1):
         fname = "model.safetensors" if len(batches) == 1 else f"model-{i:05d}-of-{len(batches):05d}.safetensors"
         state = _read(ckpt_dir, metadata, keys, names, dtype)
-        out.mkdir(parents=True, exist_ok=True)  # after the first read: a checkpoint that cannot be read leaves no folder
+        out.mkdir(
+            parents=True, exist_ok=True
+        )  # after the first read: a checkpoint that cannot be read leaves no folder
         save_file(state, str(out / fname), metadata={"format": "pt"})
         bar.update(sum(t.numel() * t.element_size() for t in state.values()))
         weight_map.update(dict.fromkeys(names, fname))
@@ -263,7 +276,9 @@ class CheckpointInfo:
         if self.problems:
             lines.append("DAMAGED: " + "; ".join(self.problems))
         else:
-            lines.append("checksums: " + ("every file matches" if self.checksummed else "none (plain DCP, not verified)"))
+            lines.append(
+                "checksums: " + ("every file matches" if self.checksummed else "none (plain DCP, not verified)")
+            )
         return "\n".join(lines)
 
 
@@ -280,6 +295,12 @@ def inspect_checkpoint(path: str | Path, step: int | None = None) -> CheckpointI
             tensors[key] = (tuple(meta.size), str(meta.properties.dtype).removeprefix("torch."))
         else:
             others.append(key)
-    return CheckpointInfo(ckpt_dir, steps, saved_world_size(metadata), tensors, others,
-                          checksummed=(ckpt_dir / integrity.CHECKSUMS_FILE).is_file(), problems=integrity.check(ckpt_dir))
-
+    return CheckpointInfo(
+        ckpt_dir,
+        steps,
+        saved_world_size(metadata),
+        tensors,
+        others,
+        checksummed=(ckpt_dir / integrity.CHECKSUMS_FILE).is_file(),
+        problems=integrity.check(ckpt_dir),
+    )

@@ -24,8 +24,16 @@ from ..shard import copy_from_full, has_meta_tensors, local_region, local_tensor
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -70,15 +78,23 @@ def _check_entries(path: Path, header: dict, data_bytes: int) -> None:
         except (TypeError, KeyError, ValueError):
             raise DamagedWeightsError(path, f"header entry {name!r} is malformed: {entry!r}") from None
         if not isinstance(dtype_name, str) or dtype_name not in _ST_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {dtype_name!r}, which load_full_weights does not read; "
-                             f"supported: {', '.join(_ST_DTYPES)}. Convert the file (e.g. to F32 or BF16) first.")
+            raise ValueError(
+                f"{path}: tensor {name!r} has dtype {dtype_name!r}, which load_full_weights does not read; "
+                f"supported: {', '.join(_ST_DTYPES)}. Convert the file (e.g. to F32 or BF16) first."
+            )
         nbytes = numel * _ST_DTYPES[dtype_name].itemsize
         if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_bytes):
-            raise DamagedWeightsError(path, f"tensor {name!r} has data_offsets [{begin}, {end}] outside the "
-                                            f"{data_bytes} data bytes of the file (truncated?)")
+            raise DamagedWeightsError(
+                path,
+                f"tensor {name!r} has data_offsets [{begin}, {end}] outside the "
+                f"{data_bytes} data bytes of the file (truncated?)",
+            )
         if end - begin != nbytes:
-            raise DamagedWeightsError(path, f"tensor {name!r} ({dtype_name}, shape {list(shape)}) needs {nbytes} "
-                                            f"bytes but its data_offsets span {end - begin}")
+            raise DamagedWeightsError(
+                path,
+                f"tensor {name!r} ({dtype_name}, shape {list(shape)}) needs {nbytes} "
+                f"bytes but its data_offsets span {end - begin}",
+            )
         spans.append((begin, end, name))
     spans.sort()
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
@@ -146,13 +162,15 @@ def _read_weight_map(index: Path) -> dict[str, str]:
             raise TypeError("weight_map is not a mapping of tensor names to file names")
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
         raise ValueError(
-            f"{index} is damaged: expected JSON with a \"weight_map\" of tensor names to file names "
+            f'{index} is damaged: expected JSON with a "weight_map" of tensor names to file names '
             f"({type(exc).__name__}: {exc}). Download or write the index again."
         ) from None
     missing = sorted({f for f in weight_map.values() if not (index.parent / f).is_file()})
     if missing:
-        raise FileNotFoundError(f"{index} lists files that are not in {index.parent}: {missing}. "
-                                "Copy the whole folder (every shard the index names).")
+        raise FileNotFoundError(
+            f"{index} lists files that are not in {index.parent}: {missing}. "
+            "Copy the whole folder (every shard the index names)."
+        )
     return weight_map
 
 
@@ -196,14 +214,19 @@ def _check_keys(model_names: list[list[str]], available: set[str], path: Path) -
 
 def _check_shapes(model: nn.Module, shapes: dict[str, tuple], path: Path) -> None:
     """All shape mismatches at once, before any tensor is copied (so a mismatch leaves the model as it was)."""
-    wrong = [f"{key}: checkpoint {shapes[key]}, model {tuple(tensor.shape)}"
-             for names, tensor in _model_tensors(model)
-             for key in [next((n for n in names if n in shapes), None)]
-             if key is not None and tuple(shapes[key]) != tuple(tensor.shape)]
+    wrong = [
+        f"{key}: checkpoint {shapes[key]}, model {tuple(tensor.shape)}"
+        for names, tensor in _model_tensors(model)
+        for key in [next((n for n in names if n in shapes), None)]
+        if key is not None and tuple(shapes[key]) != tuple(tensor.shape)
+    ]
     if wrong:
-        raise ValueError(f"{path} does not match the model: shape mismatch ({len(wrong)}): "
-                         + "; ".join(wrong[:10]) + (" ..." if len(wrong) > 10 else "")
-                         + ". Load the weights of the same architecture and size. Nothing was loaded.")
+        raise ValueError(
+            f"{path} does not match the model: shape mismatch ({len(wrong)}): "
+            + "; ".join(wrong[:10])
+            + (" ..." if len(wrong) > 10 else "")
+            + ". Load the weights of the same architecture and size. Nothing was loaded."
+        )
 
 
 @torch.no_grad()
@@ -220,8 +243,10 @@ def load_full_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"load_full_weights: {path} does not exist; pass a .safetensors file, a folder "
-                                f"with {SAFETENSORS_INDEX}, or a torch checkpoint file.")
+        raise FileNotFoundError(
+            f"load_full_weights: {path} does not exist; pass a .safetensors file, a folder "
+            f"with {SAFETENSORS_INDEX}, or a torch checkpoint file."
+        )
     # Every source file is opened and checked before the model is touched.
     is_torch_file = path.is_file() and path.suffix not in (".safetensors",)
     if is_torch_file:
@@ -232,8 +257,11 @@ def load_full_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool
         available = set(files)
     if strict:
         _check_keys([names for names, _ in _model_tensors(model)], available, path)
-    shapes = ({k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)} if is_torch_file
-              else {k: f.entries[k][1] for k, f in files.items()})
+    shapes = (
+        {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+        if is_torch_file
+        else {k: f.entries[k][1] for k, f in files.items()}
+    )
     _check_shapes(model, shapes, path)
     if has_meta_tensors(model):
         mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)

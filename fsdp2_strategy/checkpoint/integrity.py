@@ -38,8 +38,11 @@ def local_entries(directory: Path, rank: int) -> dict[str, dict[str, Any]]:
     """{file name: {"size", "crc32"}} for the files `rank` wrote into `directory`."""
     names = sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
     if rank == 0:  # the files written once (DCP's `.metadata`, the trainer's non-tensor state, views)
-        names += sorted(str(p.relative_to(directory)) for p in directory.rglob("*")
-                        if p.is_file() and not p.name.endswith(".distcp") and p.name != CHECKSUMS_FILE)
+        names += sorted(
+            str(p.relative_to(directory))
+            for p in directory.rglob("*")
+            if p.is_file() and not p.name.endswith(".distcp") and p.name != CHECKSUMS_FILE
+        )
     return {n: {"size": (directory / n).stat().st_size, ALGORITHM: file_checksum(directory / n)} for n in names}
 
 
@@ -124,7 +127,9 @@ def warn_if_unverified(directory: Path) -> bool:
         logger.warning(
             "Checkpoint %s has no %s (written by plain DCP or an older version): it is loaded without "
             "verifying its files, so a damaged shard would load silently wrong values. Save it again with "
-            "fsdp2_strategy to get checksums.", directory, CHECKSUMS_FILE,
+            "fsdp2_strategy to get checksums.",
+            directory,
+            CHECKSUMS_FILE,
         )
     return True
 

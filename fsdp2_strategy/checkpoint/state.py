@@ -59,8 +59,9 @@ def unstepped_kept(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
             p.grad = grad
 
 
-def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
-                         options: StateDictOptions | None = None) -> dict[str, Any]:
+def optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, options: StateDictOptions | None = None
+) -> dict[str, Any]:
     """torch's `get_optimizer_state_dict`, without changing an optimizer that never stepped."""
     with unstepped_kept(optimizer) as unstepped:
         state: dict[str, Any] = dict(get_optimizer_state_dict(model, optimizer, options=options))
@@ -92,8 +93,14 @@ def without_markers(state: dict[str, Any], optimizers: Optimizers | None) -> dic
     return state
 
 
-def apply_state(state: Mapping[str, Any], models: Models, optimizers: Optimizers | None = None, *,
-                strict: bool = True, unstepped: frozenset[str] = frozenset()) -> None:
+def apply_state(
+    state: Mapping[str, Any],
+    models: Models,
+    optimizers: Optimizers | None = None,
+    *,
+    strict: bool = True,
+    unstepped: frozenset[str] = frozenset(),
+) -> None:
     """Copy loaded `state` into the live models and optimizers; the optimizers under `unstepped`
     keys end without state (as saved)."""
     for key, model in models.items():

@@ -20,8 +20,9 @@ def _size(text: str) -> int:
                 return int(float(upper[: -len(unit)]) * factor)
         return int(upper)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use bytes or a number with KB, MB, GB or TB "
-                                         "(e.g. 500MB)") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; use bytes or a number with KB, MB, GB or TB (e.g. 500MB)"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,8 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="convert on export")
     cons.add_argument("--step", type=int, default=None, help="step of a Checkpointer root (default: latest)")
     cons.add_argument("--max-shard-size", type=_size, default="5GB", help="split safetensors above this (e.g. 500MB)")
-    insp = sub.add_parser("inspect", help="list steps, tensors, shapes, dtypes and the saving world size; "
-                          "verify checksums (exit status 1 if a file is damaged)")
+    insp = sub.add_parser(
+        "inspect",
+        help="list steps, tensors, shapes, dtypes and the saving world size; "
+        "verify checksums (exit status 1 if a file is damaged)",
+    )
     insp.add_argument("checkpoint")
     insp.add_argument("--step", type=int, default=None)
     plan_command.add_parser(sub)
@@ -49,8 +53,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             return plan_command.run(args)
         if args.command == "consolidate":
-            out = export_full(args.checkpoint, args.out, format=args.format, dtype=args.dtype, step=args.step,
-                              max_shard_size=args.max_shard_size)
+            out = export_full(
+                args.checkpoint,
+                args.out,
+                format=args.format,
+                dtype=args.dtype,
+                step=args.step,
+                max_shard_size=args.max_shard_size,
+            )
             print(f"wrote {out}")
         else:
             info = inspect_checkpoint(args.checkpoint, args.step)
@@ -60,4 +70,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fsdp2-strategy {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 0
-

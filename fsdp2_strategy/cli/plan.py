@@ -19,8 +19,9 @@ from ..estimate import compare_strategies
 
 
 def add_parser(sub: Any) -> None:
-    plan = sub.add_parser("plan", help="per-rank memory and communication of every sharding strategy, "
-                                       "and the one to use")
+    plan = sub.add_parser(
+        "plan", help="per-rank memory and communication of every sharding strategy, and the one to use"
+    )
     plan.add_argument("model", help="a Hugging Face config folder, or package.module:factory")
     plan.add_argument("--world-size", type=int, required=True)
     plan.add_argument("--nodes", type=int, default=1)
@@ -30,9 +31,12 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None)
     plan.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd_plain, adagrad, rmsprop or none")
     plan.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
-    plan.add_argument("--device-type", default=None,
-                      help="device the job trains on: cpu, cuda, ... (default: this machine's accelerator, else cpu); "
-                           "decides attention kernels and collective buffers")
+    plan.add_argument(
+        "--device-type",
+        default=None,
+        help="device the job trains on: cpu, cuda, ... (default: this machine's accelerator, else cpu); "
+        "decides attention kernels and collective buffers",
+    )
 
 
 def load_model(spec: str, batch_size: int | None, seq_len: int | None) -> tuple[nn.Module, Any]:
@@ -65,12 +69,21 @@ def _hugging_face(folder: Path, batch_size: int | None, seq_len: int | None) -> 
 def run(args: argparse.Namespace) -> int:
     model, batch = load_model(args.model, args.batch_size, args.seq_len)
     config = {"mixed_precision": args.precision} if args.precision else {}
-    comparison = compare_strategies(model, config, world_size=args.world_size, nodes=args.nodes,
-                                    device_memory=args.device_memory, optimizer=args.optimizer,
-                                    example_batch=batch, micro_batches=args.micro_batches,
-                                    device_type=args.device_type)
+    comparison = compare_strategies(
+        model,
+        config,
+        world_size=args.world_size,
+        nodes=args.nodes,
+        device_memory=args.device_memory,
+        optimizer=args.optimizer,
+        example_batch=batch,
+        micro_batches=args.micro_batches,
+        device_type=args.device_type,
+    )
     params = sum(p.numel() for p in model.parameters())
-    print(f"{type(model).__name__}: {params:,} parameters; {args.world_size} ranks on {args.nodes} node(s)"
-          + ("" if batch is not None else "; no --batch-size: activations not counted"))
+    print(
+        f"{type(model).__name__}: {params:,} parameters; {args.world_size} ranks on {args.nodes} node(s)"
+        + ("" if batch is not None else "; no --batch-size: activations not counted")
+    )
     print(comparison)
     return 0 if comparison.budget is None or comparison.recommended is not None else 1

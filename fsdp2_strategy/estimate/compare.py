@@ -67,8 +67,16 @@ class StrategyComparison:
             e = r.estimate
             fits = "-" if r.fits is None else ("yes" if r.fits else "no")
             mark = " <-" if r is self.recommended else ""
-            lines.append((r.label, f"{e.peak_bytes / gib:.3f}", f"{e.host_bytes / gib:.3f}",
-                          f"{e.communication_bytes / gib:.3f}", e.peak_phase, fits + mark))
+            lines.append(
+                (
+                    r.label,
+                    f"{e.peak_bytes / gib:.3f}",
+                    f"{e.host_bytes / gib:.3f}",
+                    f"{e.communication_bytes / gib:.3f}",
+                    e.peak_phase,
+                    fits + mark,
+                )
+            )
         widths = [max(len(str(row[i])) for row in lines) for i in range(len(header))]
         text = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in lines]
         if self.budget is not None:
@@ -124,8 +132,12 @@ def compare_strategies(
     for strategy in strategies:
         for off in offload:
             for ac in checkpointing:
-                cfg = dataclasses.replace(base, sharding_strategy=strategy, cpu_offload=off,
-                                          activation_checkpointing=(base.activation_checkpointing or "auto") if ac else None)
+                cfg = dataclasses.replace(
+                    base,
+                    sharding_strategy=strategy,
+                    cpu_offload=off,
+                    activation_checkpointing=(base.activation_checkpointing or "auto") if ac else None,
+                )
                 try:
                     est = estimate_memory(model, cfg, world_size=world_size, nodes=nodes, **estimate_kwargs)
                 except ValueError as exc:
@@ -147,9 +159,11 @@ def _recommend(comparison: StrategyComparison, world_size: int) -> StrategyCompa
     if fitting:
         best = min(fitting, key=_cost)
         comparison.recommended = best
-        comparison.reason = (f"Recommended {best.label}: the least communication "
-                             f"({best.estimate.communication_bytes / 2**30:.3f} GiB/step) of the "
-                             f"{len(fitting)} settings that fit.")
+        comparison.reason = (
+            f"Recommended {best.label}: the least communication "
+            f"({best.estimate.communication_bytes / 2**30:.3f} GiB/step) of the "
+            f"{len(fitting)} settings that fit."
+        )
     else:
         comparison.reason = nothing_fits_message(comparison.rows, comparison.budget, world_size)
     return comparison
@@ -170,14 +184,17 @@ def nothing_fits_message(rows: list[PlanRow], budget: int, world_size: int) -> s
                 ranks *= 2
             more = f" about {ranks} ranks with {row.label} (its sharded state shrinks with the rank count);"
             break
-    return (f"No setting fits {human_bytes(budget)} per rank: the smallest peak is "
-            f"{human_bytes(smallest.estimate.peak_bytes)} ({smallest.label}). Options:{more} CPU offload and "
-            "activation checkpointing (if not tried), a smaller micro-batch or sequence, mixed_precision='bf16', "
-            "or a larger memory_budget.")
+    return (
+        f"No setting fits {human_bytes(budget)} per rank: the smallest peak is "
+        f"{human_bytes(smallest.estimate.peak_bytes)} ({smallest.label}). Options:{more} CPU offload and "
+        "activation checkpointing (if not tried), a smaller micro-batch or sequence, mixed_precision='bf16', "
+        "or a larger memory_budget."
+    )
 
 
-def resolve_strategy(model: nn.Module, config: FSDP2Config, world_size: int, nodes: int,
-                     **planner_inputs: Any) -> FSDP2Config:
+def resolve_strategy(
+    model: nn.Module, config: FSDP2Config, world_size: int, nodes: int, **planner_inputs: Any
+) -> FSDP2Config:
     """`config` with `sharding_strategy="auto"` resolved for `world_size` ranks on `nodes` nodes
     (unchanged when the strategy is concrete); the choice and its reason are logged on rank 0.
     `planner_inputs` (`example_batch`, `loss_fn`, `device_type`) go to `resolve_auto`.
@@ -193,9 +210,16 @@ def resolve_strategy(model: nn.Module, config: FSDP2Config, world_size: int, nod
     return resolved
 
 
-def resolve_auto(model: nn.Module, config: FSDP2Config, world_size: int, nodes: int, *,
-                 example_batch: Any = None, loss_fn: Any = None,
-                 device_type: str | None = None) -> tuple[FSDP2Config, str]:
+def resolve_auto(
+    model: nn.Module,
+    config: FSDP2Config,
+    world_size: int,
+    nodes: int,
+    *,
+    example_batch: Any = None,
+    loss_fn: Any = None,
+    device_type: str | None = None,
+) -> tuple[FSDP2Config, str]:
     """The config with `sharding_strategy="auto"` replaced by the chosen strategy, and the reason.
 
     The user's offload and checkpointing choices are kept; only the strategy is chosen. With
@@ -206,20 +230,48 @@ def resolve_auto(model: nn.Module, config: FSDP2Config, world_size: int, nodes: 
     """
     budget = parse_bytes(config.memory_budget) or default_budget(world_size // nodes)
     strategies = tuple(s for s in SHARDING_STRATEGIES if nodes > 1 or not s.startswith("HYBRID"))
-    inputs = dict(optimizer="adamw", example_batch=example_batch, loss_fn=loss_fn, device_type=device_type,
-                  accumulation=config.accumulation)
+    inputs = dict(
+        optimizer="adamw",
+        example_batch=example_batch,
+        loss_fn=loss_fn,
+        device_type=device_type,
+        accumulation=config.accumulation,
+    )
     base = dataclasses.replace(config, sharding_strategy="FULL_SHARD")
     comparison = compare_strategies(
-        model, base, world_size=world_size, nodes=nodes, device_memory=budget, strategies=strategies,
-        offload=(config.cpu_offload,), checkpointing=(config.activation_checkpointing is not None,), **inputs)
+        model,
+        base,
+        world_size=world_size,
+        nodes=nodes,
+        device_memory=budget,
+        strategies=strategies,
+        offload=(config.cpu_offload,),
+        checkpointing=(config.activation_checkpointing is not None,),
+        **inputs,
+    )
     if comparison.recommended is None:
-        extra = compare_strategies(model, base, world_size=world_size, nodes=nodes, device_memory=budget,
-                                   strategies=("FULL_SHARD",), offload=(True,), checkpointing=(False, True), **inputs)
-        raise ValueError("FSDP2Config(sharding_strategy='auto'): "
-                         + nothing_fits_message(comparison.rows + extra.rows, budget, world_size))
+        extra = compare_strategies(
+            model,
+            base,
+            world_size=world_size,
+            nodes=nodes,
+            device_memory=budget,
+            strategies=("FULL_SHARD",),
+            offload=(True,),
+            checkpointing=(False, True),
+            **inputs,
+        )
+        raise ValueError(
+            "FSDP2Config(sharding_strategy='auto'): "
+            + nothing_fits_message(comparison.rows + extra.rows, budget, world_size)
+        )
     best = comparison.recommended
     counted = "with the example batch's activations" if example_batch is not None else "without activations"
-    reason = (f"sharding_strategy='auto' chose {best.strategy} for a budget of {human_bytes(budget)} per rank "
-              f"(estimated peak {human_bytes(best.estimate.peak_bytes)} {counted}, AdamW): "
-              + comparison.reason + "\n" + str(comparison))
+    reason = (
+        f"sharding_strategy='auto' chose {best.strategy} for a budget of {human_bytes(budget)} per rank "
+        f"(estimated peak {human_bytes(best.estimate.peak_bytes)} {counted}, AdamW): "
+        + comparison.reason
+        + "\n"
+        + str(comparison)
+    )
     return dataclasses.replace(config, sharding_strategy=best.strategy), reason

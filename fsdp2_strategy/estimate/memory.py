@@ -86,14 +86,28 @@ class MemoryEstimate:
         return sum(self.communication.values())
 
     def __str__(self) -> str:
-        lines = [f"{self.strategy} on {self.world_size} ranks (shard size {self.shard_size})"
-                 f"{', CPU offload' if self.cpu_offload else ''}"
-                 f"{', activation checkpointing' if self.activation_checkpointing else ''}:"]
-        for name in ("param_bytes", "gathered_param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes",
-                     "activation_bytes", "communication_buffer_bytes", "peak_bytes", "host_bytes"):
+        lines = [
+            f"{self.strategy} on {self.world_size} ranks (shard size {self.shard_size})"
+            f"{', CPU offload' if self.cpu_offload else ''}"
+            f"{', activation checkpointing' if self.activation_checkpointing else ''}:"
+        ]
+        for name in (
+            "param_bytes",
+            "gathered_param_bytes",
+            "grad_bytes",
+            "optimizer_bytes",
+            "buffer_bytes",
+            "activation_bytes",
+            "communication_buffer_bytes",
+            "peak_bytes",
+            "host_bytes",
+        ):
             lines.append(f"  {name:27s} {human_bytes(getattr(self, name)):>12s}")
-        lines.append(f"  peak during {self.peak_phase}; communication {human_bytes(self.communication_bytes)}/step ("
-                     + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.communication.items()) + ")")
+        lines.append(
+            f"  peak during {self.peak_phase}; communication {human_bytes(self.communication_bytes)}/step ("
+            + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.communication.items())
+            + ")"
+        )
         return "\n".join(lines)
 
 
@@ -119,9 +133,13 @@ def _shard_and_replicate(strategy: str, config: FSDP2Config, world_size: int, no
 
 def _check_args(world_size: Any, nodes: Any, accumulation: Any, micro_batches: Any) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"estimate_memory: world_size={world_size!r} is invalid; use a positive int (ranks in the job).")
+        raise ValueError(
+            f"estimate_memory: world_size={world_size!r} is invalid; use a positive int (ranks in the job)."
+        )
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1 or world_size % nodes:
-        raise ValueError(f"estimate_memory: nodes={nodes!r} is invalid; use a positive int that divides world_size={world_size}.")
+        raise ValueError(
+            f"estimate_memory: nodes={nodes!r} is invalid; use a positive int that divides world_size={world_size}."
+        )
     check_choice(accumulation, ACCUMULATION_MODES, "estimate_memory: accumulation")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"estimate_memory: micro_batches={micro_batches!r} is invalid; use a positive int.")
@@ -163,10 +181,15 @@ def estimate_memory(
     shard, replicate = _shard_and_replicate(root.strategy, config, world_size, nodes)
     compute_dtype = root.mp_policy.param_dtype
     sim_model, batch = meta_copy(model, example_batch, compute_dtype, root.mp_policy.cast_forward_inputs)
-    ignored = modules_matching(sim_model, config.ignored_modules, "FSDP2Config.ignored_modules") if config.ignored_modules else []
+    ignored = (
+        modules_matching(sim_model, config.ignored_modules, "FSDP2Config.ignored_modules")
+        if config.ignored_modules
+        else []
+    )
     groups = select_groups(sim_model, config, ignored)
-    sizes = group_sizes(model, [""] + groups, ignored, config,
-                        lambda s: _shard_and_replicate(s, config, world_size, nodes))
+    sizes = group_sizes(
+        model, [""] + groups, ignored, config, lambda s: _shard_and_replicate(s, config, world_size, nodes)
+    )
     apply_activation_checkpointing(sim_model, config.activation_checkpointing, groups)
     opt_bytes, step_temp = measure_optimizer(optimizer, sizes)
     base = _resident_bytes(sizes, opt_bytes, config.cpu_offload)
@@ -174,10 +197,22 @@ def estimate_memory(
     if batch is not None:
         run_step(sim_model, batch, loss_fn, sizes, tracker, base, config, accumulation, micro_batches, device_type)
     else:
-        states_without_batch(sizes, tracker, base, config.backward_prefetch or 1, config.cpu_offload, device_type,
-                             config.collectives)
-    return _result(root.strategy, world_size, shard, replicate, config, accumulation, micro_batches,
-                   sizes, opt_bytes, step_temp, tracker)
+        states_without_batch(
+            sizes, tracker, base, config.backward_prefetch or 1, config.cpu_offload, device_type, config.collectives
+        )
+    return _result(
+        root.strategy,
+        world_size,
+        shard,
+        replicate,
+        config,
+        accumulation,
+        micro_batches,
+        sizes,
+        opt_bytes,
+        step_temp,
+        tracker,
+    )
 
 
 def _resident_bytes(sizes: dict[str, GroupSizes], opt_bytes: int, offload: bool) -> int:
@@ -187,8 +222,19 @@ def _resident_bytes(sizes: dict[str, GroupSizes], opt_bytes: int, offload: bool)
     return fixed + (0 if offload else shards + opt_bytes)
 
 
-def _result(strategy, world_size, shard, replicate, config, accumulation, micro_batches, sizes, opt_bytes,
-            step_temp, tracker: LiveBytes) -> MemoryEstimate:
+def _result(
+    strategy,
+    world_size,
+    shard,
+    replicate,
+    config,
+    accumulation,
+    micro_batches,
+    sizes,
+    opt_bytes,
+    step_temp,
+    tracker: LiveBytes,
+) -> MemoryEstimate:
     shards = sum(g.sharded for g in sizes.values())
     replicated = sum(g.replicated for g in sizes.values())
     buffers = sum(g.buffers for g in sizes.values())
@@ -203,22 +249,32 @@ def _result(strategy, world_size, shard, replicate, config, accumulation, micro_
         at_peak = {"gathered": 0, "grads": 0 if offload else shards, "activations": 0, "mp": 0}
     mp = at_peak.get("mp", 0)
     return MemoryEstimate(
-        strategy=strategy, world_size=world_size, shard_size=shard, cpu_offload=offload,
+        strategy=strategy,
+        world_size=world_size,
+        shard_size=shard,
+        cpu_offload=offload,
         activation_checkpointing=config.activation_checkpointing is not None,
-        accumulation=accumulation, micro_batches=micro_batches,
-        param_bytes=(0 if offload else shards) + replicated, gathered_param_bytes=at_peak.get("gathered", 0),
-        grad_bytes=at_peak.get("grads", 0), optimizer_bytes=0 if offload else opt_bytes,
-        mixed_precision_bytes=mp, buffer_bytes=buffers,
-        activation_bytes=at_peak.get("activations", 0), activation_peak_bytes=tracker.activation_peak,
+        accumulation=accumulation,
+        micro_batches=micro_batches,
+        param_bytes=(0 if offload else shards) + replicated,
+        gathered_param_bytes=at_peak.get("gathered", 0),
+        grad_bytes=at_peak.get("grads", 0),
+        optimizer_bytes=0 if offload else opt_bytes,
+        mixed_precision_bytes=mp,
+        buffer_bytes=buffers,
+        activation_bytes=at_peak.get("activations", 0),
+        activation_peak_bytes=tracker.activation_peak,
         communication_buffer_bytes=at_peak.get("transient", 0),
-        peak_bytes=int(peak), peak_phase=phase,
+        peak_bytes=int(peak),
+        peak_phase=phase,
         host_bytes=(2 * shards + opt_bytes + step_temp) if offload else 0,
         communication=communication_bytes(sizes, config, shard, replicate, accumulation, micro_batches),
     )
 
 
-def communication_bytes(sizes: dict[str, GroupSizes], config: FSDP2Config, shard: int, replicate: int,
-                        accumulation: str, micro_batches: int) -> dict[str, int]:
+def communication_bytes(
+    sizes: dict[str, GroupSizes], config: FSDP2Config, shard: int, replicate: int, accumulation: str, micro_batches: int
+) -> dict[str, int]:
     """Bytes each rank sends per optimizer step, by collective (ring algorithms).
 
     All-gather and reduce-scatter of N bytes over S ranks send N*(S-1)/S per rank; an all-reduce

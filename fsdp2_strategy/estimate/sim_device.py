@@ -39,8 +39,10 @@ def resolve_device_type(value: str | None) -> str:
     if value is None:
         return default_device_type()
     if not isinstance(value, str) or not value or value == "meta":
-        raise ValueError(f"estimate_memory: device_type={value!r} is invalid; use 'cpu' or an accelerator type "
-                         "such as 'cuda' (the device the job trains on), or None for this machine's.")
+        raise ValueError(
+            f"estimate_memory: device_type={value!r} is invalid; use 'cpu' or an accelerator type "
+            "such as 'cuda' (the device the job trains on), or None for this machine's."
+        )
     return value
 
 
@@ -65,8 +67,16 @@ def _stand_in(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _cpu_runs_fused(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
     with tc.disable_current_modes():
-        choice = tc.fused_sdp_choice(_stand_in(query), _stand_in(key), _stand_in(value), _stand_in(attn_mask),
-                                         dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        choice = tc.fused_sdp_choice(
+            _stand_in(query),
+            _stand_in(key),
+            _stand_in(value),
+            _stand_in(attn_mask),
+            dropout_p,
+            is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
     return SDPBackend(choice) == SDPBackend.FLASH_ATTENTION
 
 
@@ -79,8 +89,7 @@ def _sdpa_for(original, device_type: str):
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         # The CPU flash kernel's meta implementation stands for every fused kernel: its saved
         # statistics are the O(sequence) log-sum-exp, as the accelerators' kernels keep.
-        return tc.cpu_flash_attention(
-            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+        return tc.cpu_flash_attention(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
     return sdpa
 

@@ -26,15 +26,19 @@ def optimizer_factory(spec: Any) -> Callable[[list], torch.optim.Optimizer] | No
         return None
     if isinstance(spec, str):
         if spec.lower() not in OPTIMIZERS:
-            raise ValueError(f"optimizer={spec!r} is unknown; use one of {sorted(OPTIMIZERS) + ['none']}, "
-                             "an optimizer class or a callable params -> optimizer.")
+            raise ValueError(
+                f"optimizer={spec!r} is unknown; use one of {sorted(OPTIMIZERS) + ['none']}, "
+                "an optimizer class or a callable params -> optimizer."
+            )
         return OPTIMIZERS[spec.lower()]
     if isinstance(spec, type) and issubclass(spec, torch.optim.Optimizer):
         optimizer_cls: Any = spec  # SGD needs an lr; the others have defaults
         return lambda ps: optimizer_cls(ps, lr=0.1) if optimizer_cls is torch.optim.SGD else optimizer_cls(ps)
     if callable(spec):
         return spec
-    raise ValueError(f"optimizer={spec!r} is invalid; use a name, an optimizer class or a callable params -> optimizer.")
+    raise ValueError(
+        f"optimizer={spec!r} is invalid; use a name, an optimizer class or a callable params -> optimizer."
+    )
 
 
 def measure_optimizer(spec: Any, sizes: dict[str, GroupSizes]) -> tuple[int, int]:
@@ -51,11 +55,20 @@ def measure_optimizer(spec: Any, sizes: dict[str, GroupSizes]) -> tuple[int, int
         p.grad = torch.empty_like(p)
     opt = factory(params)
     opt.step()  # creates the state
-    state = sum(t.untyped_storage().nbytes() for s in opt.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor) and t.device.type == "meta")
+    state = sum(
+        t.untyped_storage().nbytes()
+        for s in opt.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.device.type == "meta"
+    )
     tracker = LiveBytes()
-    tracker.ignore([*params, *(p.grad for p in params),
-                    *(t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor))])
+    tracker.ignore(
+        [
+            *params,
+            *(p.grad for p in params),
+            *(t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)),
+        ]
+    )
     with tracker:
         opt.step()
     return state, tracker.peak

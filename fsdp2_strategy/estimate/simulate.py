@@ -146,8 +146,13 @@ def _padded_shard_bytes(p: torch.Tensor, shard: int) -> int:
     return _padded_shard_numel(p, shard) * p.element_size()
 
 
-def group_sizes(model: nn.Module, groups: list[str], ignored: list[str], config: FSDP2Config,
-                mesh_of: Callable[[str], tuple[int, int]]) -> dict[str, GroupSizes]:
+def group_sizes(
+    model: nn.Module,
+    groups: list[str],
+    ignored: list[str],
+    config: FSDP2Config,
+    mesh_of: Callable[[str], tuple[int, int]],
+) -> dict[str, GroupSizes]:
     """Sizes of every group ("" is the root), from parameter shapes and each group's settings."""
     sizes = {g: GroupSizes() for g in groups}
     last_block = groups[-1] if len(groups) > 1 else None
@@ -193,8 +198,9 @@ def _itemsize(dtype: torch.dtype) -> int:
 class _Schedule:
     """FSDP2's gather / reshard / reduce schedule, played with hooks on the meta copy."""
 
-    def __init__(self, model: nn.Module, sizes: dict[str, GroupSizes], tracker: LiveBytes, config: FSDP2Config,
-                 device_type: str):
+    def __init__(
+        self, model: nn.Module, sizes: dict[str, GroupSizes], tracker: LiveBytes, config: FSDP2Config, device_type: str
+    ):
         self.model, self.sizes, self.tracker = model, sizes, tracker
         self.gathered: dict[str, int] = {}
         self.sharded_grads: set[str] = set()
@@ -314,8 +320,9 @@ class _Schedule:
                 if p.grad is not None:
                     self.tracker.unsharded_grads -= p.grad.untyped_storage().nbytes()
                     p.grad = None
-            in_flight = g.reduce_input + reduce_scatter_scratch(self.device_type, self.collectives, g.reduce_input,
-                                                                g.shard_size)
+            in_flight = g.reduce_input + reduce_scatter_scratch(
+                self.device_type, self.collectives, g.reduce_input, g.shard_size
+            )
             self.tracker.note_virtual(in_flight + new_shard, "backward")
             if new_shard:
                 self.tracker.add("grads", new_shard)
@@ -337,7 +344,7 @@ class _Schedule:
             self.gather_all()
 
     def gather_all(self) -> None:
-        """"keep_gathered" on CPU (`accumulation._KeptGroups.keep`): every group's all-gather
+        """ "keep_gathered" on CPU (`accumulation._KeptGroups.keep`): every group's all-gather
         starts at once, then each is copied out in turn, its output freed after its copy-out."""
         names = [n for n, g in self.sizes.items() if g.gathered and self.gathered.get(n, 0) < g.gathered]
         alive = sum(self.sizes[n].gathered for n in names)
@@ -352,8 +359,15 @@ class _Schedule:
                 self.post_backward(name)
 
 
-def states_without_batch(sizes: dict[str, GroupSizes], tracker: LiveBytes, resident: int, prefetch: int,
-                         offload: bool, device_type: str, collectives: str = "auto") -> None:
+def states_without_batch(
+    sizes: dict[str, GroupSizes],
+    tracker: LiveBytes,
+    resident: int,
+    prefetch: int,
+    offload: bool,
+    device_type: str,
+    collectives: str = "auto",
+) -> None:
     """Without an example batch: the moment late in backward when the groups kept gathered, the
     largest resharded group and its prefetched neighbours, an all-gather and a reduce-scatter buffer
     and the sharded gradients are alive together (activations are not counted)."""
@@ -363,20 +377,36 @@ def states_without_batch(sizes: dict[str, GroupSizes], tracker: LiveBytes, resid
     tracker.add("gathered", kept + sum(moving[: 1 + prefetch]))
     tracker.add("grads", 0 if offload else sum(g.sharded for g in sizes.values()))
     # An all-gather (prefetch) and the previous group's reduce-scatter can be in flight together.
-    reduce = max((g.reduce_input + reduce_scatter_scratch(device_type, collectives, g.reduce_input, g.shard_size)
-                  + g.sharded for g in sizes.values()), default=0)
+    reduce = max(
+        (
+            g.reduce_input + reduce_scatter_scratch(device_type, collectives, g.reduce_input, g.shard_size) + g.sharded
+            for g in sizes.values()
+        ),
+        default=0,
+    )
     tracker.note_virtual(max(moving, default=0) + reduce, "backward")
 
 
-def run_step(model: nn.Module, batch: Any, loss_fn, sizes: dict[str, GroupSizes], tracker: LiveBytes,
-             resident: int, config: FSDP2Config, accumulation: str, micro_batches: int, device_type: str) -> None:
+def run_step(
+    model: nn.Module,
+    batch: Any,
+    loss_fn,
+    sizes: dict[str, GroupSizes],
+    tracker: LiveBytes,
+    resident: int,
+    config: FSDP2Config,
+    accumulation: str,
+    micro_batches: int,
+    device_type: str,
+) -> None:
     """Play forward and backward of up to two micro-batches (the second looks like every later one)
     as on `device_type` (its attention kernels and collective buffers: `sim_device`)."""
     schedule = _Schedule(model, sizes, tracker, config, device_type)
     schedule.install()
     tracker.add("resident", resident)
-    tracker.ignore([*model.parameters(), *model.buffers(),
-                    *(t for t in tc.tree_flatten(batch)[0] if isinstance(t, torch.Tensor))])
+    tracker.ignore(
+        [*model.parameters(), *model.buffers(), *(t for t in tc.tree_flatten(batch)[0] if isinstance(t, torch.Tensor))]
+    )
     loss_fn = loss_fn or default_loss
     runs = min(micro_batches, 2)
     try:
@@ -387,8 +417,9 @@ def run_step(model: nn.Module, batch: Any, loss_fn, sizes: dict[str, GroupSizes]
                 # "keep_gathered": the last micro-batch's forward still keeps every group gathered
                 # (accumulation._KeptGroups restores each group's choice after it); its backward reshards.
                 kept = accumulation == "keep_gathered" and micro_batches > 1
-                schedule.start_micro_batch(sync=last or accumulation == "sync_each", keep_forward=kept,
-                                           keep_backward=kept and not last)
+                schedule.start_micro_batch(
+                    sync=last or accumulation == "sync_each", keep_forward=kept, keep_backward=kept and not last
+                )
                 loss = loss_fn(model, batch)
                 tracker.phase = "backward"
                 loss.backward()

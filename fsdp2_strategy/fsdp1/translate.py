@@ -37,9 +37,24 @@ from ..shard import shard_model
 from ..wrap_policy import modules_matching
 from .wrap import policy_groups
 
-FSDP1_KEYWORDS = ("sharding_strategy", "mixed_precision", "cpu_offload", "ignored_modules", "auto_wrap_policy",
-                  "fsdp_auto_wrap_policy", "device_mesh", "process_group")
-FSDP2_KEYWORDS = ("mesh", "reshard_after_forward", "shard_placement_fn", "mp_policy", "offload_policy", "ignored_params")
+FSDP1_KEYWORDS = (
+    "sharding_strategy",
+    "mixed_precision",
+    "cpu_offload",
+    "ignored_modules",
+    "auto_wrap_policy",
+    "fsdp_auto_wrap_policy",
+    "device_mesh",
+    "process_group",
+)
+FSDP2_KEYWORDS = (
+    "mesh",
+    "reshard_after_forward",
+    "shard_placement_fn",
+    "mp_policy",
+    "offload_policy",
+    "ignored_params",
+)
 # What these FSDP1 switches asked for is what FSDP2 always does (the mesh picks the device,
 # parameters keep their names, meta init replaces broadcasting, no rate limiter needed).
 NO_OP_KEYWORDS = ("device_id", "use_orig_params", "sync_module_states", "limit_all_gathers")
@@ -47,7 +62,7 @@ NO_OP_KEYWORDS = ("device_id", "use_orig_params", "sync_module_states", "limit_a
 REFUSED_KEYWORDS = {
     "param_init_fn": "define init_weights() or reset_parameters() and build on the meta device",
     "overlap_comm": "FSDP2 overlaps communication with compute by itself; drop it (forward_prefetch=/"
-                    "backward_prefetch= set how many blocks ahead to all-gather)",
+    "backward_prefetch= set how many blocks ahead to all-gather)",
 }
 
 
@@ -62,7 +77,9 @@ def _check_mixed_precision(mp: MixedPrecision) -> None:
 
 
 def _fsdp2_policy(mp: MixedPrecision, cast_inputs: bool) -> MixedPrecisionPolicy:
-    return MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype, cast_forward_inputs=cast_inputs)
+    return MixedPrecisionPolicy(
+        param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype, cast_forward_inputs=cast_inputs
+    )
 
 
 def _float_buffers(module: nn.Module, ignored: list[str]) -> list[tuple[nn.Module, str, torch.Tensor]]:
@@ -118,10 +135,14 @@ def _ignored_class_overrides(module: nn.Module, mp: MixedPrecision, ignored: lis
     classes = tc.classes_to_ignore(mp)
     if not classes or mp.param_dtype is None:
         return {}
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                output_dtype=mp.param_dtype, cast_forward_inputs=True)
-    return {name: {"mixed_precision": fp32} for name, m in module.named_modules()
-            if name and isinstance(m, classes) and not any(name == i or name.startswith(i + ".") for i in ignored)}
+    fp32 = MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=mp.param_dtype, cast_forward_inputs=True
+    )
+    return {
+        name: {"mixed_precision": fp32}
+        for name, m in module.named_modules()
+        if name and isinstance(m, classes) and not any(name == i or name.startswith(i + ".") for i in ignored)
+    }
 
 
 # --------------------------------------------------------------------------- other settings
@@ -159,7 +180,9 @@ def _pop_fsdp1(kwargs: dict[str, Any]) -> dict[str, Any]:
     fsdp1 = {k: kwargs.pop(k) for k in FSDP1_KEYWORDS if k in kwargs}
     if "fsdp_auto_wrap_policy" in fsdp1:  # torch 1.11's name for auto_wrap_policy
         if "auto_wrap_policy" in fsdp1:
-            raise ValueError("fully_shard got both auto_wrap_policy and fsdp_auto_wrap_policy (its old name); keep auto_wrap_policy.")
+            raise ValueError(
+                "fully_shard got both auto_wrap_policy and fsdp_auto_wrap_policy (its old name); keep auto_wrap_policy."
+            )
         fsdp1["auto_wrap_policy"] = fsdp1.pop("fsdp_auto_wrap_policy")
     if fsdp1.get("process_group") is None:
         fsdp1.pop("process_group", None)
@@ -178,8 +201,10 @@ def _check_fsdp2_keywords(kwargs: dict[str, Any]) -> None:
             raise ValueError(f"fully_shard({key}={kwargs[key]!r}) is invalid; pass {fix}.")
     reshard = kwargs.get("reshard_after_forward")
     if not (reshard is None or isinstance(reshard, bool) or (isinstance(reshard, int) and reshard >= 1)):
-        raise ValueError(f"fully_shard(reshard_after_forward={reshard!r}) is invalid; use True, False, or a positive "
-                         "int that divides the shard group size.")
+        raise ValueError(
+            f"fully_shard(reshard_after_forward={reshard!r}) is invalid; use True, False, or a positive "
+            "int that divides the shard group size."
+        )
 
 
 def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
@@ -204,22 +229,38 @@ def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
     _check_fsdp2_keywords(kwargs)
     if not (fsdp1 or no_ops or prefetch):
         if kwargs.get("mesh") is None and not dist.is_initialized():  # torch would try env:// and ask for RANK
-            raise RuntimeError("fully_shard needs an initialised process group (or mesh=): call f2.init_distributed() "
-                               "or torch.distributed.init_process_group() first.")
+            raise RuntimeError(
+                "fully_shard needs an initialised process group (or mesh=): call f2.init_distributed() "
+                "or torch.distributed.init_process_group() first."
+            )
         return cast(nn.Module, _torch_fully_shard(module, **kwargs))
-    clashes = [(a, b) for a, b in (("mixed_precision", "mp_policy"), ("cpu_offload", "offload_policy"),
-                                   ("ignored_modules", "ignored_params"), ("device_mesh", "mesh"),
-                                   ("process_group", "mesh"), ("process_group", "device_mesh"))
-               if a in fsdp1 and (b in kwargs or b in fsdp1)]
+    clashes = [
+        (a, b)
+        for a, b in (
+            ("mixed_precision", "mp_policy"),
+            ("cpu_offload", "offload_policy"),
+            ("ignored_modules", "ignored_params"),
+            ("device_mesh", "mesh"),
+            ("process_group", "mesh"),
+            ("process_group", "device_mesh"),
+        )
+        if a in fsdp1 and (b in kwargs or b in fsdp1)
+    ]
     if clashes:
         raise ValueError(f"fully_shard got two keywords for the same setting: {clashes}; keep one of each pair.")
     if "shard_placement_fn" in kwargs or "ignored_params" in kwargs:
-        raise ValueError("shard_placement_fn/ignored_params cannot be combined with FSDP1 keywords; use FSDP2 keywords only.")
+        raise ValueError(
+            "shard_placement_fn/ignored_params cannot be combined with FSDP1 keywords; use FSDP2 keywords only."
+        )
     return _shard_fsdp1(module, fsdp1, kwargs, prefetch)
 
 
 def _shard_fsdp1(module: nn.Module, fsdp1: dict, fsdp2: dict, prefetch: dict) -> nn.Module:
-    ignored = modules_matching(module, list(fsdp1["ignored_modules"]), "ignored_modules") if fsdp1.get("ignored_modules") else []
+    ignored = (
+        modules_matching(module, list(fsdp1["ignored_modules"]), "ignored_modules")
+        if fsdp1.get("ignored_modules")
+        else []
+    )
     policy = fsdp1.get("auto_wrap_policy")
     chosen = set(policy_groups(module, policy, ignored)) if policy is not None else set()
     config: dict[str, Any] = {"wrap_policy": (lambda m, name: name in chosen) if chosen else None, "log_plan": False}
@@ -252,7 +293,9 @@ def _shard_fsdp1(module: nn.Module, fsdp1: dict, fsdp2: dict, prefetch: dict) ->
     shard_model(module, config, mesh=mesh)
     # After sharding, so that a refused config leaves the buffers as they were. Modules kept in
     # fp32 keep their buffers too: FSDP1 gives them no mixed precision at all.
-    buffer_note = _cast_buffers(module, mp.buffer_dtype, ignored + list(fp32_modules)) if isinstance(mp, MixedPrecision) else ""
+    buffer_note = (
+        _cast_buffers(module, mp.buffer_dtype, ignored + list(fp32_modules)) if isinstance(mp, MixedPrecision) else ""
+    )
     _mark_root(module, root_cast, buffer_note)
     return module
 

@@ -56,8 +56,10 @@ def keep_freed_memory() -> bool:
     # Both at once: setting either one also turns off glibc's own adjustment of the other, and the
     # trim threshold alone would leave the mmap threshold at 128 KiB (a fresh mmap per tensor).
     if not (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
-        raise RuntimeError("glibc's mallopt refused M_MMAP_THRESHOLD/M_TRIM_THRESHOLD; "
-                           "set FSDP2Config.host_allocator='system' to leave malloc alone.")
+        raise RuntimeError(
+            "glibc's mallopt refused M_MMAP_THRESHOLD/M_TRIM_THRESHOLD; "
+            "set FSDP2Config.host_allocator='system' to leave malloc alone."
+        )
     _kept = True
     _log.debug("glibc malloc keeps freed blocks: mmap threshold %d, trim threshold %d", MMAP_THRESHOLD, TRIM_THRESHOLD)
     return True
@@ -75,8 +77,10 @@ def apply_host_allocator(host_allocator: str, device_type: str) -> bool:
     check_choice(host_allocator, HOST_ALLOCATORS, "FSDP2Config.host_allocator")
     if host_allocator == "cache":
         if not keep_freed_memory():
-            raise ValueError(f"FSDP2Config.host_allocator='cache' needs glibc's malloc, and this process runs on "
-                             f"{platform.libc_ver()[0] or platform.system()}; use 'auto' or 'system'.")
+            raise ValueError(
+                f"FSDP2Config.host_allocator='cache' needs glibc's malloc, and this process runs on "
+                f"{platform.libc_ver()[0] or platform.system()}; use 'auto' or 'system'."
+            )
         return True
     if host_allocator == "auto" and device_type == "cpu":
         return keep_freed_memory()

@@ -97,9 +97,11 @@ def materialize(model: nn.Module, mesh: DeviceMesh) -> None:
     with _rank_zero_rng() if on_cpu else contextlib.nullcontext():
         if _has_init_weights(model):
             if on_cpu:
-                log_rank_zero("Initialising the meta-device model on a CPU mesh: init_weights() runs on full-size "
-                              "tensors of the whole model, then each rank keeps its shards (define "
-                              "reset_parameters() on the modules instead to hold one module at a time).")
+                log_rank_zero(
+                    "Initialising the meta-device model on a CPU mesh: init_weights() runs on full-size "
+                    "tensors of the whole model, then each rank keeps its shards (define "
+                    "reset_parameters() on the modules instead to hold one module at a time)."
+                )
             run(list(model.modules()), model.init_weights)
         else:
             for module in model.modules():

@@ -72,11 +72,31 @@ class ShardingPlan:
         return sum(g.local_bytes for g in self.groups)
 
     def __str__(self) -> str:
-        header: tuple[str, ...] = ("group", "type", "params", "MiB/rank", "mesh", "strategy", "reshard", "precision", "offload", "tp", "note")
+        header: tuple[str, ...] = (
+            "group",
+            "type",
+            "params",
+            "MiB/rank",
+            "mesh",
+            "strategy",
+            "reshard",
+            "precision",
+            "offload",
+            "tp",
+            "note",
+        )
         rows: list[tuple[str, ...]] = [header] + [
             (
-                g.name, g.module_type, f"{g.num_params:,}", f"{g.local_bytes / 2**20:.2f}", "x".join(map(str, g.mesh_shape)),
-                g.strategy, str(g.reshard_after_forward), g.precision, "yes" if g.cpu_offload else "no", g.tensor_parallel,
+                g.name,
+                g.module_type,
+                f"{g.num_params:,}",
+                f"{g.local_bytes / 2**20:.2f}",
+                "x".join(map(str, g.mesh_shape)),
+                g.strategy,
+                str(g.reshard_after_forward),
+                g.precision,
+                "yes" if g.cpu_offload else "no",
+                g.tensor_parallel,
                 g.note,
             )
             for g in self.groups
@@ -87,10 +107,16 @@ class ShardingPlan:
         lines.insert(1, "  ".join("-" * w for w in widths))
         lines.append(f"gradient accumulation: {self.accumulation} ({ACCUMULATION_SUMMARY[self.accumulation]})")
         sharded = sum(g.strategy not in ("REPLICATED", "IGNORED") for g in self.groups)
-        lines.append(f"collectives: point-to-point rings on {self.ring_groups} of {sharded} FSDP groups, torch's on the rest"
-                     if self.ring_groups else "collectives: torch's")
-        lines.append("host memory: glibc malloc keeps freed blocks for reuse" if self.freed_memory_kept
-                     else "host memory: malloc's own settings")
+        lines.append(
+            f"collectives: point-to-point rings on {self.ring_groups} of {sharded} FSDP groups, torch's on the rest"
+            if self.ring_groups
+            else "collectives: torch's"
+        )
+        lines.append(
+            "host memory: glibc malloc keeps freed blocks for reuse"
+            if self.freed_memory_kept
+            else "host memory: malloc's own settings"
+        )
         return "\n".join(lines)
 
 
@@ -143,11 +169,15 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
         scalar = reason == SCALAR_REASON
         plan.groups.append(
             GroupPlan(
-                name=", ".join(by_name) if scalar else _owner_names(by_name), module_type="scalar" if scalar else "replicate",
+                name=", ".join(by_name) if scalar else _owner_names(by_name),
+                module_type="scalar" if scalar else "replicate",
                 num_params=sum(p.numel() for p in by_name.values()),
                 local_bytes=sum(_local_bytes(p) for p in by_name.values()),
-                mesh_shape=tuple(replicated.mesh.shape), strategy="REPLICATED", reshard_after_forward="-",
-                precision="param", note=reason,
+                mesh_shape=tuple(replicated.mesh.shape),
+                strategy="REPLICATED",
+                reshard_after_forward="-",
+                precision="param",
+                note=reason,
             )
         )
     return plan

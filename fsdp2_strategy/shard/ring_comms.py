@@ -48,8 +48,10 @@ class _Pending(dist.Work):
 def _start_ring_step(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup) -> _Pending:
     """Start sending `send` to the next rank of the ring and receiving `recv` from the previous one."""
     rank, world = group.rank(), group.size()
-    ops = [dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % world),
-           dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % world)]
+    ops = [
+        dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % world),
+        dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % world),
+    ]
     return _Pending(dist.batch_isend_irecv(ops))
 
 
@@ -62,20 +64,24 @@ class _FreshBuffers:
 
 def _check_sizes(name: str, full: torch.Tensor, chunk: torch.Tensor, world: int) -> None:
     if full.numel() != chunk.numel() * world:
-        raise ValueError(f"{name}: the full buffer has {full.numel()} elements, not {world} x {chunk.numel()} "
-                         f"(the chunk's) for a group of {world} ranks.")
+        raise ValueError(
+            f"{name}: the full buffer has {full.numel()} elements, not {world} x {chunk.numel()} "
+            f"(the chunk's) for a group of {world} ranks."
+        )
 
 
 class RingAllGather(_FreshBuffers, tc.AllGather):
     """All-gather of equal chunks into a flat output, in N-1 ring steps."""
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False) -> dist.Work | None:
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
         return self.ring_all_gather(output_tensor, input_tensor, group, async_op)
 
     @staticmethod
-    def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
-                        async_op: bool = False) -> dist.Work | None:
+    def ring_all_gather(
+        output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
         rank, world = group.rank(), group.size()
         _check_sizes("RingAllGather", output, input, world)
         chunks = output.view(world, -1)
@@ -97,16 +103,23 @@ class RingReduceScatter(_FreshBuffers, tc.ReduceScatter):
     which gloo does not offer anyway, go to torch's collective.
     """
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op=dist.ReduceOp.SUM, async_op: bool = False) -> dist.Work | None:
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op=dist.ReduceOp.SUM,
+        async_op: bool = False,
+    ) -> dist.Work | None:
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         self.ring_reduce_scatter(output_tensor, input_tensor, group, average=op == dist.ReduceOp.AVG)
         return None
 
     @staticmethod
-    def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup,
-                            average: bool = False) -> None:
+    def ring_reduce_scatter(
+        output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, average: bool = False
+    ) -> None:
         rank, world = group.rank(), group.size()
         _check_sizes("RingReduceScatter", input, output, world)
         chunks, out = input.view(world, -1), output.view(-1)
@@ -150,4 +163,3 @@ def install_ring_comms(model: nn.Module, collectives: str = "auto") -> int:
         setattr(module, ATTR, True)
         installed += 1
     return installed
-

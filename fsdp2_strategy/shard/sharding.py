@@ -65,12 +65,15 @@ def shard_model(
         config = _resolve_auto_strategy(model, config, mesh, example_batch=example_batch, loss_fn=loss_fn)
     tp = config.tensor_parallel_size
     dp_mesh, tp_mesh = split_mesh(mesh, tp) if mesh is not None and tp > 1 else (mesh, None)
-    meshes = MeshCache(device_type=mesh.device_type if mesh is not None else None, given=dp_mesh, tp_size=tp,
-                       tp_mesh=tp_mesh)
+    meshes = MeshCache(
+        device_type=mesh.device_type if mesh is not None else None, given=dp_mesh, tp_size=tp, tp_mesh=tp_mesh
+    )
     root_settings = settings_for("", config)
     root_mesh = dp_mesh if dp_mesh is not None else meshes.get(root_settings.strategy, config.mesh_shape)
 
-    ignored_names = modules_matching(model, config.ignored_modules, "FSDP2Config.ignored_modules") if config.ignored_modules else []
+    ignored_names = (
+        modules_matching(model, config.ignored_modules, "FSDP2Config.ignored_modules") if config.ignored_modules else []
+    )
     ignored = {p for n in ignored_names for p in model.get_submodule(n).parameters()}
     scalars = find_scalar_params(model, {id(p) for p in ignored})
     groups = select_groups(model, config, ignored_names)
@@ -113,12 +116,15 @@ def shard_model(
     return model
 
 
-def _resolve_auto_strategy(model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None,
-                           **planner_inputs: Any) -> FSDP2Config:
+def _resolve_auto_strategy(
+    model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None, **planner_inputs: Any
+) -> FSDP2Config:
     """Let the memory planner pick the strategy (the same choice on every rank: the estimate is
     deterministic and uses only the model's shapes and the config)."""
     if not dist.is_initialized():
-        raise RuntimeError("shard_model needs an initialised process group (sharding_strategy='auto' plans for its world size).")
+        raise RuntimeError(
+            "shard_model needs an initialised process group (sharding_strategy='auto' plans for its world size)."
+        )
     world = dist.get_world_size()
     nodes = config.mesh_shape[0] if config.mesh_shape and len(config.mesh_shape) == 2 else detect_num_nodes(world)
     # The device the job trains on decides attention kernels and collective buffers (`estimate.sim_device`).
@@ -141,8 +147,11 @@ def _plan_groups(model, config, groups, root_settings, root_mesh, meshes):
         if settings.reshard_after_forward is None:
             settings.reshard_after_forward = default_reshard_after_forward(settings.strategy)
         group_mesh = root_mesh if settings.strategy == root_settings.strategy else meshes.get(settings.strategy, None)
-        field = (f"FSDP2Config.module_overrides[{settings.override!r}].reshard_after_forward"
-                 if settings.override else "FSDP2Config.reshard_after_forward")
+        field = (
+            f"FSDP2Config.module_overrides[{settings.override!r}].reshard_after_forward"
+            if settings.override
+            else "FSDP2Config.reshard_after_forward"
+        )
         check_reshard_factor(settings.reshard_after_forward, shard_group_size(group_mesh), field)
         plan.append((name, settings, group_mesh))
     return plan

@@ -7,15 +7,15 @@ and mesh derived from what Lightning knows (`config`), precision strings and plu
 
 from .checkpoint import META_FILE, is_sharded_checkpoint, not_committed_error
 from .config import (
-                     REGISTERED,
-                     START_METHODS,
-                     check_start_method,
-                     check_tensor_parallel_layout,
-                     core_mesh,
-                     effective_config,
-                     parallel_sizes,
-                     process_group_backend,
-                     register_all,
+    REGISTERED,
+    START_METHODS,
+    check_start_method,
+    check_tensor_parallel_layout,
+    core_mesh,
+    effective_config,
+    parallel_sizes,
+    process_group_backend,
+    register_all,
 )
 from .launch import ShutdownAfterWorker
 from .precision import MIXED_POLICY, SUPPORTED_PRECISION, mixed_scaler, swap_plugin

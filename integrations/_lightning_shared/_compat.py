@@ -13,7 +13,8 @@ from fsdp2_strategy.versions import find_private, private_api_error
 
 _missing: list[str] = []
 default_backend_for_device = find_private(
-    "lightning.fabric.utilities.distributed:_get_default_process_group_backend_for_device", _missing)
+    "lightning.fabric.utilities.distributed:_get_default_process_group_backend_for_device", _missing
+)
 
 
 def check_private_api() -> None:

@@ -18,5 +18,7 @@ def is_sharded_checkpoint(path: Any) -> bool:
 
 def not_committed_error(path: Path, alternative: str) -> FileNotFoundError:
     """The error for a directory that is not a committed sharded checkpoint (`alternative`: what to do instead)."""
-    return FileNotFoundError(f"{path} is not a committed fsdp2 checkpoint (no .metadata and {META_FILE}): a save "
-                             f"that did not finish is never loaded. {alternative}")
+    return FileNotFoundError(
+        f"{path} is not a committed fsdp2 checkpoint (no .metadata and {META_FILE}): a save "
+        f"that did not finish is never loaded. {alternative}"
+    )

@@ -43,8 +43,15 @@ def check_start_method(owner: str, start_method: str) -> None:
         raise ValueError(f"{owner}.start_method={start_method!r} is invalid; use one of {START_METHODS}.")
 
 
-def effective_config(config: f2.FSDP2Config, mixed_policy: str | None, num_nodes: int, num_processes: int, *,
-                     module: nn.Module | None = None, data_parallel_size: Any = None) -> f2.FSDP2Config:
+def effective_config(
+    config: f2.FSDP2Config,
+    mixed_policy: str | None,
+    num_nodes: int,
+    num_processes: int,
+    *,
+    module: nn.Module | None = None,
+    data_parallel_size: Any = None,
+) -> f2.FSDP2Config:
     """`config` plus what Lightning knows: the precision string's FSDP2 policy (unless
     `mixed_precision` is set), `sharding_strategy="auto"` resolved by the core planner for
     Lightning's node and process counts (the mesh depends on the strategy), for hybrid sharding
@@ -90,8 +97,9 @@ def own_tensor_parallel(config: f2.FSDP2Config, module: nn.Module, data_parallel
     return changes
 
 
-def parallel_sizes(owner: str, config: f2.FSDP2Config, data_parallel_size: Any, num_nodes: int,
-                   num_processes: int) -> tuple[int, int]:
+def parallel_sizes(
+    owner: str, config: f2.FSDP2Config, data_parallel_size: Any, num_nodes: int, num_processes: int
+) -> tuple[int, int]:
     """Lightning's ("data_parallel", "tensor_parallel") mesh sizes: TP from the config, data
     parallelism every other rank ("auto"; `ModelParallelStrategy`'s "auto" is the node count, which
     shards nothing on one node) or as given. Raises ValueError naming the sizes that do not fit."""
@@ -99,14 +107,18 @@ def parallel_sizes(owner: str, config: f2.FSDP2Config, data_parallel_size: Any, 
     world = num_nodes * num_processes
     tp = config.tensor_parallel_size
     if world % tp:
-        raise ValueError(f"{owner}(tensor_parallel_size={tp}) does not divide the {world} processes "
-                         f"({num_nodes} node(s) x {num_processes}); use a divisor of {world}.")
+        raise ValueError(
+            f"{owner}(tensor_parallel_size={tp}) does not divide the {world} processes "
+            f"({num_nodes} node(s) x {num_processes}); use a divisor of {world}."
+        )
     if data_parallel_size == "auto":
         return world // tp, tp
     if data_parallel_size * tp != world:
-        raise ValueError(f"{owner}(data_parallel_size={data_parallel_size}, tensor_parallel_size={tp}) needs "
-                         f"{data_parallel_size * tp} processes, but there are {world}; their product must equal the "
-                         "number of processes.")
+        raise ValueError(
+            f"{owner}(data_parallel_size={data_parallel_size}, tensor_parallel_size={tp}) needs "
+            f"{data_parallel_size * tp} processes, but there are {world}; their product must equal the "
+            "number of processes."
+        )
     return data_parallel_size, tp
 
 

@@ -40,7 +40,8 @@ def swap_plugin(plugin: Any, ours: type, swaps: dict[type, type], front_door: st
         raise ValueError(
             f"strategy='fsdp2' cannot honour the precision plugin {kind.__name__}"
             f" (precision={getattr(plugin, 'precision', None)!r}). Use {front_door}(precision=...) with one of: "
-            + ", ".join(SUPPORTED_PRECISION) + "."
+            + ", ".join(SUPPORTED_PRECISION)
+            + "."
         )
     precision = getattr(plugin, "precision", None)
     if precision in MIXED_POLICY:

@@ -37,13 +37,37 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from fsdp2_strategy.versions import private_api_error
 
 PRIVATE_ATTRIBUTES = (
-    "_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects",
-    "_save_model_state_pre_hook", "_load_model_state_pre_hook",
+    "_models",
+    "_optimizers",
+    "_schedulers",
+    "_dataloaders",
+    "_custom_objects",
+    "_save_model_state_pre_hook",
+    "_load_model_state_pre_hook",
 )
-_SAVE_PARAMS = ("output_dir", "model_states", "optimizers", "schedulers", "dataloaders", "process_index", "step",
-                "scaler", "save_on_each_node", "safe_serialization")
-_LOAD_PARAMS = ("input_dir", "models", "optimizers", "schedulers", "dataloaders", "process_index", "scaler",
-                "map_location", "load_kwargs")
+_SAVE_PARAMS = (
+    "output_dir",
+    "model_states",
+    "optimizers",
+    "schedulers",
+    "dataloaders",
+    "process_index",
+    "step",
+    "scaler",
+    "save_on_each_node",
+    "safe_serialization",
+)
+_LOAD_PARAMS = (
+    "input_dir",
+    "models",
+    "optimizers",
+    "schedulers",
+    "dataloaders",
+    "process_index",
+    "scaler",
+    "map_location",
+    "load_kwargs",
+)
 _STOCK_READS_FSDP_VERSION = "fsdp_plugin.fsdp_version"
 
 save_accelerator_state = _checkpointing.save_accelerator_state
@@ -56,8 +80,10 @@ def _problems() -> list[str]:
     problems = []
     if not hasattr(DistributedType, "FSDP"):
         problems.append("accelerate.utils.DistributedType.FSDP")
-    for name, func, params in (("save_accelerator_state", save_accelerator_state, _SAVE_PARAMS),
-                               ("load_accelerator_state", load_accelerator_state, _LOAD_PARAMS)):
+    for name, func, params in (
+        ("save_accelerator_state", save_accelerator_state, _SAVE_PARAMS),
+        ("load_accelerator_state", load_accelerator_state, _LOAD_PARAMS),
+    ):
         have = list(inspect.signature(func).parameters)
         if have[: len(params)] != list(params):
             problems.append(f"accelerate.checkpointing.{name}{tuple(params)} (found {tuple(have)})")
@@ -100,9 +126,15 @@ class Registries:
 
 def registries(accelerator: Accelerator) -> Registries:
     """The adapter's only way to the Accelerator's private registries (checked by `check_accelerator`)."""
-    return Registries(accelerator._models, accelerator._optimizers, accelerator._schedulers, accelerator._dataloaders,
-                      accelerator._custom_objects, accelerator._save_model_state_pre_hook,
-                      accelerator._load_model_state_pre_hook)
+    return Registries(
+        accelerator._models,
+        accelerator._optimizers,
+        accelerator._schedulers,
+        accelerator._dataloaders,
+        accelerator._custom_objects,
+        accelerator._save_model_state_pre_hook,
+        accelerator._load_model_state_pre_hook,
+    )
 
 
 def check_accelerator(accelerator: Accelerator) -> None:

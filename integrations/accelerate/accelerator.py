@@ -31,8 +31,10 @@ from .plugin import FSDP2Plugin
 
 __all__ = ["FSDP2Accelerator"]
 
-_CPU_HINT = ("FSDP2Accelerator(cpu=True) or ACCELERATE_USE_CPU=true (accelerate's FSDP launcher does not pass the "
-             "config's `use_cpu: true` on); or lower `num_processes` in the accelerate config")
+_CPU_HINT = (
+    "FSDP2Accelerator(cpu=True) or ACCELERATE_USE_CPU=true (accelerate's FSDP launcher does not pass the "
+    "config's `use_cpu: true` on); or lower `num_processes` in the accelerate config"
+)
 _REFUSED_KWARGS = ("deepspeed_plugin", "deepspeed_plugins", "megatron_lm_plugin", "torch_tp_plugin")
 
 
@@ -79,8 +81,14 @@ class FSDP2Accelerator(Accelerator):
         if fsdp_plugin is None:
             fsdp_plugin = FSDP2Plugin()
         elif not isinstance(fsdp_plugin, FSDP2Plugin):
-            hint = " It reads the same accelerate config file." if isinstance(fsdp_plugin, FullyShardedDataParallelPlugin) else ""
-            raise TypeError(f"FSDP2Accelerator(fsdp_plugin=...) needs an FSDP2Plugin, got {type(fsdp_plugin).__name__}.{hint}")
+            hint = (
+                " It reads the same accelerate config file."
+                if isinstance(fsdp_plugin, FullyShardedDataParallelPlugin)
+                else ""
+            )
+            raise TypeError(
+                f"FSDP2Accelerator(fsdp_plugin=...) needs an FSDP2Plugin, got {type(fsdp_plugin).__name__}.{hint}"
+            )
         refused = [k for k in _REFUSED_KWARGS if kwargs.get(k) is not None]
         if refused:
             raise ValueError(f"FSDP2Accelerator does not combine with {', '.join(refused)}; FSDP2 is the engine here.")
@@ -93,14 +101,18 @@ class FSDP2Accelerator(Accelerator):
         init_handler = handlers.get(InitProcessGroupKwargs)
         # Started here, before Accelerate's state would start its own: on an accelerator the core
         # adds a CPU backend ("cpu:gloo,cuda:nccl") that DCP and offloaded state need.
-        f2.init_distributed(cpu=cpu, timeout=timeout if timeout is not None or init_handler is None else init_handler.timeout,
-                            cpu_hint=_CPU_HINT)
+        f2.init_distributed(
+            cpu=cpu,
+            timeout=timeout if timeout is not None or init_handler is None else init_handler.timeout,
+            cpu_hint=_CPU_HINT,
+        )
         compat.release_reported_precision()
         parallelism = requested_parallelism_config(kwargs.pop("parallelism_config", None))
         if parallelism is not None:
             # Sizes become core config (refused if unsupported) before any model is sharded.
-            fsdp_plugin.fsdp2_config = apply_parallelism_config(fsdp_plugin.fsdp2_config, parallelism,
-                                                                torch.distributed.get_world_size())
+            fsdp_plugin.fsdp2_config = apply_parallelism_config(
+                fsdp_plugin.fsdp2_config, parallelism, torch.distributed.get_world_size()
+            )
         # Accelerate must not build its own FSDP plugin from the environment (it parses the
         # same variables with FSDP1 defaults) nor autocast: FSDP2 policies do the casting.
         with _env_without("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG"):
@@ -117,14 +129,23 @@ class FSDP2Accelerator(Accelerator):
             # fp16 gradients overflow: a scaler that agrees on inf/NaN across ranks (the sharded
             # one), and `native_amp` so Accelerate unscales before clipping.
             scaler_handler = handlers.get(GradScalerKwargs)
-            self.scaler = ShardedGradScaler(device=self.device.type,
-                                            **(scaler_handler.to_kwargs() if scaler_handler else {}))
+            self.scaler = ShardedGradScaler(
+                device=self.device.type, **(scaler_handler.to_kwargs() if scaler_handler else {})
+            )
             self.native_amp = True
         if self.state.dynamo_plugin.backend != DynamoBackend.NO:
-            log_rank_zero("dynamo_backend is not applied by FSDP2Accelerator; use FSDP2Plugin(compile=True) to compile "
-                          "each wrapped block.", level=30)
-        log_rank_zero("FSDP2Accelerator: %d process(es), device %s, precision %s, %s",
-                      self.num_processes, self.device, self.mixed_precision, fsdp_plugin)
+            log_rank_zero(
+                "dynamo_backend is not applied by FSDP2Accelerator; use FSDP2Plugin(compile=True) to compile "
+                "each wrapped block.",
+                level=30,
+            )
+        log_rank_zero(
+            "FSDP2Accelerator: %d process(es), device %s, precision %s, %s",
+            self.num_processes,
+            self.device,
+            self.mixed_precision,
+            fsdp_plugin,
+        )
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -160,7 +181,9 @@ class FSDP2Accelerator(Accelerator):
         after `prepare(model)` needs nothing). Returns the objects in the same order.
         """
         if device_placement is not None and len(device_placement) != len(args):
-            raise ValueError(f"`device_placement` should be a list with {len(args)} elements (the number of objects passed).")
+            raise ValueError(
+                f"`device_placement` should be a list with {len(args)} elements (the number of objects passed)."
+            )
         placements = device_placement or [None] * len(args)
         result = list(args)
         snapshots = []
@@ -169,7 +192,9 @@ class FSDP2Accelerator(Accelerator):
                 before = parameters_by_name(obj)
                 result[i] = self.prepare_model(obj, device_placement=placements[i])
                 snapshots.append((before, result[i]))
-        optimizers = [o for o in args if isinstance(o, torch.optim.Optimizer) and not isinstance(o, AcceleratedOptimizer)]
+        optimizers = [
+            o for o in args if isinstance(o, torch.optim.Optimizer) and not isinstance(o, AcceleratedOptimizer)
+        ]
         prepared = compat.registries(self)
         optimizers += [o.optimizer for o in prepared.optimizers]
         for optimizer in optimizers:
@@ -185,12 +210,15 @@ class FSDP2Accelerator(Accelerator):
             if isinstance(obj, LRScheduler):
                 result[i] = self.prepare_scheduler(obj)
         for obj in result:
-            if any(obj is o for o in (*prepared.dataloaders, *prepared.models, *prepared.optimizers, *prepared.schedulers)):
+            if any(
+                obj is o for o in (*prepared.dataloaders, *prepared.models, *prepared.optimizers, *prepared.schedulers)
+            ):
                 obj._is_accelerate_prepared = True
         return tuple(result) if len(result) > 1 else result[0]
 
-    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
-                      evaluation_mode: bool = False) -> nn.Module:
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> nn.Module:
         """Shard `model` in place with the core (also for evaluation: it is what fits in memory)."""
         if getattr(model, "_is_accelerate_prepared", False):
             models = compat.registries(self).models
@@ -225,12 +253,14 @@ class FSDP2Accelerator(Accelerator):
                     stack.enter_context(self.no_sync(model))
             yield
 
-    def clip_grad_norm_(self, parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
-                        norm_type: float = 2) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
         """Clip by the global norm over all shards (core `clip_grad_norm_`); returns the total norm."""
         self.unscale_gradients()
-        return f2.clip_grad_norm_(list(parameters) if not isinstance(parameters, torch.Tensor) else parameters,
-                                  max_norm, norm_type)
+        return f2.clip_grad_norm_(
+            list(parameters) if not isinstance(parameters, torch.Tensor) else parameters, max_norm, norm_type
+        )
 
     def clip_grad_value_(self, parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float) -> None:
         """Clamp every gradient element (on each rank's shards; no communication needed)."""
@@ -250,8 +280,13 @@ class FSDP2Accelerator(Accelerator):
         holds more than one full tensor beyond rank 0's CPU copy of the result."""
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
-                   safe_serialization: bool = True) -> None:
+    def save_model(
+        self,
+        model: nn.Module,
+        save_directory: str | os.PathLike,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
         """Accelerate's `save_model` (safetensors, sharded with an index past `max_shard_size`) on the
         gathered weights; for a Hugging Face model also its `config.json`, so that
         `from_pretrained(save_directory)` loads it. Collective."""
@@ -261,16 +296,23 @@ class FSDP2Accelerator(Accelerator):
             config.save_pretrained(save_directory)
         self.wait_for_everyone()
 
-    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True,
-                   **save_model_func_kwargs: Any) -> str:
+    def save_state(
+        self,
+        output_dir: str | os.PathLike | None = None,
+        safe_serialization: bool = True,
+        **save_model_func_kwargs: Any,
+    ) -> str:
         """Save models, optimizers, schedulers, samplers, RNG, step and registered objects as one
         atomic, checksummed DCP directory (see `checkpoint`). Returns its path."""
         if save_model_func_kwargs:
-            raise TypeError(f"FSDP2Accelerator.save_state does not take {sorted(save_model_func_kwargs)} (DeepSpeed options).")
+            raise TypeError(
+                f"FSDP2Accelerator.save_state does not take {sorted(save_model_func_kwargs)} (DeepSpeed options)."
+            )
         return checkpoint.save_state(self, output_dir, safe_serialization)
 
-    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None,
-                   **load_model_func_kwargs: Any) -> None:
+    def load_state(
+        self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any
+    ) -> None:
         """Load what `save_state` wrote (any world size: DCP reshards). Prepare the same models and
         optimizers first. A missing, partial or damaged directory raises before anything changes."""
         if load_model_func_kwargs:

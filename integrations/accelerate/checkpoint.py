@@ -89,8 +89,10 @@ def save_state(acc: Accelerator, output_dir: str | os.PathLike | None, safe_seri
     if automatic:
         path = _auto_root(acc) / f"checkpoint_{acc.save_iteration}"
         if cdir.is_committed(path):
-            raise ValueError(f"Checkpoint directory {path} ({acc.save_iteration}) already exists; committed checkpoints "
-                             "are never rewritten. Set `accelerator.project_configuration.iteration` to a new number.")
+            raise ValueError(
+                f"Checkpoint directory {path} ({acc.save_iteration}) already exists; committed checkpoints "
+                "are never rewritten. Set `accelerator.project_configuration.iteration` to a new number."
+            )
     elif output_dir is None:
         raise ValueError("save_state() needs output_dir unless ProjectConfiguration(automatic_checkpoint_naming=True).")
     else:
@@ -99,8 +101,18 @@ def save_state(acc: Accelerator, output_dir: str | os.PathLike | None, safe_seri
     state = sharded_state(*_named(acc))
     tmp = cdir.prepare_tmp(path)
     prepared = compat.registries(acc)
-    compat.save_accelerator_state(str(tmp), [], [], prepared.schedulers, prepared.dataloaders, acc.process_index, acc.step,
-                                  acc.scaler, save_on_each_node=False, safe_serialization=safe_serialization)
+    compat.save_accelerator_state(
+        str(tmp),
+        [],
+        [],
+        prepared.schedulers,
+        prepared.dataloaders,
+        acc.process_index,
+        acc.step,
+        acc.scaler,
+        save_on_each_node=False,
+        safe_serialization=safe_serialization,
+    )
     for i, obj in enumerate(prepared.custom_objects):
         compat.save_custom_state(obj, str(tmp), i)
     for hook in prepared.save_hooks.values():
@@ -130,7 +142,9 @@ def resolve_load_dir(acc: Accelerator, input_dir: str | os.PathLike | None) -> P
     elif acc.project_configuration.automatic_checkpoint_naming:
         found = _committed_auto(_auto_root(acc))
         if not found:
-            raise FileNotFoundError(f"No committed checkpoint_N under {_auto_root(acc)}; partial saves are never loaded.")
+            raise FileNotFoundError(
+                f"No committed checkpoint_N under {_auto_root(acc)}; partial saves are never loaded."
+            )
         path = found[max(found)]
     else:
         raise ValueError("load_state() needs input_dir unless ProjectConfiguration(automatic_checkpoint_naming=True).")
@@ -151,8 +165,17 @@ def load_state(acc: Accelerator, input_dir: str | os.PathLike | None, load_kwarg
         hook(prepared.models, str(path))
     # RNG states are per rank: after a world-size change a rank without its file keeps its own
     # (Accelerate logs "Could not load random states").
-    override = compat.load_accelerator_state(str(path), [], [], prepared.schedulers, prepared.dataloaders, acc.process_index,
-                                             acc.scaler, map_location="cpu", load_kwargs=load_kwargs)
+    override = compat.load_accelerator_state(
+        str(path),
+        [],
+        [],
+        prepared.schedulers,
+        prepared.dataloaders,
+        acc.process_index,
+        acc.scaler,
+        map_location="cpu",
+        load_kwargs=load_kwargs,
+    )
     if "step" in override:
         acc.step = override["step"]
     for i, obj in enumerate(prepared.custom_objects):

@@ -36,7 +36,9 @@ def accelerate_config_env(path: str | os.PathLike) -> dict[str, str]:
         raise ValueError(f"accelerate config file {path} must hold a mapping of keys (as `accelerate config` writes).")
     fsdp = config.get("fsdp_config") or {}
     if not isinstance(fsdp, dict):
-        raise ValueError(f"accelerate config file {path}: `fsdp_config` must be a mapping of fsdp_* keys, got {fsdp!r}.")
+        raise ValueError(
+            f"accelerate config file {path}: `fsdp_config` must be a mapping of fsdp_* keys, got {fsdp!r}."
+        )
     env = {}
     for key, value in fsdp.items():
         if value is None:

@@ -80,7 +80,9 @@ def _positive_int(env: Mapping[str, str], var: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"{_where(var)}={raw!r} is invalid; SIZE_BASED_WRAP needs a positive int (parameters per group).")
+        raise ValueError(
+            f"{_where(var)}={raw!r} is invalid; SIZE_BASED_WRAP needs a positive int (parameters per group)."
+        )
     return value
 
 
@@ -153,8 +155,10 @@ def read_accelerate_env(environ: Mapping[str, str] | None = None) -> dict[str, A
     if precision is not None and precision.strip():
         key = precision.strip().lower()
         if key not in PRECISIONS:
-            raise ValueError(f"{_where('ACCELERATE_MIXED_PRECISION')}={precision!r} is not supported with FSDP2Plugin; "
-                             f"use one of {', '.join(PRECISIONS)} (fp8 is not available through this plugin).")
+            raise ValueError(
+                f"{_where('ACCELERATE_MIXED_PRECISION')}={precision!r} is not supported with FSDP2Plugin; "
+                f"use one of {', '.join(PRECISIONS)} (fp8 is not available through this plugin)."
+            )
         out["mixed_precision"] = PRECISIONS[key]
     sd_type = env.get("FSDP_STATE_DICT_TYPE")
     if sd_type is not None and sd_type.strip():

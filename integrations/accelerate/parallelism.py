@@ -38,36 +38,52 @@ def apply_parallelism_config(config: f2.FSDP2Config, pc: Any, world_size: int) -
     """`config` with the sizes of `pc` (an accelerate `ParallelismConfig`); ValueError naming the
     field for context/sequence parallel sizes, a product that is not the world size, or a plugin
     setting that disagrees."""
-    sizes = {name: int(getattr(pc, f"{name}_size", None) or 1) for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")}
+    sizes = {
+        name: int(getattr(pc, f"{name}_size", None) or 1) for name in ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+    }
     refused = [f"{name}_size={sizes[name]}" for name in ("cp", "sp") if sizes[name] > 1]
     if refused:
-        raise ValueError(f"ParallelismConfig({', '.join(refused)}) is not supported by FSDP2Accelerator (context and "
-                         "sequence parallelism are other engines); set cp_size=1 and sp_size=1.")
+        raise ValueError(
+            f"ParallelismConfig({', '.join(refused)}) is not supported by FSDP2Accelerator (context and "
+            "sequence parallelism are other engines); set cp_size=1 and sp_size=1."
+        )
     rep, shard, tp = sizes["dp_replicate"], sizes["dp_shard"], sizes["tp"]
     if rep * shard * tp != world_size:
-        raise ValueError(f"ParallelismConfig(dp_replicate_size={rep}, dp_shard_size={shard}, tp_size={tp}) holds "
-                         f"{rep * shard * tp} ranks but there are {world_size} processes; their product must equal the "
-                         f"number of processes (e.g. dp_shard_size={world_size // (rep * tp)} if that divides).")
+        raise ValueError(
+            f"ParallelismConfig(dp_replicate_size={rep}, dp_shard_size={shard}, tp_size={tp}) holds "
+            f"{rep * shard * tp} ranks but there are {world_size} processes; their product must equal the "
+            f"number of processes (e.g. dp_shard_size={world_size // (rep * tp)} if that divides)."
+        )
     if config.tensor_parallel_size not in (1, tp):
-        raise ValueError(f"FSDP2Plugin(tensor_parallel_size={config.tensor_parallel_size}) disagrees with "
-                         f"ParallelismConfig(tp_size={tp}); set the size in one place.")
+        raise ValueError(
+            f"FSDP2Plugin(tensor_parallel_size={config.tensor_parallel_size}) disagrees with "
+            f"ParallelismConfig(tp_size={tp}); set the size in one place."
+        )
     if config.sharding_strategy == "auto":
         # The sizes fix the mesh, which the planner would choose: one of them has to give way.
-        raise ValueError("FSDP2Plugin(sharding_strategy='auto') cannot be combined with a ParallelismConfig (its sizes "
-                         "fix the mesh the planner would choose); name a sharding_strategy or drop the ParallelismConfig.")
+        raise ValueError(
+            "FSDP2Plugin(sharding_strategy='auto') cannot be combined with a ParallelismConfig (its sizes "
+            "fix the mesh the planner would choose); name a sharding_strategy or drop the ParallelismConfig."
+        )
     changes: dict[str, Any] = {"tensor_parallel_size": tp}
     name = strategy(config.sharding_strategy).name
     if rep > 1 or strategy(name).layout == "hybrid":
         hybrid = name if strategy(name).layout == "hybrid" else _HYBRID_OF.get(name)
         if hybrid is None:
-            raise ValueError(f"ParallelismConfig(dp_replicate_size={rep}) needs hybrid sharding, but the FSDP2Plugin's "
-                             f"sharding_strategy is {name!r}; use FULL_SHARD, SHARD_GRAD_OP or a HYBRID_SHARD strategy.")
+            raise ValueError(
+                f"ParallelismConfig(dp_replicate_size={rep}) needs hybrid sharding, but the FSDP2Plugin's "
+                f"sharding_strategy is {name!r}; use FULL_SHARD, SHARD_GRAD_OP or a HYBRID_SHARD strategy."
+            )
         changes.update(sharding_strategy=hybrid, mesh_shape=(rep, shard))
     elif strategy(name).layout == "shard":
         changes["mesh_shape"] = (shard,)
-    if config.mesh_shape is not None and tuple(config.mesh_shape) != changes.get("mesh_shape", tuple(config.mesh_shape)):
-        raise ValueError(f"FSDP2Plugin(mesh_shape={tuple(config.mesh_shape)}) disagrees with ParallelismConfig("
-                         f"dp_replicate_size={rep}, dp_shard_size={shard}); set the sizes in one place.")
+    if config.mesh_shape is not None and tuple(config.mesh_shape) != changes.get(
+        "mesh_shape", tuple(config.mesh_shape)
+    ):
+        raise ValueError(
+            f"FSDP2Plugin(mesh_shape={tuple(config.mesh_shape)}) disagrees with ParallelismConfig("
+            f"dp_replicate_size={rep}, dp_shard_size={shard}); set the sizes in one place."
+        )
     return dataclasses.replace(config, **changes)
 
 

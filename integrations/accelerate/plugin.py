@@ -36,8 +36,10 @@ STOCK_ACCELERATOR_ERROR = (
     "`FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(), ...)`: the same arguments and methods as Accelerator."
 )
 _STATE_DICT_TYPES = {
-    "sharded": StateDictType.SHARDED_STATE_DICT, "sharded_state_dict": StateDictType.SHARDED_STATE_DICT,
-    "full": StateDictType.FULL_STATE_DICT, "full_state_dict": StateDictType.FULL_STATE_DICT,
+    "sharded": StateDictType.SHARDED_STATE_DICT,
+    "sharded_state_dict": StateDictType.SHARDED_STATE_DICT,
+    "full": StateDictType.FULL_STATE_DICT,
+    "full_state_dict": StateDictType.FULL_STATE_DICT,
 }
 
 
@@ -47,15 +49,20 @@ def _config_values(config: f2.FSDP2Config | Mapping[str, Any] | str | Path | Non
         return {}
     if isinstance(config, f2.FSDP2Config):
         default = f2.FSDP2Config()
-        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-                if getattr(config, f.name) != getattr(default, f.name)}
+        return {
+            f.name: getattr(config, f.name)
+            for f in dataclasses.fields(config)
+            if getattr(config, f.name) != getattr(default, f.name)
+        }
     if isinstance(config, Mapping):
         return dict(config)
     if isinstance(config, (str, Path)):
         data = f2.FSDP2Config.yaml_fields(config)
         f2.FSDP2Config.from_dict(data)  # full validation, errors naming the file's fields
         return data
-    raise ValueError(f"FSDP2Plugin(config=...) must be an FSDP2Config, a dict or a YAML path, got {type(config).__name__}.")
+    raise ValueError(
+        f"FSDP2Plugin(config=...) must be an FSDP2Config, a dict or a YAML path, got {type(config).__name__}."
+    )
 
 
 def _state_dict_type(value: Any) -> StateDictType:
@@ -64,8 +71,10 @@ def _state_dict_type(value: Any) -> StateDictType:
     key = str(value).lower().removeprefix("statedicttype.")
     if key in _STATE_DICT_TYPES:
         return _STATE_DICT_TYPES[key]
-    raise ValueError(f"FSDP2Plugin.state_dict_type={value!r} is invalid; use 'sharded' (SHARDED_STATE_DICT) or "
-                     "'full' (FULL_STATE_DICT).")
+    raise ValueError(
+        f"FSDP2Plugin.state_dict_type={value!r} is invalid; use 'sharded' (SHARDED_STATE_DICT) or "
+        "'full' (FULL_STATE_DICT)."
+    )
 
 
 class FSDP2Plugin(FullyShardedDataParallelPlugin):
@@ -115,7 +124,9 @@ class FSDP2Plugin(FullyShardedDataParallelPlugin):
         if cpu_ram_efficient_loading is None:
             cpu_ram_efficient_loading = adapter.get("cpu_ram_efficient_loading", False)
         if not isinstance(cpu_ram_efficient_loading, bool):
-            raise ValueError(f"FSDP2Plugin.cpu_ram_efficient_loading={cpu_ram_efficient_loading!r} is invalid; use True or False.")
+            raise ValueError(
+                f"FSDP2Plugin.cpu_ram_efficient_loading={cpu_ram_efficient_loading!r} is invalid; use True or False."
+            )
         self.cpu_ram_efficient_loading = cpu_ram_efficient_loading
         if cpu_ram_efficient_loading:
             # transformers' from_pretrained reads this to load real weights on rank 0 only.
@@ -152,8 +163,10 @@ class FSDP2Plugin(FullyShardedDataParallelPlugin):
         """Apply `Accelerator(mixed_precision=...)` ("no", "bf16", "fp16") unless the plugin was
         given its own precision, which must then agree."""
         if accelerate_name not in PRECISIONS:
-            raise ValueError(f"FSDP2Accelerator(mixed_precision={accelerate_name!r}) is not supported; use one of "
-                             f"{', '.join(PRECISIONS)} (FSDP2 mixed-precision policies).")
+            raise ValueError(
+                f"FSDP2Accelerator(mixed_precision={accelerate_name!r}) is not supported; use one of "
+                f"{', '.join(PRECISIONS)} (FSDP2 mixed-precision policies)."
+            )
         value = PRECISIONS[accelerate_name]
         if self.precision_from_user and self.fsdp2_config.mixed_precision != value:
             raise ValueError(
@@ -179,22 +192,26 @@ class FSDP2Plugin(FullyShardedDataParallelPlugin):
             self.reshard_after_forward = cfg.reshard_after_forward
         else:
             # "auto": the planner picks the strategy per model in `prepare`; unknown until then.
-            self.reshard_after_forward = (None if cfg.sharding_strategy == "auto"
-                                          else reshards_after_forward(cfg.sharding_strategy))
+            self.reshard_after_forward = (
+                None if cfg.sharding_strategy == "auto" else reshards_after_forward(cfg.sharding_strategy)
+            )
         self.mixed_precision_policy = resolve_mixed_precision(cfg.mixed_precision) if cfg.mixed_precision else None
         self.cpu_offload = resolve_offload(cfg.cpu_offload)
         self.activation_checkpointing = cfg.activation_checkpointing is not None
         self.auto_wrap_policy = None  # the core applies `cfg.wrap_policy`; Accelerate's policy is never used
         wrap = cfg.wrap_policy
-        self.transformer_cls_names_to_wrap = [w if isinstance(w, str) else w.__name__ for w in wrap] \
-            if isinstance(wrap, (list, tuple)) else None
+        self.transformer_cls_names_to_wrap = (
+            [w if isinstance(w, str) else w.__name__ for w in wrap] if isinstance(wrap, (list, tuple)) else None
+        )
         self.min_num_params = wrap if isinstance(wrap, int) and not isinstance(wrap, bool) else None
         self.forward_prefetch = None
         self.backward_prefetch = None
 
     def __repr__(self) -> str:
-        return (f"FSDP2Plugin(config={self.fsdp2_config!r}, state_dict_type={self.state_dict_type.name}, "
-                f"cpu_ram_efficient_loading={self.cpu_ram_efficient_loading}, keep_last={self.keep_last})")
+        return (
+            f"FSDP2Plugin(config={self.fsdp2_config!r}, state_dict_type={self.state_dict_type.name}, "
+            f"cpu_ram_efficient_loading={self.cpu_ram_efficient_loading}, keep_last={self.keep_last})"
+        )
 
     # Accelerate's dataclass compares fields (and would read `fsdp_version`); plugins are compared by identity.
     __eq__ = object.__eq__

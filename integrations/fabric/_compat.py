@@ -31,9 +31,11 @@ _missing: list[str] = []
 _Connector = find_private("lightning.fabric.connector:_Connector", _missing)
 find_private("lightning.fabric.connector:_Connector._check_and_init_precision", _missing)
 _MultiProcessingLauncher = find_private(
-    "lightning.fabric.strategies.launchers.multiprocessing:_MultiProcessingLauncher", _missing)
-find_private("lightning.fabric.strategies.launchers.multiprocessing:_MultiProcessingLauncher._wrapping_function",
-             _missing)
+    "lightning.fabric.strategies.launchers.multiprocessing:_MultiProcessingLauncher", _missing
+)
+find_private(
+    "lightning.fabric.strategies.launchers.multiprocessing:_MultiProcessingLauncher._wrapping_function", _missing
+)
 BackwardSyncControl = find_private("lightning.fabric.strategies.strategy:_BackwardSyncControl", _missing)
 
 

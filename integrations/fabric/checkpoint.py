@@ -35,16 +35,20 @@ def split_state(state: dict[str, Any], action: str) -> tuple[dict, dict, dict]:
     """
     models = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
     if not models:
-        raise ValueError(f"fabric.{action}(path, state) with strategy='fsdp2' needs the model in `state`, e.g. "
-                         f"{{'model': model, 'optimizer': optimizer, ...}}; got the keys {sorted(state)}.")
+        raise ValueError(
+            f"fabric.{action}(path, state) with strategy='fsdp2' needs the model in `state`, e.g. "
+            f"{{'model': model, 'optimizer': optimizer, ...}}; got the keys {sorted(state)}."
+        )
     optimizers = {}
     for key, optimizer in state.items():
         if not isinstance(optimizer, Optimizer):
             continue
         owners = owning_models(optimizer, models)
         if not owners:
-            raise ValueError(f"fabric.{action}: the optimizer under {key!r} updates none of the models in `state` "
-                             f"({sorted(models)}); put its model in the same state, set up with fabric.setup.")
+            raise ValueError(
+                f"fabric.{action}: the optimizer under {key!r} updates none of the models in `state` "
+                f"({sorted(models)}); put its model in the same state, set up with fabric.setup."
+            )
         optimizers[key] = (models[owners[0]], optimizer)
     rest = {k: v for k, v in state.items() if k not in models and k not in optimizers}
     return models, optimizers, rest
@@ -61,8 +65,7 @@ def save(path: Path, state: dict[str, Any]) -> None:
     cdir.save_dir(path, sharded_state(models, optimizers), files=files, replace=True)
 
 
-def load(path: Path, state: dict[str, Any], *, strict: bool = True,
-         weights_only: bool | None = None) -> dict[str, Any]:
+def load(path: Path, state: dict[str, Any], *, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
     """Collective: restore `state`'s models, optimizers and other entries from directory `path`;
     return what the checkpoint holds beyond `state` (Fabric's contract).
 
@@ -78,8 +81,10 @@ def load(path: Path, state: dict[str, Any], *, strict: bool = True,
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
     missing = sorted(set(rest) - set(meta))
     if strict and missing:
-        raise KeyError(f"{path} has no entries {missing} requested in `state` (it holds {sorted(meta)}); "
-                       "pass strict=False to load the rest.")
+        raise KeyError(
+            f"{path} has no entries {missing} requested in `state` (it holds {sorted(meta)}); "
+            "pass strict=False to load the rest."
+        )
     for key in set(rest) & set(meta):
         value = meta.pop(key)
         if _is_stateful(state[key]):

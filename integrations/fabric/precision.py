@@ -19,8 +19,13 @@ from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Pr
 
 from .._lightning_shared import MIXED_POLICY, SUPPORTED_PRECISION, mixed_scaler, swap_plugin
 
-__all__ = ["FSDP2FabricHalfPrecision", "FSDP2FabricMixedPrecision", "FSDP2FabricPrecision", "precision_for",
-           "to_fsdp2_precision"]
+__all__ = [
+    "FSDP2FabricHalfPrecision",
+    "FSDP2FabricMixedPrecision",
+    "FSDP2FabricPrecision",
+    "precision_for",
+    "to_fsdp2_precision",
+]
 
 
 class _FSDP2Policy:
@@ -33,7 +38,7 @@ class FSDP2FabricPrecision(_FSDP2Policy, Precision):
 
 
 class FSDP2FabricMixedPrecision(_FSDP2Policy, MixedPrecision):
-    """"bf16-mixed" / "16-mixed": fp32 sharded weights, low-precision compute, fp32 reduction.
+    """ "bf16-mixed" / "16-mixed": fp32 sharded weights, low-precision compute, fp32 reduction.
 
     "16-mixed" scales the loss with `ShardedGradScaler`, which agrees on inf/NaN across ranks so
     that every rank skips the same steps (Fabric's default `torch.amp.GradScaler` checks per rank).
@@ -46,7 +51,7 @@ class FSDP2FabricMixedPrecision(_FSDP2Policy, MixedPrecision):
 
 
 class FSDP2FabricHalfPrecision(_FSDP2Policy, HalfPrecision):
-    """"bf16-true" / "16-true": the module is cast before sharding (Fabric's `setup` calls
+    """ "bf16-true" / "16-true": the module is cast before sharding (Fabric's `setup` calls
     `convert_module` first), so shards, compute and reduction are all in that dtype."""
 
 
@@ -62,14 +67,20 @@ def precision_for(precision: str | None, device_type: str) -> Precision:
         return FSDP2FabricMixedPrecision(precision, device_type)
     if precision in ("bf16-true", "16-true"):
         return FSDP2FabricHalfPrecision(precision)  # type: ignore[arg-type]
-    raise ValueError(f"Fabric(strategy='fsdp2', precision={precision!r}) is not supported by FSDP2; use one of: "
-                     + ", ".join(SUPPORTED_PRECISION) + ".")
+    raise ValueError(
+        f"Fabric(strategy='fsdp2', precision={precision!r}) is not supported by FSDP2; use one of: "
+        + ", ".join(SUPPORTED_PRECISION)
+        + "."
+    )
 
 
 def to_fsdp2_precision(plugin: Precision | None) -> Precision | None:
     """The FSDP2 plugin for a plain Fabric plugin (`plugins=...`, or chosen by Fabric); FSDP2
     plugins pass through. Raises ValueError for plugins FSDP2 cannot honour (64-bit,
     Transformer Engine, bitsandbytes, custom), naming the precision strings that work."""
-    swaps = {Precision: FSDP2FabricPrecision, MixedPrecision: FSDP2FabricMixedPrecision,
-             HalfPrecision: FSDP2FabricHalfPrecision}
+    swaps = {
+        Precision: FSDP2FabricPrecision,
+        MixedPrecision: FSDP2FabricMixedPrecision,
+        HalfPrecision: FSDP2FabricHalfPrecision,
+    }
     return swap_plugin(plugin, _FSDP2Policy, swaps, "Fabric")

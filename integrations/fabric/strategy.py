@@ -69,8 +69,12 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         check_start_method("FSDP2FabricStrategy", start_method)
         self.fsdp2_config = f2.FSDP2Config(**fields) if config is None else f2.FSDP2Config.coerce(config, **fields)
         self._start_method = start_method
-        super().__init__(parallelize_fn=self._parallelize, save_distributed_checkpoint=True,
-                         process_group_backend=process_group_backend, timeout=timeout)
+        super().__init__(
+            parallelize_fn=self._parallelize,
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         self._backward_sync_control = _CoreNoSync()
 
     # ------------------------------------------------------------------ plugins and launch
@@ -97,7 +101,8 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         """Set up the process group and the ("data_parallel", "tensor_parallel") mesh: TP from the
         config, every other rank data parallel (see `_lightning_shared.parallel_sizes`)."""
         self._data_parallel_size, self._tensor_parallel_size = parallel_sizes(
-            "FSDP2FabricStrategy", self.fsdp2_config, "auto", self.num_nodes, self.num_processes)
+            "FSDP2FabricStrategy", self.fsdp2_config, "auto", self.num_nodes, self.num_processes
+        )
         super().setup_environment()
 
     # ------------------------------------------------------------------ model and optimizers
@@ -105,13 +110,19 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         """`parallelize_fn`: the core's `shard_model` (a module already `fully_shard`-ed is kept)."""
         if isinstance(module, FSDPModule):
             return module
-        config = effective_config(self.fsdp2_config, getattr(self.precision, "fsdp2_mixed_precision", None),
-                                  self.num_nodes, self.num_processes, module=module,
-                                  data_parallel_size=self._data_parallel_size)
+        config = effective_config(
+            self.fsdp2_config,
+            getattr(self.precision, "fsdp2_mixed_precision", None),
+            self.num_nodes,
+            self.num_processes,
+            module=module,
+            data_parallel_size=self._data_parallel_size,
+        )
         return f2.shard_model(module, config, mesh=core_mesh(config, device_mesh))
 
-    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
-                                    scheduler: Any | None = None) -> tuple[nn.Module, list[Optimizer], Any]:
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
         """`fabric.setup(model, *optimizers)`: shard, then point the optimizers (built on the
         unsharded parameters, as Fabric users write it) at the shards, matched by name."""
         before = parameters_by_name(module)
@@ -120,8 +131,14 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
             rebind_optimizer(optimizer, before, module)
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
-    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
-                            norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
         """The global norm over every shard and mesh (equal to the single-process norm), clipped."""
         self.precision.unscale_gradients(optimizer)
         parameters = list(self.precision.main_params(optimizer))
@@ -132,28 +149,40 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         f2.clip_grad_value_(list(self.precision.main_params(optimizer)), clip_val)
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
-                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
         """`fabric.save(path, state)`: one atomic, checksummed DCP directory (see `checkpoint.save`)."""
         if storage_options is not None:
-            raise TypeError("fabric.save(..., storage_options=...) is not supported with strategy='fsdp2': "
-                            "sharded checkpoints are written by torch.distributed.checkpoint, not a CheckpointIO.")
+            raise TypeError(
+                "fabric.save(..., storage_options=...) is not supported with strategy='fsdp2': "
+                "sharded checkpoints are written by torch.distributed.checkpoint, not a CheckpointIO."
+            )
         if filter is not None:
-            raise ValueError("fabric.save(..., filter=...) is not supported with strategy='fsdp2': a filtered "
-                             "sharded checkpoint could not be loaded back. Save without filter; take a subset of the "
-                             "full weights later with fsdp2_strategy.export_full.")
+            raise ValueError(
+                "fabric.save(..., filter=...) is not supported with strategy='fsdp2': a filtered "
+                "sharded checkpoint could not be loaded back. Save without filter; take a subset of the "
+                "full weights later with fsdp2_strategy.export_full."
+            )
         ckpt.save(Path(self.broadcast(path)), state)
 
-    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """`fabric.load(path, state)` (a committed directory, any world size: DCP reshards) and
         `fabric.load_raw(path, model)` (full weights: `f2.load_full_weights`)."""
         if isinstance(state, nn.Module):  # fabric.load_raw
             f2.load_full_weights(state, Path(self.broadcast(path)), strict=strict)
             return {}
         if isinstance(state, Optimizer):
-            raise NotImplementedError("fabric.load_raw(path, optimizer) is not supported with strategy='fsdp2': "
-                                      "save the optimizer with fabric.save(path, {'model': ..., 'optimizer': ...}).")
+            raise NotImplementedError(
+                "fabric.load_raw(path, optimizer) is not supported with strategy='fsdp2': "
+                "save the optimizer with fabric.save(path, {'model': ..., 'optimizer': ...})."
+            )
         if not state:
             return super().load_checkpoint(path, state, strict, weights_only)  # Fabric's error: a model is needed
         return ckpt.load(Path(self.broadcast(path)), state, strict=strict, weights_only=weights_only)

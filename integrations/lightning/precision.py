@@ -48,7 +48,7 @@ class FSDP2Precision(_ShardedClipping, Precision):
 
 
 class FSDP2MixedPrecision(_ShardedClipping, MixedPrecision):
-    """"bf16-mixed" / "16-mixed": fp32 sharded weights, low-precision compute, fp32 reduction.
+    """ "bf16-mixed" / "16-mixed": fp32 sharded weights, low-precision compute, fp32 reduction.
 
     FSDP2 casts each group's gathered parameters (its mixed-precision policy) and autocast
     keeps numerically sensitive ops (softmax, norms, losses) in fp32. "16-mixed" scales the
@@ -63,7 +63,7 @@ class FSDP2MixedPrecision(_ShardedClipping, MixedPrecision):
 
 
 class FSDP2HalfPrecision(_ShardedClipping, HalfPrecision):
-    """"bf16-true" / "16-true": the module is cast before sharding, so shards, compute and
+    """ "bf16-true" / "16-true": the module is cast before sharding, so shards, compute and
     reduction are all in that dtype."""
 
 

@@ -91,17 +91,25 @@ class FSDP2Strategy(ModelParallelStrategy):
     ) -> None:
         if state_dict_type not in (None, "sharded", "full"):
             raise ValueError(f"FSDP2Strategy.state_dict_type={state_dict_type!r} is invalid; use 'sharded' or 'full'.")
-        if save_distributed_checkpoint is not None and state_dict_type is not None and \
-                save_distributed_checkpoint != (state_dict_type == "sharded"):
-            raise ValueError(f"FSDP2Strategy(state_dict_type={state_dict_type!r}, save_distributed_checkpoint="
-                             f"{save_distributed_checkpoint}) disagree; give one of them.")
+        if (
+            save_distributed_checkpoint is not None
+            and state_dict_type is not None
+            and save_distributed_checkpoint != (state_dict_type == "sharded")
+        ):
+            raise ValueError(
+                f"FSDP2Strategy(state_dict_type={state_dict_type!r}, save_distributed_checkpoint="
+                f"{save_distributed_checkpoint}) disagree; give one of them."
+            )
         check_start_method("FSDP2Strategy", start_method)
         if fields.get("tensor_parallel_size") == "auto":
             # ModelParallelStrategy's default: every device of a node in one TP group.
             fields["tensor_parallel_size"] = _AUTO
-        if data_parallel_size != "auto" and (isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int)
-                                             or data_parallel_size < 1):
-            raise ValueError(f"FSDP2Strategy.data_parallel_size={data_parallel_size!r} is invalid; use 'auto' or an int >= 1.")
+        if data_parallel_size != "auto" and (
+            isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1
+        ):
+            raise ValueError(
+                f"FSDP2Strategy.data_parallel_size={data_parallel_size!r} is invalid; use 'auto' or an int >= 1."
+            )
         auto_tp = fields.get("tensor_parallel_size") is _AUTO
         if auto_tp:
             fields.pop("tensor_parallel_size")
@@ -148,7 +156,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._auto_tensor_parallel:
             self.fsdp2_config = dataclasses.replace(self.fsdp2_config, tensor_parallel_size=self.num_processes)
         self._data_parallel_size, self._tensor_parallel_size = parallel_sizes(
-            "FSDP2Strategy", self.fsdp2_config, self._data_parallel_size, self.num_nodes, self.num_processes)
+            "FSDP2Strategy", self.fsdp2_config, self._data_parallel_size, self.num_nodes, self.num_processes
+        )
         super().setup_environment()
 
     # ------------------------------------------------------------------ model
@@ -157,8 +166,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
-            raise TypeError("strategy='fsdp2' found FSDP1 `FullyShardedDataParallel` modules: remove that wrapping "
-                            "(the strategy shards by its wrap_policy) or apply FSDP2 `fully_shard` instead.")
+            raise TypeError(
+                "strategy='fsdp2' found FSDP1 `FullyShardedDataParallel` modules: remove that wrapping "
+                "(the strategy shards by its wrap_policy) or apply FSDP2 `fully_shard` instead."
+            )
         # "-true" precisions cast before sharding, so the shards are stored in that dtype.
         self.model = self.precision_plugin.convert_module(self.model)
         self._shard()  # fully_shard moves each shard to the mesh's device
@@ -187,8 +198,14 @@ class FSDP2Strategy(ModelParallelStrategy):
         per node) mesh, and the module's own tensor parallelism respected (see
         `integrations._lightning_shared.effective_config`)."""
         policy = getattr(self.precision_plugin, "fsdp2_mixed_precision", None)
-        return effective_config(self.fsdp2_config, policy, self.num_nodes, self.num_processes,
-                                module=self.lightning_module, data_parallel_size=self._data_parallel_size)
+        return effective_config(
+            self.fsdp2_config,
+            policy,
+            self.num_nodes,
+            self.num_processes,
+            module=self.lightning_module,
+            data_parallel_size=self._data_parallel_size,
+        )
 
     def _core_mesh(self, config: f2.FSDP2Config):
         """What `shard_model` shards on (see `_lightning_shared.core_mesh`)."""
@@ -218,8 +235,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
-            raise TypeError("FSDP2Strategy.save_checkpoint(..., storage_options=...) is not supported: "
-                            "sharded checkpoints are written by torch.distributed.checkpoint, not a CheckpointIO.")
+            raise TypeError(
+                "FSDP2Strategy.save_checkpoint(..., storage_options=...) is not supported: "
+                "sharded checkpoints are written by torch.distributed.checkpoint, not a CheckpointIO."
+            )
         path = Path(self.broadcast(filepath))  # every rank writes to rank 0's path
         state = {_MODEL_KEY: checkpoint.pop(_MODEL_KEY)}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
@@ -234,8 +253,12 @@ class FSDP2Strategy(ModelParallelStrategy):
                 raise not_committed_error(path, "Pick another checkpoint.")
             return super().load_checkpoint(path, weights_only)
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-        cdir.load_dir(path, {_MODEL_KEY: self.model}, {f"optimizer_{i}": (self.model, o) for i, o in enumerate(optimizers)},
-                      strict=self.lightning_module.strict_loading)
+        cdir.load_dir(
+            path,
+            {_MODEL_KEY: self.model},
+            {f"optimizer_{i}": (self.model, o) for i, o in enumerate(optimizers)},
+            strict=self.lightning_module.strict_loading,
+        )
         return torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
 
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -48,9 +48,15 @@ def report_step(checkpointer: Checkpointer, step: int, metrics: Mapping[str, Any
     ray.train.report(dict(metrics or {}), checkpoint=checkpoint, checkpoint_dir_name=path.name)
 
 
-def save_and_report(checkpointer: Checkpointer, step: int, metrics: Mapping[str, Any] | None = None, *,
-                    model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                    extra: Any = None) -> None:
+def save_and_report(
+    checkpointer: Checkpointer,
+    step: int,
+    metrics: Mapping[str, Any] | None = None,
+    *,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Any = None,
+) -> None:
     """Collective: `checkpointer.save(step, ...)`, then `report_step(checkpointer, step, metrics)`.
 
     The metrics are also kept beside the step (`<root>/.ray-metrics/step-N.json`), so that
@@ -63,8 +69,9 @@ def save_and_report(checkpointer: Checkpointer, step: int, metrics: Mapping[str,
     report_step(checkpointer, step, metrics)
 
 
-def resume(checkpointer: Checkpointer, *, model: nn.Module | None = None,
-           optimizer: torch.optim.Optimizer | None = None) -> Any:
+def resume(
+    checkpointer: Checkpointer, *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None
+) -> Any:
     """Collective: load the newest committed step into `model`/`optimizer`; return its `extra`.
 
     The newest of Ray's latest reported checkpoint (`ray.train.get_checkpoint()`) and the latest
@@ -82,9 +89,13 @@ def resume(checkpointer: Checkpointer, *, model: nn.Module | None = None,
         report_step(checkpointer, local, _read_metrics(checkpointer.root, local))
     elif checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            extra = load_step_dir(Path(directory), model=model, optimizer=optimizer,
-                                  hint="The checkpoint Ray stored is damaged; delete it from the run's storage to "
-                                       "resume from an earlier one.")
+            extra = load_step_dir(
+                Path(directory),
+                model=model,
+                optimizer=optimizer,
+                hint="The checkpoint Ray stored is damaged; delete it from the run's storage to "
+                "resume from an earlier one.",
+            )
     else:
         return None
     if rank() == 0:  # saves the failure interrupted: never loaded, only taking space

@@ -109,8 +109,10 @@ def _ray_checkpoint_file(path: Path) -> Path:
         return path
     files = sorted(path.glob("*.ckpt"))
     if len(files) != 1:
-        raise ValueError(f"Ray checkpoint {path} holds {len(files)} .ckpt files; expected one Lightning checkpoint "
-                         "reported by RayFSDP2Strategy.")
+        raise ValueError(
+            f"Ray checkpoint {path} holds {len(files)} .ckpt files; expected one Lightning checkpoint "
+            "reported by RayFSDP2Strategy."
+        )
     return files[0]
 
 
@@ -142,13 +144,13 @@ def _report(path: Path, metrics: dict[str, Any]) -> None:
         ray.train.report(metrics, checkpoint=None)
         return
     if path.is_dir():
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(path)),
-                         checkpoint_dir_name=path.name)
+        ray.train.report(
+            metrics, checkpoint=ray.train.Checkpoint.from_directory(str(path)), checkpoint_dir_name=path.name
+        )
         return
     with tempfile.TemporaryDirectory() as folder:  # Ray stores directories; a full save is one file
         shutil.copy2(path, Path(folder) / path.name)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder),
-                         checkpoint_dir_name=path.stem)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder), checkpoint_dir_name=path.stem)
 
 
 # `prepare_trainer` checks isinstance against Ray's strategies only; Lightning's Strategy is an

@@ -44,14 +44,6 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-
-
-
-
-
-
-
-
 def all_indices(local: list[int]) -> list[int]:
     return [i for rank in gather(local) for i in rank]
 
@@ -70,8 +62,6 @@ def reference(initial: nn.Module, micro_batches: list[list[int]], *, lr: float =
     return {n: p.detach().clone() for n, p in model.named_parameters()}, grads, norm
 
 
-
-
 def update_rel_diff(start: dict, got: dict, want: dict) -> float:
     """Relative difference of the whole update (all parameters as one vector): got - start vs want - start."""
     diff = torch.cat([((got[k] - start[k]) - (want[k] - start[k])).flatten() for k in want])
@@ -81,8 +71,6 @@ def update_rel_diff(start: dict, got: dict, want: dict) -> float:
 
 def reduce_scatters(counts) -> int:
     return sum(v for k, v in counts.items() if k.startswith("reduce_scatter"))
-
-
 
 
 def rank_batch(step: int = 0):

@@ -55,20 +55,33 @@ from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin
 
 def _plan(model) -> dict:
     plan = f2.sharding_plan(model)
-    return {"groups": [g.name for g in plan.groups], "precision": sorted({g.precision for g in plan.groups}),
-            "offload": sorted({g.cpu_offload for g in plan.groups})}
+    return {
+        "groups": [g.name for g in plan.groups],
+        "precision": sorted({g.precision for g in plan.groups}),
+        "offload": sorted({g.cpu_offload for g in plan.groups}),
+    }
 
 
 def config_from_launch(out: dict, work: Path) -> None:
     """What `accelerate launch --config_file` handed to FSDP2Plugin() and FSDP2Accelerator()."""
     cfg = FSDP2Plugin().fsdp2_config
-    out.update(wrap_policy=cfg.wrap_policy, reshard_after_forward=cfg.reshard_after_forward,
-               cpu_offload=cfg.cpu_offload, activation_checkpointing=cfg.activation_checkpointing,
-               mixed_precision=cfg.mixed_precision, sharding_strategy=cfg.sharding_strategy,
-               env={k: v for k, v in os.environ.items() if k.startswith("FSDP_") or k == "ACCELERATE_MIXED_PRECISION"})
+    out.update(
+        wrap_policy=cfg.wrap_policy,
+        reshard_after_forward=cfg.reshard_after_forward,
+        cpu_offload=cfg.cpu_offload,
+        activation_checkpointing=cfg.activation_checkpointing,
+        mixed_precision=cfg.mixed_precision,
+        sharding_strategy=cfg.sharding_strategy,
+        env={k: v for k, v in os.environ.items() if k.startswith("FSDP_") or k == "ACCELERATE_MIXED_PRECISION"},
+    )
     acc = FSDP2Accelerator()
-    out.update(distributed_type=str(acc.distributed_type), num_processes=acc.num_processes,
-               accelerator_precision=acc.mixed_precision, is_fsdp2=acc.is_fsdp2, backend=dist.get_backend())
+    out.update(
+        distributed_type=str(acc.distributed_type),
+        num_processes=acc.num_processes,
+        accelerator_precision=acc.mixed_precision,
+        is_fsdp2=acc.is_fsdp2,
+        backend=dist.get_backend(),
+    )
     try:
         Accelerator(fsdp_plugin=FSDP2Plugin())
         out["stock_error"] = None
@@ -88,9 +101,14 @@ def parity(out: dict, work: Path) -> None:
     opt.step()
     params = full_params(model)
     ref_params, ref_grads, _ = reference(initial, [all_indices(idx.tolist())])
-    out.update(_plan(model), grad_rel=max_rel_diff(grads, ref_grads), param_rel=max_rel_diff(params, ref_params),
-               root_is_fsdp=isinstance(model, FSDPModule), indices=gather(idx.tolist()),
-               optimizer_params_dtensor=all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]))
+    out.update(
+        _plan(model),
+        grad_rel=max_rel_diff(grads, ref_grads),
+        param_rel=max_rel_diff(params, ref_params),
+        root_is_fsdp=isinstance(model, FSDPModule),
+        indices=gather(idx.tolist()),
+        optimizer_params_dtensor=all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]),
+    )
     # The other order: optimizer built after prepare(model), prepared on its own.
     model2, initial2 = fresh(1)
     model2 = acc.prepare(model2)
@@ -106,8 +124,9 @@ def variants(out: dict, work: Path) -> None:
     """Plugin keyword arguments over the config file: CPU offload + activation checkpointing."""
     model, initial = fresh(2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(cpu_offload=True, activation_checkpointing="auto"),
-                           mixed_precision="no")
+    acc = FSDP2Accelerator(
+        fsdp_plugin=FSDP2Plugin(cpu_offload=True, activation_checkpointing="auto"), mixed_precision="no"
+    )
     model, opt = acc.prepare(model, opt)
     idx, x, y = rank_batch()
     acc.backward(lm_loss(model, x, y))
@@ -143,9 +162,14 @@ def accumulation(out: dict, work: Path) -> None:
             _, x, y = rank_batch()
             acc.backward(lm_loss(model, x, y))
     opt.zero_grad()
-    out.update(reduce_scatters_after_each_backward=after_backward, sync_gradients=sync_flags, groups=groups,
-               reduce_scatters_two_plain_backwards=reduce_scatters(plain), param_rel=max_rel_diff(params, ref),
-               micro_batches=len(micro))
+    out.update(
+        reduce_scatters_after_each_backward=after_backward,
+        sync_gradients=sync_flags,
+        groups=groups,
+        reduce_scatters_two_plain_backwards=reduce_scatters(plain),
+        param_rel=max_rel_diff(params, ref),
+        micro_batches=len(micro),
+    )
 
 
 def accumulation_modes(out: dict, work: Path) -> None:
@@ -156,7 +180,9 @@ def accumulation_modes(out: dict, work: Path) -> None:
 
     cases = {
         "keep_gathered": dict(fsdp_plugin=FSDP2Plugin(accumulation="keep_gathered"), gradient_accumulation_steps=2),
-        "sync_each_batch": dict(gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)),
+        "sync_each_batch": dict(
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)
+        ),
     }
     for name, kwargs in cases.items():
         model, initial = fresh(3)
@@ -175,13 +201,20 @@ def accumulation_modes(out: dict, work: Path) -> None:
         per_rank = gather(micro)
         ref, _, _ = reference(initial, [[i for rank in per_rank for i in rank[m]] for m in range(len(micro))])
         plan = f2.sharding_plan(model)
-        out[name] = dict(mode=plan.accumulation, groups=len(plan.groups), reduce_scatters=reduce_scatters(counts),
-                         all_gathers=sum(v for k, v in counts.items() if k.startswith("all_gather")),
-                         param_rel=max_rel_diff(full_params(model), ref))
+        out[name] = dict(
+            mode=plan.accumulation,
+            groups=len(plan.groups),
+            reduce_scatters=reduce_scatters(counts),
+            all_gathers=sum(v for k, v in counts.items() if k.startswith("all_gather")),
+            param_rel=max_rel_diff(full_params(model), ref),
+        )
     out["scalar_sync_each"] = _scalars_under_sync_each_batch()
     try:
-        _ = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(accumulation="keep_gathered"), mixed_precision="no",
-                             gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)).fsdp2_config
+        _ = FSDP2Accelerator(
+            fsdp_plugin=FSDP2Plugin(accumulation="keep_gathered"),
+            mixed_precision="no",
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True),
+        ).fsdp2_config
         out["conflict_error"] = None
     except ValueError as exc:
         out["conflict_error"] = str(exc)
@@ -208,18 +241,21 @@ def _scalars_under_sync_each_batch() -> dict:
     torch.manual_seed(0)
     model = _Regression()
     ref = copy.deepcopy(model)
-    acc = FSDP2Accelerator(mixed_precision="no", fsdp_plugin=FSDP2Plugin(wrap_policy=["Linear"]),
-                           gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True))
+    acc = FSDP2Accelerator(
+        mixed_precision="no",
+        fsdp_plugin=FSDP2Plugin(wrap_policy=["Linear"]),
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True),
+    )
     model = acc.prepare(model)
     xs = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     rank, world = dist.get_rank(), dist.get_world_size()
     with acc.accumulate(model):
-        acc.backward(model(xs[rank * 2:rank * 2 + 2]).pow(2).mean())
+        acc.backward(model(xs[rank * 2 : rank * 2 + 2]).pow(2).mean())
     first = {"grads": gather([float(model.a.grad), float(model.b.grad)]), "sync_step": acc.sync_gradients}
     with acc.accumulate(model):  # the second micro-batch ends the cycle (Accelerate's step counter is shared)
-        acc.backward(model(xs[4 + rank * 2:4 + rank * 2 + 2]).pow(2).mean())
+        acc.backward(model(xs[4 + rank * 2 : 4 + rank * 2 + 2]).pow(2).mean())
     for r in range(world):  # one process: each rank's loss / ranks / micro-batches
-        (ref(xs[r * 2:r * 2 + 2]).pow(2).mean() / world / 2).backward()
+        (ref(xs[r * 2 : r * 2 + 2]).pow(2).mean() / world / 2).backward()
     return {**first, "ref": [float(ref.a.grad), float(ref.b.grad)]}
 
 
@@ -234,8 +270,13 @@ def clipping(out: dict, work: Path) -> None:
     opt.step()
     ref, _, ref_norm = reference(initial, [all_indices(idx)], clip=0.05)
     unclipped, _, _ = reference(initial, [all_indices(idx)])
-    out.update(norm=norm.item(), ref_norm=ref_norm, norm_is_plain=not isinstance(norm, DTensor),
-               param_rel=max_rel_diff(full_params(model), ref), unclipped_rel=max_rel_diff(unclipped, ref))
+    out.update(
+        norm=norm.item(),
+        ref_norm=ref_norm,
+        norm_is_plain=not isinstance(norm, DTensor),
+        param_rel=max_rel_diff(full_params(model), ref),
+        unclipped_rel=max_rel_diff(unclipped, ref),
+    )
 
 
 def _policy_step(initial, idx: list[int], dtype: torch.dtype, scale: float = 1.0, clip: float | None = None) -> tuple:
@@ -258,8 +299,10 @@ def _policy_step(initial, idx: list[int], dtype: torch.dtype, scale: float = 1.0
 
 def _untied_and_tied(got: dict, want: dict, model) -> tuple[float, float]:
     tied = tied_names(model)
-    return (max_rel_diff({k: v for k, v in got.items() if k not in tied}, {k: v for k, v in want.items() if k not in tied}),
-            max_rel_diff({k: got[k] for k in tied}, {k: want[k] for k in tied}) if tied else 0.0)
+    return (
+        max_rel_diff({k: v for k, v in got.items() if k not in tied}, {k: v for k, v in want.items() if k not in tied}),
+        max_rel_diff({k: got[k] for k in tied}, {k: want[k] for k in tied}) if tied else 0.0,
+    )
 
 
 def bf16(out: dict, work: Path) -> None:
@@ -276,9 +319,16 @@ def bf16(out: dict, work: Path) -> None:
     opt.step()
     expected, _ = _policy_step(initial, idx, torch.bfloat16)
     update_diff, tied_diff = _untied_and_tied(full_params(model), expected, initial)
-    out.update(_plan(model), accelerator_precision=acc.mixed_precision, out_dtype=str(logits.dtype),
-               stored_dtypes=sorted({str(p.dtype) for p in model.parameters()}), grad_dtypes=grad_dtypes,
-               reductions=sorted(reductions), update_diff=update_diff, tied_update_diff=tied_diff)
+    out.update(
+        _plan(model),
+        accelerator_precision=acc.mixed_precision,
+        out_dtype=str(logits.dtype),
+        stored_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
+        grad_dtypes=grad_dtypes,
+        reductions=sorted(reductions),
+        update_diff=update_diff,
+        tied_update_diff=tied_diff,
+    )
 
 
 def fp16(out: dict, work: Path) -> None:
@@ -299,9 +349,16 @@ def fp16(out: dict, work: Path) -> None:
         norm = acc.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         start, got = full_params(initial), full_params(model)
-        entry = dict(_plan(model), out_dtype=str(logits.dtype), scaler=type(acc.scaler).__name__,
-                     scale=acc.scaler.get_scale(), norm=norm.item(), reductions=sorted(reductions),
-                     unchanged=all(torch.equal(got[k], start[k]) for k in start), skipped=gather(opt.step_was_skipped))
+        entry = dict(
+            _plan(model),
+            out_dtype=str(logits.dtype),
+            scaler=type(acc.scaler).__name__,
+            scale=acc.scaler.get_scale(),
+            norm=norm.item(),
+            reductions=sorted(reductions),
+            unchanged=all(torch.equal(got[k], start[k]) for k in start),
+            skipped=gather(opt.step_was_skipped),
+        )
         if name == "init_1024":
             expected, entry["ref_norm"] = _policy_step(initial, idx, torch.float16, scale=1024.0, clip=1.0)
             entry["update_diff"], entry["tied_update_diff"] = _untied_and_tied(got, expected, initial)
@@ -320,8 +377,12 @@ def multi_model(out: dict, work: Path) -> None:
         opt.step()
     ref_a, _, _ = reference(a0, [all_indices(idx)])
     ref_b, _, _ = reference(b0, [all_indices(idx)])
-    out.update(models=len(acc._models), both_fsdp=isinstance(a, FSDPModule) and isinstance(b, FSDPModule),
-               a_rel=max_rel_diff(full_params(a), ref_a), b_rel=max_rel_diff(full_params(b), ref_b))
+    out.update(
+        models=len(acc._models),
+        both_fsdp=isinstance(a, FSDPModule) and isinstance(b, FSDPModule),
+        a_rel=max_rel_diff(full_params(a), ref_a),
+        b_rel=max_rel_diff(full_params(b), ref_b),
+    )
 
 
 def evaluation(out: dict, work: Path) -> None:
@@ -344,8 +405,14 @@ def checkpoints(out: dict, work: Path) -> None:
         shutil.copytree(path, work / "state_step2")
     saved_params = full_params(model)
     cont = train(acc, model, opt, sched, range(2, 4))
-    out.update(first=first, continued=cont, lr_saved=lr_saved, lr_continued=sched.get_last_lr(),
-               listing=sorted(p.name for p in path.iterdir()), parent=sorted(p.name for p in path.parent.iterdir()))
+    out.update(
+        first=first,
+        continued=cont,
+        lr_saved=lr_saved,
+        lr_continued=sched.get_last_lr(),
+        listing=sorted(p.name for p in path.iterdir()),
+        parent=sorted(p.name for p in path.parent.iterdir()),
+    )
     if dist.get_rank() == 0:
         from safetensors.torch import load_file
 
@@ -408,8 +475,10 @@ def checkpoints(out: dict, work: Path) -> None:
     if dist.get_rank() == 0:
         from safetensors.torch import load_file
 
-        merged, exported = load_file(str(work / "merged" / "model.safetensors")), load_file(
-            str(work / "state_step2" / "model.safetensors"))
+        merged, exported = (
+            load_file(str(work / "merged" / "model.safetensors")),
+            load_file(str(work / "state_step2" / "model.safetensors")),
+        )
         out["merged_keys_match"] = sorted(merged) == sorted(exported)
         out["merged_equal"] = all(torch.equal(merged[k], exported[k]) for k in exported)
 
@@ -433,8 +502,12 @@ def hf_export(out: dict, work: Path) -> None:
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=x).logits
-    out.update(_plan(model), state_sizes=gather(len(state)), state_keys=len(model.state_dict()),
-               files=sorted(p.name for p in (work / "hf").iterdir()))
+    out.update(
+        _plan(model),
+        state_sizes=gather(len(state)),
+        state_keys=len(model.state_dict()),
+        files=sorted(p.name for p in (work / "hf").iterdir()),
+    )
     if dist.get_rank() == 0:
         loaded = GPT2LMHeadModel.from_pretrained(work / "hf").eval()
         got = dict(loaded.named_parameters())
@@ -485,9 +558,14 @@ def launch_variant(out: dict, work: Path) -> None:
     plan = f2.sharding_plan(model)
     params = full_params(model)
     path = Path(acc.save_state(work / "variant_state"))
-    out.update(_plan(model), reshard=sorted({str(g.reshard_after_forward) for g in plan.groups}),
-               mlp_forward_calls=len(calls), accelerator_precision=acc.mixed_precision,
-               listing=sorted(p.name for p in path.iterdir()), loss=sum(gather(loss.item())) / dist.get_world_size())
+    out.update(
+        _plan(model),
+        reshard=sorted({str(g.reshard_after_forward) for g in plan.groups}),
+        mlp_forward_calls=len(calls),
+        accelerator_precision=acc.mixed_precision,
+        listing=sorted(p.name for p in path.iterdir()),
+        loss=sum(gather(loss.item())) / dist.get_world_size(),
+    )
     global_idx = all_indices(idx)
     if dist.get_rank() == 0:  # only rank 0 has the real initial weights
         ref, _, _ = reference(initial, [global_idx])
@@ -508,8 +586,12 @@ def auto_strategy(out: dict, work: Path) -> None:
     """
     layers = dict(layers=8)  # enough blocks that FULL_SHARD's peak is below SHARD_GRAD_OP's
     probe = FSDP2Plugin(reshard_after_forward=None).fsdp2_config
-    est = {s: f2.estimate_memory(fresh(0, **layers)[0], dataclasses.replace(probe, sharding_strategy=s),
-                                 world_size=2).peak_bytes for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")}
+    est = {
+        s: f2.estimate_memory(
+            fresh(0, **layers)[0], dataclasses.replace(probe, sharding_strategy=s), world_size=2
+        ).peak_bytes
+        for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+    }
     budgets = {"FULL_SHARD": (est["FULL_SHARD"] + est["SHARD_GRAD_OP"]) // 2, "SHARD_GRAD_OP": 2 * est["NO_SHARD"]}
     out["estimates"] = est
     for expected, budget in budgets.items():
@@ -523,12 +605,15 @@ def auto_strategy(out: dict, work: Path) -> None:
         opt.step()
         ref, _, _ = reference(initial, [all_indices(idx)])
         plan = f2.sharding_plan(model)
-        out[expected] = {"strategies": sorted({g.strategy for g in plan.groups}),
-                         "mesh_shapes": sorted({str(g.mesh_shape) for g in plan.groups}),
-                         "reshard": {g.name: g.reshard_after_forward for g in plan.groups},
-                         "param_rel": max_rel_diff(full_params(model), ref)}
-    acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(sharding_strategy="auto", memory_budget=est["FULL_SHARD"] // 2),
-                           mixed_precision="no")
+        out[expected] = {
+            "strategies": sorted({g.strategy for g in plan.groups}),
+            "mesh_shapes": sorted({str(g.mesh_shape) for g in plan.groups}),
+            "reshard": {g.name: g.reshard_after_forward for g in plan.groups},
+            "param_rel": max_rel_diff(full_params(model), ref),
+        }
+    acc = FSDP2Accelerator(
+        fsdp_plugin=FSDP2Plugin(sharding_strategy="auto", memory_budget=est["FULL_SHARD"] // 2), mixed_precision="no"
+    )
     try:
         acc.prepare(fresh(21, **layers)[0])
         out["too_small_error"] = None
@@ -536,8 +621,22 @@ def auto_strategy(out: dict, work: Path) -> None:
         out["too_small_error"] = str(exc)
 
 
-FLOWS = [config_from_launch, parity, variants, accumulation, clipping, bf16, fp16, multi_model, evaluation, checkpoints,
-         hf_export, rank0_loading, accumulation_modes, auto_strategy]
+FLOWS = [
+    config_from_launch,
+    parity,
+    variants,
+    accumulation,
+    clipping,
+    bf16,
+    fp16,
+    multi_model,
+    evaluation,
+    checkpoints,
+    hf_export,
+    rank0_loading,
+    accumulation_modes,
+    auto_strategy,
+]
 """Run under fsdp2.yaml (the default when no flow names are given)."""
 VARIANT_FLOWS = [config_from_launch, launch_variant]
 """Run under fsdp2_variant.yaml."""
@@ -556,7 +655,12 @@ def main() -> None:
             flow(entry, work)
         except BaseException:  # DCP's CheckpointException is a BaseException
             entry["error"] = traceback.format_exc()
-            print(f"[flow {flow.__name__} rank {dist.get_rank() if dist.is_initialized() else -1}]", entry["error"], file=sys.stderr, flush=True)
+            print(
+                f"[flow {flow.__name__} rank {dist.get_rank() if dist.is_initialized() else -1}]",
+                entry["error"],
+                file=sys.stderr,
+                flush=True,
+            )
         errors = gather(entry.get("error"))
         if any(errors):
             entry["error"] = "\n".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)

@@ -21,8 +21,10 @@ def main() -> None:
     acc.load_state(state_dir)
     lr_loaded = sched.get_last_lr()
     losses = train(acc, model, opt, sched, range(2, 4))
-    write_json(out_path, {"resumed": losses, "lr_loaded": lr_loaded, "lr": sched.get_last_lr(),
-                          "num_processes": acc.num_processes})
+    write_json(
+        out_path,
+        {"resumed": losses, "lr_loaded": lr_loaded, "lr": sched.get_last_lr(), "num_processes": acc.num_processes},
+    )
     f2.shutdown()
 
 

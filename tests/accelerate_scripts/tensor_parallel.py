@@ -31,8 +31,11 @@ import fsdp2_strategy as f2  # noqa: E402
 from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin  # noqa: E402
 
 VOCAB, SEQ, N_SAMPLES, PER_RANK, STEPS, LR = 64, 12, 16, 4, 2, 0.1
-ENV = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
-       "PARALLELISM_CONFIG_TP_SIZE": "2"}
+ENV = {
+    "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+    "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+    "PARALLELISM_CONFIG_TP_SIZE": "2",
+}
 """What `accelerate launch` sets from a config file's parallelism_config (dp_shard 2, tp 2)."""
 
 
@@ -44,10 +47,13 @@ def train(parallelism_config) -> dict:
     torch.manual_seed(0)
     initial = GPT()
     model = copy.deepcopy(initial)
-    acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(wrap_policy=["TPBlock"], tensor_parallel_plan=PLAN),
-                           parallelism_config=parallelism_config)
-    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=LR),
-                                     DataLoader(data(), batch_size=PER_RANK, shuffle=False))
+    acc = FSDP2Accelerator(
+        fsdp_plugin=FSDP2Plugin(wrap_policy=["TPBlock"], tensor_parallel_plan=PLAN),
+        parallelism_config=parallelism_config,
+    )
+    model, opt, loader = acc.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=LR), DataLoader(data(), batch_size=PER_RANK, shuffle=False)
+    )
     rows_seen = []
     for step, (rows, idx, target) in enumerate(loader):
         if step == STEPS:
@@ -63,10 +69,15 @@ def train(parallelism_config) -> dict:
     return {
         "max_rel_diff": max_rel_diff(full_params(model), sgd_reference(initial, data(), steps, LR)),
         "global_batch_sizes": [len(s) for s in steps],
-        "tp_group_same_rows": all(per_rank[r] == per_rank[r ^ 1] for r in range(len(per_rank))),  # tp pairs (0,1), (2,3)
+        "tp_group_same_rows": all(
+            per_rank[r] == per_rank[r ^ 1] for r in range(len(per_rank))
+        ),  # tp pairs (0,1), (2,3)
         "mesh": [list(mesh.mesh_dim_names), list(mesh.shape)],
-        "config": [acc.fsdp2_config.tensor_parallel_size, list(acc.fsdp2_config.mesh_shape),
-                   acc.fsdp2_config.sharding_strategy],
+        "config": [
+            acc.fsdp2_config.tensor_parallel_size,
+            list(acc.fsdp2_config.mesh_shape),
+            acc.fsdp2_config.sharding_strategy,
+        ],
         "q_mesh_ndim": q.device_mesh.ndim if isinstance(q, DTensor) else 0,
         "plan": str(f2.sharding_plan(model)),
     }
@@ -92,8 +103,10 @@ def flow_env() -> dict:
 FLOWS = {
     "object": lambda: train(ParallelismConfig(dp_shard_size=2, tp_size=2)),
     "env": flow_env,
-    "errors": lambda: {"cp": refused(ParallelismConfig(dp_shard_size=2, cp_size=2)),
-                       "product": refused(ParallelismConfig(dp_shard_size=1, tp_size=2))},
+    "errors": lambda: {
+        "cp": refused(ParallelismConfig(dp_shard_size=2, cp_size=2)),
+        "product": refused(ParallelismConfig(dp_shard_size=1, tp_size=2)),
+    },
 }
 
 

@@ -48,8 +48,14 @@ def _init_world1() -> None:
         port = s.getsockname()[1]
     accel = _device()
     torch.accelerator.set_device_index(0)
-    dist.init_process_group(f"cpu:gloo,{accel.type}:nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1, timeout=timedelta(seconds=120), device_id=accel)
+    dist.init_process_group(
+        f"cpu:gloo,{accel.type}:nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=120),
+        device_id=accel,
+    )
 
 
 def _step(model, ref, batch, **plan) -> dict:
@@ -93,8 +99,11 @@ def core(out: dict, work: Path) -> None:
     ref = TinyGPT().to(dev)
     bf16 = f2.shard_model(copy.deepcopy(ref), mixed_precision="bf16", log_plan=False)
     r = _step(bf16, ref, batch)
-    out["bf16"] = {"update_rel": r["update_rel"], "grad_dtype": str(bf16.pos.grad.dtype) if bf16.pos.grad is not None else None,
-                   "logits_dtype": str(bf16(batch[0].to(dev)).dtype)}
+    out["bf16"] = {
+        "update_rel": r["update_rel"],
+        "grad_dtype": str(bf16.pos.grad.dtype) if bf16.pos.grad is not None else None,
+        "logits_dtype": str(bf16(batch[0].to(dev)).dtype),
+    }
 
     # Accumulation without sync + global-norm clipping, against one plain step on the whole batch.
     torch.manual_seed(0)
@@ -107,8 +116,12 @@ def core(out: dict, work: Path) -> None:
     norm = f2.clip_grad_norm_(model.parameters(), 0.5)
     loss_fn(ref, idx, tgt).backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-    out["accumulate_clip"] = {"grad_rel": _max_rel(model, ref, "grad"), "norm": norm.item(), "ref_norm": ref_norm.item(),
-                              "norm_device": str(norm.device.type)}
+    out["accumulate_clip"] = {
+        "grad_rel": _max_rel(model, ref, "grad"),
+        "norm": norm.item(),
+        "ref_norm": ref_norm.item(),
+        "norm_device": str(norm.device.type),
+    }
 
     # Checkpoints: sync and async (pinned staging on an accelerator), resumed into a fresh model.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -123,9 +136,12 @@ def core(out: dict, work: Path) -> None:
         fresh = f2.shard_model(TinyGPT().to(dev), log_plan=False)
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
         extra = ckpt.load(model=fresh, optimizer=fresh_opt)
-        results[name] = {"extra": extra, "latest": ckpt.latest_step(),
-                         "equal": all(torch.equal(full(p), saved[n]) for n, p in fresh.named_parameters()),
-                         "opt_state_device": str(next(iter(fresh_opt.state.values()))["exp_avg"].device.type)}
+        results[name] = {
+            "extra": extra,
+            "latest": ckpt.latest_step(),
+            "equal": all(torch.equal(full(p), saved[n]) for n, p in fresh.named_parameters()),
+            "opt_state_device": str(next(iter(fresh_opt.state.values()))["exp_avg"].device.type),
+        }
     out["checkpoint"] = results
     f2.export_full(work / "ckpt_sync", work / "export")
 
@@ -153,8 +169,11 @@ def lightning(out: dict, work: Path) -> None:
             idx, tgt = batch
             loss = loss_fn(self.net, idx, tgt)
             self.losses.append(loss.item())
-            self.seen = {"device": str(idx.device.type),
-                         "backend": str(dist.get_backend()), "scaler": type(getattr(self.trainer.precision_plugin, "scaler", None)).__name__}
+            self.seen = {
+                "device": str(idx.device.type),
+                "backend": str(dist.get_backend()),
+                "scaler": type(getattr(self.trainer.precision_plugin, "scaler", None)).__name__,
+            }
             return loss
 
         def configure_optimizers(self):
@@ -166,16 +185,29 @@ def lightning(out: dict, work: Path) -> None:
     for precision in ("bf16-mixed", "16-mixed"):
         torch.manual_seed(0)
         model = Lit()
-        trainer = pl.Trainer(accelerator="gpu", devices=1, strategy="fsdp2", precision=precision, max_steps=4,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             gradient_clip_val=1.0, accumulate_grad_batches=2)
+        trainer = pl.Trainer(
+            accelerator="gpu",
+            devices=1,
+            strategy="fsdp2",
+            precision=precision,
+            max_steps=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            gradient_clip_val=1.0,
+            accumulate_grad_batches=2,
+        )
         trainer.fit(model, data)
         path = work / f"lit_{precision}.ckpt"
         trainer.save_checkpoint(path)
         # Looked at after fit: inside a step FSDP2 swaps in the gathered (plain) parameters.
-        results[precision] = {"losses": model.losses, "seen": model.seen, "saved_dir": path.is_dir(),
-                              "param": type(model.net.pos).__name__,
-                              "finite": all(torch.isfinite(torch.tensor(model.losses)).tolist())}
+        results[precision] = {
+            "losses": model.losses,
+            "seen": model.seen,
+            "saved_dir": path.is_dir(),
+            "param": type(model.net.pos).__name__,
+            "finite": all(torch.isfinite(torch.tensor(model.losses)).tolist()),
+        }
     out.update(results)
 
 
@@ -202,8 +234,11 @@ def accelerate(out: dict, work: Path) -> None:
     torch.manual_seed(0)
     ref = TinyGPT().to(dev)
     model = copy.deepcopy(ref).cpu()
-    acc16 = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(read_env=False), mixed_precision="fp16",
-                             kwargs_handlers=[GradScalerKwargs(init_scale=1024)])
+    acc16 = FSDP2Accelerator(
+        fsdp_plugin=FSDP2Plugin(read_env=False),
+        mixed_precision="fp16",
+        kwargs_handlers=[GradScalerKwargs(init_scale=1024)],
+    )
     model, opt = acc16.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     r = _step_prepared(acc16, model, opt, ref)
     out["fp16"] = {**r, "scaler": type(acc16.scaler).__name__, "skipped": opt.step_was_skipped}

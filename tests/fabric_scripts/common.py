@@ -43,8 +43,9 @@ def loss_on(model: nn.Module, sl: slice) -> torch.Tensor:
     return nn.functional.mse_loss(model(xs[sl]).float(), ys[sl])
 
 
-def reference_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[slice],
-                    clip: tuple | None = None) -> list[float | None]:
+def reference_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[slice], clip: tuple | None = None
+) -> list[float | None]:
     """One process: one optimizer step per global batch; returns the grad norms (norm clipping)."""
     norms = []
     for sl in batches:

@@ -66,10 +66,12 @@ def parity(out: dict, work: Path) -> None:
     _train(fabric, model, optimizer)
     reference_steps(ref, torch.optim.SGD(ref.parameters(), lr=LR), BATCHES)
     out.update(
-        strategy=type(fabric.strategy).__name__, root_is_fsdp=isinstance(raw, FSDPModule),
+        strategy=type(fabric.strategy).__name__,
+        root_is_fsdp=isinstance(raw, FSDPModule),
         plan_groups=[g.name for g in f2.sharding_plan(raw).groups],
         optimizer_params_dtensor=[isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]],
-        mesh_dims=list(fabric.strategy.device_mesh.mesh_dim_names), mesh_shape=list(fabric.strategy.device_mesh.shape),
+        mesh_dims=list(fabric.strategy.device_mesh.mesh_dim_names),
+        mesh_shape=list(fabric.strategy.device_mesh.shape),
         max_rel_diff=max_rel_diff(full_params(raw), params(ref)),
     )
 
@@ -93,8 +95,12 @@ def accumulation(out: dict, work: Path) -> None:
         optimizer.zero_grad()
     reference_steps(ref, torch.optim.SGD(ref.parameters(), lr=LR), BATCHES[:1])
     rs = lambda c: sum(v for k, v in c.items() if k.startswith("reduce_scatter"))  # noqa: E731
-    out.update(groups=len(f2.sharding_plan(raw).groups), reduce_scatters=rs(counts), reduce_scatters_plain=rs(plain),
-               max_rel_diff=max_rel_diff(full_params(raw), params(ref)))
+    out.update(
+        groups=len(f2.sharding_plan(raw).groups),
+        reduce_scatters=rs(counts),
+        reduce_scatters_plain=rs(plain),
+        max_rel_diff=max_rel_diff(full_params(raw), params(ref)),
+    )
 
 
 def clipping(out: dict, work: Path) -> None:
@@ -108,10 +114,12 @@ def clipping(out: dict, work: Path) -> None:
         norms = _train(fabric, model, optimizer, clip=(algorithm, value))
         ref_norms = reference_steps(ref, torch.optim.SGD(ref.parameters(), lr=LR), BATCHES, clip=(algorithm, value))
         reference_steps(unclipped, torch.optim.SGD(unclipped.parameters(), lr=LR), BATCHES)
-        out[algorithm] = dict(max_rel_diff=max_rel_diff(full_params(raw), params(ref)),
-                              unclipped_diff=max_rel_diff(params(unclipped), params(ref)),
-                              norms=norms if algorithm == "norm" else None,
-                              ref_norms=ref_norms if algorithm == "norm" else None)
+        out[algorithm] = dict(
+            max_rel_diff=max_rel_diff(full_params(raw), params(ref)),
+            unclipped_diff=max_rel_diff(params(unclipped), params(ref)),
+            norms=norms if algorithm == "norm" else None,
+            ref_norms=ref_norms if algorithm == "norm" else None,
+        )
 
 
 def _expected_update(initial: MLP, name: str, scale: float) -> dict:
@@ -127,9 +135,13 @@ def _expected_update(initial: MLP, name: str, scale: float) -> dict:
         return params(ref)
     dtype = torch.float16 if name.startswith("16") else torch.bfloat16
     if name.endswith("-true"):
-        return true_precision_update(initial, [(part,) for part in parts],
-                                     lambda m, part: nn.functional.mse_loss(m(xs[part].to(dtype)).float(), ys[part]),
-                                     dtype, LR)
+        return true_precision_update(
+            initial,
+            [(part,) for part in parts],
+            lambda m, part: nn.functional.mse_loss(m(xs[part].to(dtype)).float(), ys[part]),
+            dtype,
+            LR,
+        )
 
     def loss(model, part):
         with torch.autocast("cpu", dtype=dtype):
@@ -153,19 +165,22 @@ def precision(out: dict, work: Path) -> None:
         raw, initial = fresh(4)
         seen = {}
         raw.blocks[0].fc.register_forward_pre_hook(
-            lambda mod, args, seen=seen: seen.setdefault("compute", str(mod.weight.dtype)) and None)  # None: args unchanged
+            lambda mod, args, seen=seen: seen.setdefault("compute", str(mod.weight.dtype)) and None
+        )  # None: args unchanged
         model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR))
         with collective_dtypes() as reductions:
             _train(fabric, model, optimizer, batches=BATCHES[:1])
         scaler = getattr(fabric.strategy.precision, "scaler", None)
-        out[name] = dict(plugin=type(fabric.strategy.precision).__name__,
-                         plan_precision=sorted({g.precision for g in f2.sharding_plan(raw).groups}),
-                         compute_dtype=seen["compute"],
-                         stored_dtypes=sorted({str(p.dtype) for p in raw.parameters()}),
-                         sharded_scaler=isinstance(scaler, ShardedGradScaler),
-                         scale=scaler.get_scale() if scaler is not None else None,
-                         reductions=sorted(reductions),
-                         update_diff=max_rel_diff(full_params(raw), _expected_update(initial, name, scale)))
+        out[name] = dict(
+            plugin=type(fabric.strategy.precision).__name__,
+            plan_precision=sorted({g.precision for g in f2.sharding_plan(raw).groups}),
+            compute_dtype=seen["compute"],
+            stored_dtypes=sorted({str(p.dtype) for p in raw.parameters()}),
+            sharded_scaler=isinstance(scaler, ShardedGradScaler),
+            scale=scaler.get_scale() if scaler is not None else None,
+            reductions=sorted(reductions),
+            update_diff=max_rel_diff(full_params(raw), _expected_update(initial, name, scale)),
+        )
 
 
 def meta_init(out: dict, work: Path) -> None:
@@ -185,9 +200,12 @@ def meta_init(out: dict, work: Path) -> None:
             module.reset_parameters()
     _train(fabric, model, optimizer, batches=BATCHES[:1])
     reference_steps(own_start := copy.deepcopy(own), torch.optim.SGD(own_start.parameters(), lr=LR), BATCHES[:1])
-    out.update(meta_before=meta_before, meta_after=any(p.is_meta for p in raw.parameters()),
-               init_diff=max_rel_diff(start, params(own)),
-               max_rel_diff=max_rel_diff(full_params(raw), params(own_start)))
+    out.update(
+        meta_before=meta_before,
+        meta_after=any(p.is_meta for p in raw.parameters()),
+        init_diff=max_rel_diff(start, params(own)),
+        max_rel_diff=max_rel_diff(full_params(raw), params(own_start)),
+    )
 
 
 class Counter:
@@ -232,9 +250,15 @@ def checkpoints(out: dict, work: Path) -> None:
     state = {"model": model2, "optimizer": optimizer2, "step": 0, "counter": counter}
     remainder = fabric.load(ck, state)
     resumed_losses = _train(fabric, model2, optimizer2, batches=BATCHES[1:])
-    out.update(files=files, step=state["step"], counter=counter.n, remainder=remainder,
-               resumed_losses=resumed_losses, continued_losses=continued_losses,
-               resume_diff=max_rel_diff(full_params(raw2), continuing))
+    out.update(
+        files=files,
+        step=state["step"],
+        counter=counter.n,
+        remainder=remainder,
+        resumed_losses=resumed_losses,
+        continued_losses=continued_losses,
+        resume_diff=max_rel_diff(full_params(raw2), continuing),
+    )
 
     # Damaged (one byte of rank 0's shard file flipped) and partial (.metadata gone) copies.
     bad, partial = work / "damaged_ckpt", work / "partial_ckpt"
@@ -255,7 +279,8 @@ def checkpoints(out: dict, work: Path) -> None:
     out["unchanged_after_refusals"] = max_rel_diff(full_params(raw3), before)
     out["missing_key_error"] = _expect_error(lambda: fabric.load(ck, {"model": model3, "absent": 0}))
     out["filter_error"] = _expect_error(
-        lambda: fabric.save(work / "filtered", {"model": model3}, filter={"model": lambda k, v: "bias" not in k}))
+        lambda: fabric.save(work / "filtered", {"model": model3}, filter={"model": lambda k, v: "bias" not in k})
+    )
     out["no_model_error"] = _expect_error(lambda: fabric.save(work / "nomodel", {"step": 1}))
 
     # load_raw: a plain torch file of full weights into a sharded model.

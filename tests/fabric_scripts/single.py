@@ -26,9 +26,18 @@ def main(out_path: str, work: str) -> None:
     remainder = fabric.load(Path(work) / "fabric_ckpt", state)
     losses = _train(fabric, model, optimizer, batches=BATCHES[1:])
     continuing = torch.load(Path(work) / "continuing.pt")
-    write_json(out_path, dict(world=fabric.world_size, step=state["step"], counter=counter.n, remainder=remainder,
-                              losses=losses, continued_losses=continuing["losses"],
-                              resume_diff=max_rel_diff(full_params(raw), continuing["params"])))
+    write_json(
+        out_path,
+        dict(
+            world=fabric.world_size,
+            step=state["step"],
+            counter=counter.n,
+            remainder=remainder,
+            losses=losses,
+            continued_losses=continuing["losses"],
+            resume_diff=max_rel_diff(full_params(raw), continuing["params"]),
+        ),
+    )
     f2.shutdown()
 
 

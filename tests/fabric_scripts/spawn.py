@@ -23,8 +23,11 @@ def train(fabric: Fabric, work: str) -> dict:
     fabric.save(Path(work) / "spawn_ckpt", {"model": model, "optimizer": optimizer})
     # Plain lists: Fabric's spawn launcher reads the queue after the workers exited, so tensors (shared
     # through the worker's file descriptors) cannot come back; stock "ddp_spawn" fails the same way.
-    return {"params": {n: t.tolist() for n, t in full_params(raw).items()}, "world": fabric.world_size,
-            "strategy": type(fabric.strategy).__name__}
+    return {
+        "params": {n: t.tolist() for n, t in full_params(raw).items()},
+        "world": fabric.world_size,
+        "strategy": type(fabric.strategy).__name__,
+    }
 
 
 def main(out_path: str, work: str) -> None:
@@ -32,10 +35,16 @@ def main(out_path: str, work: str) -> None:
     result = fabric.launch(train, work)
     _, ref = fresh(0)
     reference_steps(ref, torch.optim.SGD(ref.parameters(), lr=LR), BATCHES)
-    write_json(out_path, dict(world=result["world"], strategy=result["strategy"],
-                              parent_has_process_group=torch.distributed.is_initialized(),
-                              max_rel_diff=max_rel_diff({n: torch.tensor(v) for n, v in result["params"].items()}, params(ref)),
-                              committed=(Path(work) / "spawn_ckpt" / ".metadata").is_file()))
+    write_json(
+        out_path,
+        dict(
+            world=result["world"],
+            strategy=result["strategy"],
+            parent_has_process_group=torch.distributed.is_initialized(),
+            max_rel_diff=max_rel_diff({n: torch.tensor(v) for n, v in result["params"].items()}, params(ref)),
+            committed=(Path(work) / "spawn_ckpt" / ".metadata").is_file(),
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ VOCAB, SEQ, N_SAMPLES, BATCH, STEPS, LR = 64, 12, 16, 4, 2, 0.1  # BATCH per dat
 def plan_flow() -> dict:
     torch.manual_seed(0)
     initial = GPT()
-    fabric = Fabric(accelerator="cpu", devices=4,
-                    strategy=FSDP2FabricStrategy(tensor_parallel_size=2, tensor_parallel_plan=TP_PLAN))
+    fabric = Fabric(
+        accelerator="cpu", devices=4, strategy=FSDP2FabricStrategy(tensor_parallel_size=2, tensor_parallel_plan=TP_PLAN)
+    )
     fabric.launch()
     model = GPT()
     model.load_state_dict(initial.state_dict())
@@ -38,7 +39,7 @@ def plan_flow() -> dict:
     _, idx, target = lm_data(VOCAB, SEQ, N_SAMPLES, seed=7).tensors
     steps = [list(range(s * BATCH * dp_size, (s + 1) * BATCH * dp_size)) for s in range(STEPS)]
     for rows in steps:
-        mine = rows[dp_rank * BATCH:(dp_rank + 1) * BATCH]  # both ranks of a TP group: the same rows
+        mine = rows[dp_rank * BATCH : (dp_rank + 1) * BATCH]  # both ranks of a TP group: the same rows
         fabric.backward(lm_loss(model, idx[mine], target[mine]))
         optimizer.step()
         optimizer.zero_grad()
@@ -48,7 +49,8 @@ def plan_flow() -> dict:
     return {
         "max_rel_diff": max_rel_diff(got, expected),
         "same_names": sorted(got) == sorted(expected),
-        "mesh_dims": list(mesh.mesh_dim_names), "mesh_shape": list(mesh.shape),
+        "mesh_dims": list(mesh.mesh_dim_names),
+        "mesh_shape": list(mesh.shape),
         "q_2d_dtensor": isinstance(q, DTensor) and q.device_mesh.ndim == 2,
         "plan": str(f2.sharding_plan(model)),
     }

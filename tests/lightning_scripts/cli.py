@@ -28,15 +28,18 @@ class Report(pl.Callback):
     def on_train_end(self, trainer, module):
         strategy = trainer.strategy
         losses = gather(module.losses)
-        write_json(os.environ["FSDP2_CLI_OUT"], {
-            "strategy": type(strategy).__name__,
-            "world_size": trainer.world_size,
-            "device_type": strategy.root_device.type,
-            "wrap_policy": repr(strategy.fsdp2_config.wrap_policy),
-            "groups": [g.name for g in f2.sharding_plan(module).groups],
-            "precision": [g.precision for g in f2.sharding_plan(module).groups],
-            "losses": losses,
-        })
+        write_json(
+            os.environ["FSDP2_CLI_OUT"],
+            {
+                "strategy": type(strategy).__name__,
+                "world_size": trainer.world_size,
+                "device_type": strategy.root_device.type,
+                "wrap_policy": repr(strategy.fsdp2_config.wrap_policy),
+                "groups": [g.name for g in f2.sharding_plan(module).groups],
+                "precision": [g.precision for g in f2.sharding_plan(module).groups],
+                "losses": losses,
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ class LitMLP(pl.LightningModule):
         if not self.seen:
             self.seen = {
                 "out_dtype": str(out.dtype),
-                "input_dtype": str(x.dtype), "target_dtype": str(y.dtype),  # the batch as the step received it
+                "input_dtype": str(x.dtype),
+                "target_dtype": str(y.dtype),  # the batch as the step received it
                 "param_dtypes": sorted({str(p.dtype) for p in self.parameters()}),
                 "block_params_dtensor": [isinstance(p, DTensor) for p in self.blocks.parameters()],
                 "optimizer_params_dtensor": [
@@ -81,8 +82,9 @@ class LitMLP(pl.LightningModule):
 
 def dataset() -> TensorDataset:
     g = torch.Generator().manual_seed(1)
-    return TensorDataset(torch.arange(N_SAMPLES), torch.randn(N_SAMPLES, 8, generator=g),
-                         torch.randn(N_SAMPLES, 1, generator=g))
+    return TensorDataset(
+        torch.arange(N_SAMPLES), torch.randn(N_SAMPLES, 8, generator=g), torch.randn(N_SAMPLES, 1, generator=g)
+    )
 
 
 def loader(batch: int, shuffle: bool = True) -> DataLoader:
@@ -90,13 +92,16 @@ def loader(batch: int, shuffle: bool = True) -> DataLoader:
 
 
 def trainer(strategy="fsdp2", devices=2, **kwargs) -> pl.Trainer:
-    defaults = dict(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False)
+    defaults = dict(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     return pl.Trainer(**{**defaults, **kwargs})
-
-
-
-
 
 
 def reference_step(initial: nn.Module, indices: list[int], *, clip: tuple | None = None, lr: float = LR):
@@ -112,6 +117,3 @@ def reference_step(initial: nn.Module, indices: list[int], *, clip: tuple | None
         torch.nn.utils.clip_grad_value_(model.parameters(), clip[1])
     opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norm
-
-
-

@@ -70,9 +70,13 @@ def one_step_parity(out: dict, work: Path) -> None:
     fit.fit(model, loader(BATCH))
     full = full_params(model)
     ref, _ = reference_step(initial, _all_indices(model))
-    out.update(model.seen, max_rel_diff=max_rel_diff(full, ref), root_is_fsdp=isinstance(model, FSDPModule),
-               plan_groups=[g.name for g in f2.sharding_plan(model).groups],
-               disjoint=not set(gather(model.indices[0])[0]) & set(gather(model.indices[0])[1]))
+    out.update(
+        model.seen,
+        max_rel_diff=max_rel_diff(full, ref),
+        root_is_fsdp=isinstance(model, FSDPModule),
+        plan_groups=[g.name for g in f2.sharding_plan(model).groups],
+        disjoint=not set(gather(model.indices[0])[0]) & set(gather(model.indices[0])[1]),
+    )
     try:
         trainer(FSDP2Strategy(wrap_policy=["ResidualBlok"]), max_steps=1).fit(LitMLP(), loader(BATCH))
         out["typo_error"] = None
@@ -81,16 +85,18 @@ def one_step_parity(out: dict, work: Path) -> None:
 
 
 def registry_variants(out: dict, work: Path) -> None:
-    """"fsdp2_hybrid" and "fsdp2_cpu_offload": one step each, against one process."""
+    """ "fsdp2_hybrid" and "fsdp2_cpu_offload": one step each, against one process."""
     for name in ("fsdp2_hybrid", "fsdp2_cpu_offload"):
         model, initial = _fresh()
         trainer(name, max_steps=1).fit(model, loader(BATCH))
         ref, _ = reference_step(initial, _all_indices(model))
         plan = f2.sharding_plan(model)
-        out[name] = dict(mesh_shapes=sorted({str(g.mesh_shape) for g in plan.groups}),
-                         strategies=sorted({g.strategy for g in plan.groups}),
-                         offload=sorted({g.cpu_offload for g in plan.groups}),
-                         max_rel_diff=max_rel_diff(full_params(model), ref))
+        out[name] = dict(
+            mesh_shapes=sorted({str(g.mesh_shape) for g in plan.groups}),
+            strategies=sorted({g.strategy for g in plan.groups}),
+            offload=sorted({g.cpu_offload for g in plan.groups}),
+            max_rel_diff=max_rel_diff(full_params(model), ref),
+        )
 
 
 def accumulation(out: dict, work: Path) -> None:
@@ -101,9 +107,13 @@ def accumulation(out: dict, work: Path) -> None:
     plain, _ = _fresh()
     with count_collectives() as plain_counts:
         trainer(max_steps=2).fit(plain, loader(BATCH))
-    out.update(groups=len(f2.sharding_plan(model).groups), micro_batches=len(model.losses),
-               reduce_scatters=_rs(counts), reduce_scatters_two_plain_steps=_rs(plain_counts),
-               max_rel_diff=max_rel_diff(full_params(model), ref))
+    out.update(
+        groups=len(f2.sharding_plan(model).groups),
+        micro_batches=len(model.losses),
+        reduce_scatters=_rs(counts),
+        reduce_scatters_two_plain_steps=_rs(plain_counts),
+        max_rel_diff=max_rel_diff(full_params(model), ref),
+    )
 
 
 def accumulation_modes(out: dict, work: Path) -> None:
@@ -114,9 +124,13 @@ def accumulation_modes(out: dict, work: Path) -> None:
             trainer(FSDP2Strategy(accumulation=mode), max_steps=1, accumulate_grad_batches=2).fit(model, loader(BATCH))
         ref, _ = reference_step(initial, _all_indices(model))
         plan = f2.sharding_plan(model)
-        out[mode] = dict(plan_mode=plan.accumulation, groups=len(plan.groups), reduce_scatters=_rs(counts),
-                         all_gathers=sum(v for k, v in counts.items() if k.startswith("all_gather")),
-                         max_rel_diff=max_rel_diff(full_params(model), ref))
+        out[mode] = dict(
+            plan_mode=plan.accumulation,
+            groups=len(plan.groups),
+            reduce_scatters=_rs(counts),
+            all_gathers=sum(v for k, v in counts.items() if k.startswith("all_gather")),
+            max_rel_diff=max_rel_diff(full_params(model), ref),
+        )
 
 
 def clipping(out: dict, work: Path) -> None:
@@ -127,9 +141,12 @@ def clipping(out: dict, work: Path) -> None:
         ref, ref_norm = reference_step(initial, _all_indices(model), clip=(algorithm, value))
         unclipped, _ = reference_step(initial, _all_indices(model))
         norm = fit.strategy.precision_plugin.last_grad_norm
-        out[algorithm] = dict(max_rel_diff=max_rel_diff(full_params(model), ref),
-                              unclipped_diff=max_rel_diff(full_params(model), unclipped),
-                              norm=None if norm is None else float(norm), ref_norm=ref_norm)
+        out[algorithm] = dict(
+            max_rel_diff=max_rel_diff(full_params(model), ref),
+            unclipped_diff=max_rel_diff(full_params(model), unclipped),
+            norm=None if norm is None else float(norm),
+            ref_norm=ref_norm,
+        )
 
 
 def _policy_update(initial: LitMLP, model: LitMLP, dtype: torch.dtype, scale: float = 1.0) -> dict:
@@ -160,13 +177,17 @@ def precision(out: dict, work: Path) -> None:
     plan = f2.sharding_plan(model)
     expected, grads = _policy_update(initial, model, torch.bfloat16)
     momentum = {n: full(fit.optimizers[0].state[p]["momentum_buffer"]) for n, p in model.named_parameters()}
-    out["bf16_mixed"] = dict(model.seen, plugin=type(fit.precision_plugin).__name__,
-                             stored_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
-                             state_dtypes=_state_dtypes(fit), reductions=sorted(reductions),
-                             precision=sorted({g.precision for g in plan.groups}),
-                             update_diff=max_rel_diff(full_params(model), expected),
-                             momentum_diff=max_rel_diff(momentum, grads),
-                             fp32_update_diff=max_rel_diff(full_params(model), reference_step(initial, _all_indices(model))[0]))
+    out["bf16_mixed"] = dict(
+        model.seen,
+        plugin=type(fit.precision_plugin).__name__,
+        stored_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
+        state_dtypes=_state_dtypes(fit),
+        reductions=sorted(reductions),
+        precision=sorted({g.precision for g in plan.groups}),
+        update_diff=max_rel_diff(full_params(model), expected),
+        momentum_diff=max_rel_diff(momentum, grads),
+        fp32_update_diff=max_rel_diff(full_params(model), reference_step(initial, _all_indices(model))[0]),
+    )
 
     # 16-mixed: an initial scale that does not overflow, so no step is skipped; then the update.
     model, initial = _fresh()
@@ -175,11 +196,15 @@ def precision(out: dict, work: Path) -> None:
     with collective_dtypes() as reductions:
         fit.fit(model, loader(BATCH))
     expected, _ = _policy_update(initial, model, torch.float16, scale=2.0**10)
-    out["fp16_mixed"] = dict(model.seen, scaler=type(fit.precision_plugin.scaler).__name__,
-                             sharded_scaler=isinstance(fit.precision_plugin.scaler, ShardedGradScaler),
-                             scale_after=float(scaler.get_scale()), reductions=sorted(reductions),
-                             stored_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
-                             update_diff=max_rel_diff(full_params(model), expected))
+    out["fp16_mixed"] = dict(
+        model.seen,
+        scaler=type(fit.precision_plugin.scaler).__name__,
+        sharded_scaler=isinstance(fit.precision_plugin.scaler, ShardedGradScaler),
+        scale_after=float(scaler.get_scale()),
+        reductions=sorted(reductions),
+        stored_dtypes=sorted({str(p.dtype) for p in model.parameters()}),
+        update_diff=max_rel_diff(full_params(model), expected),
+    )
 
     # bf16-true: weights, compute and reduction in bf16; the update against one bf16 process.
     model, initial = _fresh()
@@ -188,10 +213,12 @@ def precision(out: dict, work: Path) -> None:
         fit.fit(model, loader(BATCH))
     _, xs, ys = dataset().tensors
     batches = [(xs[rank[0]].to(torch.bfloat16), ys[rank[0]].to(torch.bfloat16)) for rank in gather(model.indices)]
-    expected = true_precision_update(initial, batches, lambda m, x, y: nn.functional.mse_loss(m(x).float(), y.float()),
-                                     torch.bfloat16, LR)  # Lightning casts the whole batch, targets too
-    out["bf16_true"] = dict(model.seen, reductions=sorted(reductions),
-                            update_diff=max_rel_diff(full_params(model), expected))
+    expected = true_precision_update(
+        initial, batches, lambda m, x, y: nn.functional.mse_loss(m(x).float(), y.float()), torch.bfloat16, LR
+    )  # Lightning casts the whole batch, targets too
+    out["bf16_true"] = dict(
+        model.seen, reductions=sorted(reductions), update_diff=max_rel_diff(full_params(model), expected)
+    )
     try:
         trainer(precision="64-true")
         out["double_error"] = None
@@ -211,8 +238,14 @@ def evaluation(out: dict, work: Path) -> None:
         ref_out = initial(xs)
         ref_sum = torch.nn.functional.mse_loss(ref_out, ys, reduction="sum").item()
         pred_diff = max((p - ref_out[i]).abs().max().item() for i, p in preds)
-    out.update(val=float(val), test=float(test), ref=ref_sum, pred_diff=pred_diff, root_is_fsdp=isinstance(model, FSDPModule),
-               predicted=sum(len(i) for i, _ in preds))
+    out.update(
+        val=float(val),
+        test=float(test),
+        ref=ref_sum,
+        pred_diff=pred_diff,
+        root_is_fsdp=isinstance(model, FSDPModule),
+        predicted=sum(len(i) for i, _ in preds),
+    )
 
 
 class ManualBlocks(LitMLP):
@@ -233,8 +266,11 @@ def manual_configure_model(out: dict, work: Path) -> None:
     ref, _ = reference_step(initial, _all_indices(model))
     # The user's reshard_after_forward=False survives: no post-forward mesh (a private attribute).
     kept = [tc.post_forward_mesh_info(tc.param_groups(blk)[0]) is None for blk in model.blocks]
-    out.update(groups=[g.name for g in f2.sharding_plan(model).groups], user_settings_kept=kept,
-               max_rel_diff=max_rel_diff(full_params(model), ref))
+    out.update(
+        groups=[g.name for g in f2.sharding_plan(model).groups],
+        user_settings_kept=kept,
+        max_rel_diff=max_rel_diff(full_params(model), ref),
+    )
 
 
 class _WeightsAtStart(pl.Callback):
@@ -260,9 +296,11 @@ def meta_init(out: dict, work: Path) -> None:
         if callable(getattr(module, "reset_parameters", None)):
             module.reset_parameters()
     ref, _ = reference_step(own, _all_indices(model))
-    out.update(meta_after=any(p.is_meta for p in model.parameters()),
-               init_diff=max_rel_diff(start.weights, full_params(own)),
-               max_rel_diff=max_rel_diff(full_params(model), ref))
+    out.update(
+        meta_after=any(p.is_meta for p in model.parameters()),
+        init_diff=max_rel_diff(start.weights, full_params(own)),
+        max_rel_diff=max_rel_diff(full_params(model), ref),
+    )
 
 
 def _ckpt_trainer(dirpath: Path, epochs: int, **kwargs) -> pl.Trainer:
@@ -303,7 +341,8 @@ def checkpoints(out: dict, work: Path) -> None:
     top1 = work / "top1"  # save_top_k=1: the strategy removes the older sharded directory
     model, _ = _fresh(optimizer="adam")
     trainer(max_epochs=2, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=top1, save_top_k=1)]).fit(
-        model, loader(BATCH))
+        model, loader(BATCH)
+    )
     out["top1_listing"] = sorted(p.name for p in top1.iterdir())
 
     explicit = work / "explicit.ckpt"
@@ -335,7 +374,8 @@ def checkpoints(out: dict, work: Path) -> None:
         early = work / f"early_{kind}.ckpt"
         model, _ = _fresh(optimizer="adam")
         trainer(FSDP2Strategy(state_dict_type=kind), max_epochs=2, callbacks=[_SaveAtStart(early)]).fit(
-            model, loader(BATCH))
+            model, loader(BATCH)
+        )
         out[f"early_{kind}_diff"] = max_rel_diff(full_params(model), ref_params)
     resumed, _ = _fresh(seed=7, optimizer="adam")
     trainer(max_epochs=2).fit(resumed, loader(BATCH), ckpt_path=work / "early_sharded.ckpt")
@@ -362,18 +402,26 @@ def _auto_budgets(config: f2.FSDP2Config, model) -> dict:
     """Budgets from the core planner's estimates (2 ranks, AdamW, no batch: what "auto" uses):
     one that FULL_SHARD fits and SHARD_GRAD_OP (less communication) does not, one that
     SHARD_GRAD_OP fits (NO_SHARD communicates as much with a larger peak), one below all."""
-    est = {s: f2.estimate_memory(model, dataclasses.replace(config, sharding_strategy=s), world_size=2).peak_bytes
-           for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")}
-    return {"estimates": est, "FULL_SHARD": (est["FULL_SHARD"] + est["SHARD_GRAD_OP"]) // 2,
-            "SHARD_GRAD_OP": est["NO_SHARD"] * 2, "too_small": est["FULL_SHARD"] // 2}
+    est = {
+        s: f2.estimate_memory(model, dataclasses.replace(config, sharding_strategy=s), world_size=2).peak_bytes
+        for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+    }
+    return {
+        "estimates": est,
+        "FULL_SHARD": (est["FULL_SHARD"] + est["SHARD_GRAD_OP"]) // 2,
+        "SHARD_GRAD_OP": est["NO_SHARD"] * 2,
+        "too_small": est["FULL_SHARD"] // 2,
+    }
 
 
 def _chosen(model) -> dict:
     """What the sharded model shows of the strategy: plan strategies, mesh shapes, reshard choices."""
     plan = f2.sharding_plan(model)
-    return {"strategies": sorted({g.strategy for g in plan.groups}),
-            "mesh_shapes": sorted({str(g.mesh_shape) for g in plan.groups}),
-            "reshard": {g.name: g.reshard_after_forward for g in plan.groups}}
+    return {
+        "strategies": sorted({g.strategy for g in plan.groups}),
+        "mesh_shapes": sorted({str(g.mesh_shape) for g in plan.groups}),
+        "reshard": {g.name: g.reshard_after_forward for g in plan.groups},
+    }
 
 
 class AutoMLP(LitMLP):
@@ -394,17 +442,32 @@ def auto_strategy(out: dict, work: Path) -> None:
         model = AutoMLP()
         initial = copy.deepcopy(model)
         trainer(FSDP2Strategy(sharding_strategy="auto", memory_budget=budgets[expected]), max_steps=1).fit(
-            model, loader(BATCH))
+            model, loader(BATCH)
+        )
         ref, _ = reference_step(initial, _all_indices(model))
         out[expected] = dict(_chosen(model), max_rel_diff=max_rel_diff(full_params(model), ref))
     try:
         trainer(FSDP2Strategy(sharding_strategy="auto", memory_budget=budgets["too_small"]), max_steps=1).fit(
-            AutoMLP(), loader(BATCH))
+            AutoMLP(), loader(BATCH)
+        )
         out["too_small_error"] = None
     except ValueError as exc:
         out["too_small_error"] = str(exc)
 
-FLOWS = [one_step_parity, registry_variants, accumulation, accumulation_modes, clipping, precision, evaluation, manual_configure_model, meta_init, checkpoints, auto_strategy]
+
+FLOWS = [
+    one_step_parity,
+    registry_variants,
+    accumulation,
+    accumulation_modes,
+    clipping,
+    precision,
+    evaluation,
+    manual_configure_model,
+    meta_init,
+    checkpoints,
+    auto_strategy,
+]
 
 
 def main(out_path: str, work: str) -> None:

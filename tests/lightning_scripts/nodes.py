@@ -24,9 +24,15 @@ def main(out_path: str) -> None:
     indices = [i for rank in gather(model.indices) for batch in rank for i in batch]
     ref, _ = reference_step(initial, indices)
     plan = f2.sharding_plan(model)
-    write_json(out_path, {"node_ranks": gather(fit.node_rank), "world_size": fit.world_size,
-                          "mesh_shapes": sorted({str(g.mesh_shape) for g in plan.groups}),
-                          "max_rel_diff": max_rel_diff(full_params(model), ref)})
+    write_json(
+        out_path,
+        {
+            "node_ranks": gather(fit.node_rank),
+            "world_size": fit.world_size,
+            "mesh_shapes": sorted({str(g.mesh_shape) for g in plan.groups}),
+            "max_rel_diff": max_rel_diff(full_params(model), ref),
+        },
+    )
     f2.shutdown()
 
 

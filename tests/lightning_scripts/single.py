@@ -1,7 +1,7 @@
 """One-process Lightning runs (devices=1, global batch 8 = 2 ranks x 4) for the resharding tests.
 
-    single.py train  OUT.json WORKDIR           reference run of 2 epochs + a 1-epoch checkpoint
-    single.py resume OUT.json CKPT FLOWS.json   load_from_checkpoint(CKPT), then resume fit from it
+single.py train  OUT.json WORKDIR           reference run of 2 epochs + a 1-epoch checkpoint
+single.py resume OUT.json CKPT FLOWS.json   load_from_checkpoint(CKPT), then resume fit from it
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ def resume(out_path: str, ckpt: str, flows_json: str) -> None:
     # Single process, no trainer: the sharded directory is read with its weights gathered.
     loaded = LitMLP.load_from_checkpoint(ckpt)
     saved = json.loads(Path(flows_json).read_text())["checkpoints"]["epoch0_params"]
-    loaded_diff = max_rel_diff({k: v.detach() for k, v in loaded.named_parameters()},
-                               {k: torch.tensor(v) for k, v in saved.items()})
+    loaded_diff = max_rel_diff(
+        {k: v.detach() for k, v in loaded.named_parameters()}, {k: torch.tensor(v) for k, v in saved.items()}
+    )
     # Lightning's own reader of sharded checkpoints (behind its consolidation CLI) reads ours.
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
@@ -45,8 +46,16 @@ def resume(out_path: str, ckpt: str, flows_json: str) -> None:
     torch.manual_seed(7)
     model = LitMLP(optimizer="adam")
     trainer(devices=1, max_epochs=2).fit(model, loader(BATCH), ckpt_path=ckpt)
-    write_json(out_path, {"loaded_diff": loaded_diff, "lightning_reader_diff": lightning_diff, "loaded_hparams": dict(loaded.hparams), "losses": model.losses,
-                          "params": {k: v.tolist() for k, v in full_params(model).items()}})
+    write_json(
+        out_path,
+        {
+            "loaded_diff": loaded_diff,
+            "lightning_reader_diff": lightning_diff,
+            "loaded_hparams": dict(loaded.hparams),
+            "losses": model.losses,
+            "params": {k: v.tolist() for k, v in full_params(model).items()},
+        },
+    )
 
 
 if __name__ == "__main__":

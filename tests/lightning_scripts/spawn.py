@@ -37,12 +37,15 @@ def main(out_path: str) -> None:
         trainer("fsdp2_spawn", max_steps=1, callbacks=[ReportFromRanks(report)]).fit(model, loader(4))
         rank_params, indices = torch.load(report)
     ref, _ = reference_step(initial, indices)
-    write_json(out_path, {
-        "parent_has_process_group": torch.distributed.is_initialized(),
-        "plain_tensors": not any(isinstance(p, DTensor) for p in model.parameters()),
-        "ranks_vs_single_process": max_rel_diff(rank_params, ref),
-        "parent_vs_ranks": max_rel_diff(full_params(model), rank_params),
-    })
+    write_json(
+        out_path,
+        {
+            "parent_has_process_group": torch.distributed.is_initialized(),
+            "plain_tensors": not any(isinstance(p, DTensor) for p in model.parameters()),
+            "ranks_vs_single_process": max_rel_diff(rank_params, ref),
+            "parent_vs_ranks": max_rel_diff(full_params(model), rank_params),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -52,12 +52,14 @@ class LitGPT(pl.LightningModule):
         self.rows.append(rows.tolist())
         if not self.seen:
             w = self.model.blocks[0].attn.q.weight
-            self.seen = {"q_mesh_dims": list(w.device_mesh.mesh_dim_names or ()) if isinstance(w, DTensor) else None,
-                         # (dp, tp) placements of a column-wise weight: dim 0 split over tp, then over dp.
-                         "q_dim0_over_dp_and_tp": isinstance(w, DTensor) and all(
-                             getattr(p, "dim", None) == 0 for p in w.placements),  # Shard or FSDP's _StridedShard
-                         "mesh_dims": list(self.device_mesh.mesh_dim_names),
-                         "mesh_shape": list(self.device_mesh.shape)}
+            self.seen = {
+                "q_mesh_dims": list(w.device_mesh.mesh_dim_names or ()) if isinstance(w, DTensor) else None,
+                # (dp, tp) placements of a column-wise weight: dim 0 split over tp, then over dp.
+                "q_dim0_over_dp_and_tp": isinstance(w, DTensor)
+                and all(getattr(p, "dim", None) == 0 for p in w.placements),  # Shard or FSDP's _StridedShard
+                "mesh_dims": list(self.device_mesh.mesh_dim_names),
+                "mesh_shape": list(self.device_mesh.shape),
+            }
         return lm_loss(self.model, idx, target)
 
     def configure_optimizers(self):
@@ -71,9 +73,18 @@ class LitGPTHandTP(LitGPT):
     def configure_model(self):
         tp_mesh, dp_mesh = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
         for block in self.model.blocks:
-            parallelize_module(block, tp_mesh, {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
-                                                "attn.v": ColwiseParallel(), "attn.proj": RowwiseParallel(),
-                                                "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+            parallelize_module(
+                block,
+                tp_mesh,
+                {
+                    "attn.q": ColwiseParallel(),
+                    "attn.k": ColwiseParallel(),
+                    "attn.v": ColwiseParallel(),
+                    "attn.proj": RowwiseParallel(),
+                    "mlp.0": ColwiseParallel(),
+                    "mlp.2": RowwiseParallel(),
+                },
+            )
             fully_shard(block, mesh=dp_mesh)
 
 
@@ -92,15 +103,18 @@ def run(module: LitGPT, strategy: FSDP2Strategy, initial: GPT) -> dict:
     t.fit(module, DataLoader(data(), batch_size=BATCH, shuffle=True))
     got = full_params(module)  # collective: every rank
     steps = global_batches(module)
-    expected = sgd_reference(initial, data(), steps, LR, prefix='model.')
+    expected = sgd_reference(initial, data(), steps, LR, prefix="model.")
     params = list(module.parameters())
     return {
         **module.seen,
         "max_rel_diff": max_rel_diff(got, expected),
         "global_batch_sizes": [len(rows) for rows in steps],
         "same_names": sorted(got) == sorted(expected),
-        "tp_weights_2d": all(isinstance(m.weight, DTensor) and m.weight.device_mesh.ndim == 2 for b in module.model.blocks
-                             for m in (b.attn.q, b.attn.k, b.attn.v, b.attn.proj, b.mlp[0], b.mlp[2])),
+        "tp_weights_2d": all(
+            isinstance(m.weight, DTensor) and m.weight.device_mesh.ndim == 2
+            for b in module.model.blocks
+            for m in (b.attn.q, b.attn.k, b.attn.v, b.attn.proj, b.mlp[0], b.mlp[2])
+        ),
         "params_dtensor": all(isinstance(p, DTensor) for p in params),
         "plan": str(f2.sharding_plan(module)),
         "dp_size": strategy.distributed_sampler_kwargs["num_replicas"],
