@@ -13,6 +13,7 @@ import os
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -123,7 +124,9 @@ class _SafetensorsFile:
         row_bytes = torch.Size(shape[1:]).numel() * out.element_size()
         with open(self.path, "rb", buffering=0) as f:
             f.seek(offset + start * row_bytes)
-            view = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            # An ndarray exports the buffer protocol (numpy's stubs declare it only for Python >= 3.12).
+            array: Any = out.reshape(-1).view(torch.uint8).numpy()
+            view = memoryview(array).cast("B")
             if f.readinto(view) != len(view):
                 raise ValueError(f"{self.path}: tensor {name!r} is truncated; the file is incomplete or corrupt.")
 
