@@ -19,10 +19,12 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _collect, _models, _precision
+
 import torch
 import torch.distributed as dist
-from _comm import collective_dtypes, count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
-from _precision import policy_grads, tied_names  # noqa: E402
+from _comm import collective_dtypes, count_collectives
+from _precision import policy_grads, tied_names
 from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 from common import (

@@ -8,8 +8,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _collect, _models, _precision
+
 import torch
-from _collect import write_json  # noqa: E402  (tests/ is on the path once `common` is imported)
+from _collect import write_json
 from common import LR, fresh, full_params, max_rel_diff, params, reference_steps
 from flows import BATCHES, _train
 from lightning.fabric import Fabric

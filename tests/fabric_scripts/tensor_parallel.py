@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import sys
 import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _collect, _models, _precision
 
 import torch
 from _models import TP_PLAN, lm_data, lm_loss, sgd_reference  # noqa: E402  (tests/ is on the path via `common`)

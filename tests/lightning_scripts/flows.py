@@ -15,12 +15,14 @@ import sys
 import traceback
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _collect, _models, _precision
+
 import lightning.pytorch as pl
 import torch
-from _collect import full  # noqa: E402
-from _comm import collective_dtypes, count_collectives  # noqa: E402  (tests/ is on the path once `common` is imported)
-from _models import ResidualBlock  # noqa: E402
-from _precision import policy_grads, true_precision_update  # noqa: E402
+from _collect import full
+from _comm import collective_dtypes, count_collectives
+from _models import ResidualBlock
+from _precision import policy_grads, true_precision_update
 from common import (
     LR,
     LitMLP,

@@ -14,16 +14,19 @@ from __future__ import annotations
 import copy
 import sys
 import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _collect, _models, _precision
 
 import lightning.pytorch as pl
 import torch
-from _models import (  # noqa: E402
-    TP_PLAN,  # noqa: E402  (tests/ is on the path once `common` is imported)
+from _models import (
+    TP_PLAN,
     lm_data,
     lm_loss,
     sgd_reference,
 )
-from _models import TPGPT as GPT  # noqa: E402
+from _models import TPGPT as GPT
 from common import full_params, gather, max_rel_diff, trainer, write_json
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
