@@ -51,6 +51,20 @@ def _where(var: str) -> str:
     return f"{var} (accelerate config key `{yaml_key}`)"
 
 
+def _lookup(
+    env: Mapping[str, str], var: str, field: str, table: Mapping[str, Any], normalise: Any, problem: str
+) -> dict[str, Any]:
+    """`{field: table[normalise(value)]}` for a set variable `var` ({} when unset or blank); a value
+    not in the table raises ValueError naming the variable, its config key and `problem`."""
+    raw = env.get(var)
+    if raw is None or not raw.strip():
+        return {}
+    key = normalise(raw.strip())
+    if key not in table:
+        raise ValueError(f"{_where(var)}={raw!r} {problem}")
+    return {field: table[key]}
+
+
 def _bool(env: Mapping[str, str], var: str) -> bool | None:
     raw = env.get(var)
     if raw is None or raw.strip() == "":
@@ -151,24 +165,28 @@ def read_accelerate_env(environ: Mapping[str, str] | None = None) -> dict[str, A
         out["activation_checkpointing"] = "auto" if checkpointing else None
     if _bool(env, "FSDP_FORWARD_PREFETCH"):
         out["forward_prefetch"] = 1
-    precision = env.get("ACCELERATE_MIXED_PRECISION")
-    if precision is not None and precision.strip():
-        key = precision.strip().lower()
-        if key not in PRECISIONS:
-            raise ValueError(
-                f"{_where('ACCELERATE_MIXED_PRECISION')}={precision!r} is not supported with FSDP2Plugin; "
-                f"use one of {', '.join(PRECISIONS)} (fp8 is not available through this plugin)."
-            )
-        out["mixed_precision"] = PRECISIONS[key]
-    sd_type = env.get("FSDP_STATE_DICT_TYPE")
-    if sd_type is not None and sd_type.strip():
-        key = sd_type.strip().upper()
-        if key not in STATE_DICT_TYPES:
-            raise ValueError(
-                f"{_where('FSDP_STATE_DICT_TYPE')}={sd_type!r} is invalid; use SHARDED_STATE_DICT (DCP shards, resumable "
-                "on any world size) or FULL_STATE_DICT (also consolidated weights); LOCAL_STATE_DICT is FSDP1-only."
-            )
-        out["state_dict_type"] = STATE_DICT_TYPES[key]
+    out.update(
+        _lookup(
+            env,
+            "ACCELERATE_MIXED_PRECISION",
+            "mixed_precision",
+            PRECISIONS,
+            str.lower,
+            f"is not supported with FSDP2Plugin; use one of {', '.join(PRECISIONS)} (fp8 is not available "
+            "through this plugin).",
+        )
+    )
+    out.update(
+        _lookup(
+            env,
+            "FSDP_STATE_DICT_TYPE",
+            "state_dict_type",
+            STATE_DICT_TYPES,
+            str.upper,
+            "is invalid; use SHARDED_STATE_DICT (DCP shards, resumable on any world size) or FULL_STATE_DICT "
+            "(also consolidated weights); LOCAL_STATE_DICT is FSDP1-only.",
+        )
+    )
     ram = _bool(env, "FSDP_CPU_RAM_EFFICIENT_LOADING")
     if ram is not None:
         out["cpu_ram_efficient_loading"] = ram
