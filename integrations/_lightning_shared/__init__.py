@@ -18,7 +18,7 @@ from .config import (
     register_all,
 )
 from .launch import ShutdownAfterWorker
-from .precision import MIXED_POLICY, SUPPORTED_PRECISION, mixed_scaler, swap_plugin
+from .precision import MIXED_POLICY, SUPPORTED_PRECISION, mixed_scaler, plugin_property, swap_plugin
 
 __all__ = [
     "META_FILE",
@@ -35,6 +35,7 @@ __all__ = [
     "mixed_scaler",
     "not_committed_error",
     "parallel_sizes",
+    "plugin_property",
     "process_group_backend",
     "register_all",
     "swap_plugin",

@@ -14,6 +14,22 @@ MIXED_POLICY = {"bf16-mixed": "bf16", "16-mixed": "fp16"}
 """Precision string -> core `FSDP2Config.mixed_precision` name (the "-mixed" strings only)."""
 
 
+def plugin_property(attribute: str, default: type, swap: Any) -> property:
+    """The strategy's precision-plugin property (Fabric: `precision`, the Trainer: `precision_plugin`),
+    stored in `attribute`: reads the plugin or a `default()` one; a plugin assigned to it (Lightning
+    picks one from `precision=...`, or the user passes `plugins=`) is swapped by `swap` for its FSDP2
+    equivalent, or refused naming the precision strings that work."""
+
+    def get(self: Any) -> Any:
+        plugin = getattr(self, attribute)
+        return plugin if plugin is not None else default()
+
+    def set_(self: Any, plugin: Any) -> None:
+        setattr(self, attribute, swap(plugin))
+
+    return property(get, set_, doc=f"The FSDP2 precision plugin (stored in `{attribute}`).")
+
+
 def mixed_scaler(owner: str, precision: str, device: str, scaler: Any | None) -> Any | None:
     """The loss scaler of a "-mixed" plugin: `ShardedGradScaler` for "16-mixed" (it agrees on
     inf/NaN across ranks, so every rank skips the same steps; Lightning's default

@@ -18,7 +18,6 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -32,6 +31,7 @@ from .._lightning_shared import (
     core_mesh,
     effective_config,
     parallel_sizes,
+    plugin_property,
     process_group_backend,
     register_all,
 )
@@ -78,14 +78,7 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         self._backward_sync_control = _CoreNoSync()
 
     # ------------------------------------------------------------------ plugins and launch
-    @property
-    def precision(self) -> Precision:
-        return self._precision if self._precision is not None else FSDP2FabricPrecision()
-
-    @precision.setter
-    def precision(self, plugin: Precision | None) -> None:
-        # A plugin given with `plugins=` reaches us as is: swap in the FSDP2 one or refuse it.
-        self._precision = to_fsdp2_precision(plugin)
+    precision = plugin_property("_precision", FSDP2FabricPrecision, to_fsdp2_precision)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None

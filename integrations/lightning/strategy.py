@@ -18,7 +18,6 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -39,6 +38,7 @@ from .._lightning_shared import (
     is_sharded_checkpoint,
     not_committed_error,
     parallel_sizes,
+    plugin_property,
     process_group_backend,
     register_all,
 )
@@ -128,15 +128,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         )
 
     # ------------------------------------------------------------------ plugins and launch
-    @property
-    def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else FSDP2Precision()
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        # Lightning picks a plugin from `Trainer(precision=...)` and hands it to us: swap in the
-        # FSDP2 equivalent (or refuse it, naming the precision strings that work).
-        self._precision_plugin = to_fsdp2_precision(plugin)
+    precision_plugin = plugin_property("_precision_plugin", FSDP2Precision, to_fsdp2_precision)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
