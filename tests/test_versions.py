@@ -4,6 +4,7 @@ the tested range is warned about once, on rank 0."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from pathlib import Path
@@ -106,3 +107,27 @@ def test_import_checks_torch_before_anything_else():
     source = Path(fsdp2_strategy.__file__).read_text()
     imports = [line for line in source.splitlines() if line.startswith("from .")]
     assert imports[0].startswith("from . import _torch_compat")
+
+
+def test_find_private_collects_every_moved_name():
+    missing: list[str] = []
+    assert versions.find_private("json:dumps", missing) is json.dumps
+    assert versions.find_private("json:JSONDecoder.decode", missing) is json.JSONDecoder.decode
+    assert versions.find_private("json:_gone", missing) is None
+    assert versions.find_private("no_such_module_f2:Thing", missing) is None
+    assert missing == ["json:_gone", "no_such_module_f2:Thing"]
+
+
+def test_each_lightning_adapter_names_every_moved_name(monkeypatch):
+    pytest.importorskip("lightning")
+    from fsdp2_strategy.integrations._lightning_shared import _compat as shared_compat
+    from fsdp2_strategy.integrations.fabric import _compat as fabric_compat
+    from fsdp2_strategy.integrations.lightning import _compat as lightning_compat
+
+    for compat in (shared_compat, fabric_compat, lightning_compat):
+        assert compat._missing == []  # the installed Lightning has every name
+        monkeypatch.setattr(compat, "_missing", ["lightning.x:_A", "lightning.y:_B.c"])
+        with pytest.raises(
+            ImportError, match=r"cannot find lightning\.x:_A; lightning\.y:_B\.c in lightning .*Install lightning>="
+        ):
+            compat.check_private_api()
