@@ -12,7 +12,7 @@ from .distributed import init_distributed, shutdown
 from .estimate import MemoryEstimate, StrategyComparison, compare_strategies, estimate_memory
 from .fsdp1 import fully_shard
 from .shard import ShardingPlan, replicate, shard_model, sharding_plan
-from .train import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, set_gradient_sync
+from .train import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, reshard, set_gradient_sync
 from .versions import warn_untested_versions
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "load_full_weights",
     "no_sync",
     "replicate",
+    "reshard",
     "set_gradient_sync",
     "shard_model",
     "sharding_plan",

@@ -270,3 +270,45 @@ def test_step_method_placeholder_survives_the_root_input_move():
     assert _to_kwargs((), {}, torch.device("cpu"), False) == ((), ())  # what 2.11 indexed
     args, kwargs = _to_kwargs(_PLACEHOLDER_ARGS, {}, torch.device("cpu"), False)
     assert args[0] == _PLACEHOLDER_ARGS and kwargs[0] == {}
+
+
+def _reshard_world(root: str) -> dict:
+    """Forward-only passes leave the root (reshard_after_forward=False) gathered; f2.reshard and
+    Checkpointer.save give every parameter back as its shard."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import fsdp2_strategy as f2
+
+    torch.manual_seed(0)
+    model = f2.shard_model(TinyGPT(), f2.FSDP2Config(log_plan=False))
+    idx, _ = make_batch(n=2)
+
+    def plain() -> list[str]:
+        return [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+
+    def shard_rows() -> bool:  # each DTensor holds this rank's rows of dim 0, not the full tensor
+        world = dist.get_world_size()
+        return all(
+            p.to_local().shape[0] == -(-p.shape[0] // world)
+            or p.to_local().shape[0] == max(0, p.shape[0] - dist.get_rank() * -(-p.shape[0] // world))
+            for p in model.parameters()
+        )
+
+    with torch.no_grad():
+        model(idx)
+    gathered = plain()
+    f2.reshard(model)
+    after_reshard = plain()
+    f2.reshard(model)  # idempotent
+    with torch.no_grad():
+        model(idx)
+    f2.Checkpointer(root).save(0, model=model)
+    return {"gathered": gathered, "after_reshard": after_reshard, "after_save": plain(), "shards": shard_rows()}
+
+
+def test_reshard_and_checkpoint_leave_every_parameter_sharded(tmp_path):
+    results = run_distributed(_reshard_world, 2, str(tmp_path))
+    for r in results:
+        assert "tok.weight" in r["gathered"]  # the root's own parameters stay gathered after forward
+        assert r["after_reshard"] == [] and r["after_save"] == [] and r["shards"]

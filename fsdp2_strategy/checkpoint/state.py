@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..train import reshard
+
 UNSTEPPED = "unstepped"
 """Key inside a saved optimizer state: present (True) when that optimizer had never stepped."""
 
@@ -78,7 +80,12 @@ def owning_models(optimizer: torch.optim.Optimizer, models: Mapping[str, nn.Modu
 
 
 def sharded_state(models: Models, optimizers: Optimizers | None = None) -> dict[str, Any]:
-    """`{key: model or optimizer state}` with each rank's shards (DTensors), nothing gathered."""
+    """`{key: model or optimizer state}` with each rank's shards (DTensors), nothing gathered.
+
+    Groups a forward-only pass left gathered are resharded first (`train.reshard`): every front
+    door (Checkpointer, Fabric, Accelerate) saves from outside a step, and the model it leaves
+    behind holds only shards."""
+    reshard(*models.values())
     state: dict[str, Any] = {key: get_model_state_dict(model) for key, model in models.items()}
     for key, (model, optimizer) in (optimizers or {}).items():
         state[key] = optimizer_state_dict(model, optimizer)

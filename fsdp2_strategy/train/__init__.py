@@ -9,6 +9,7 @@ from .clipping import clip_grad_norm_, clip_grad_value_
 from .optimizer import check_optimizer, mark_replaced_params, parameters_by_name, rebind_optimizer
 from .replicated import ATTR as REPLICATED_ATTR
 from .replicated import SCALAR_REASON, ReplicatedParams, find_scalar_params, replicated_params_of
+from .resharding import reshard
 from .step_methods import register_step_method
 
 __all__ = [
@@ -29,5 +30,6 @@ __all__ = [
     "record_mode",
     "register_step_method",
     "replicated_params_of",
+    "reshard",
     "set_gradient_sync",
 ]
