@@ -34,11 +34,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from ..distributed import barrier, from_rank_zero, is_distributed, logger, rank
 from . import integrity as integrity
-from .state import UNSTEPPED, Models, Optimizers, apply_state, sharded_state, without_markers
+from .state import UNSTEPPED, Models, Optimizers, apply_state, model_state, sharded_state, without_markers
 
 METADATA = ".metadata"  # DCP writes it last: the commit marker of a checkpoint directory
 STEP_DIR = re.compile(r"^step-(\d+)$")  # `Checkpointer`'s per-step directories
@@ -262,7 +261,7 @@ def load_dir(
         for key in optimizers
         if not has_prefix(metadata, key + ".")
     ]
-    model_states = {key: get_model_state_dict(model) for key, model in models.items()}
+    model_states = {key: model_state(model) for key, model in models.items()}
     for i, (key, current) in enumerate(model_states.items()):
         check_compatible(metadata, current, key + ".", path, absent if i == 0 else None, strict=strict)
         if not strict:

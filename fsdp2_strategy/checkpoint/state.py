@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..shard import quantised_param_names
 from ..train import reshard
 
 UNSTEPPED = "unstepped"
@@ -79,6 +80,20 @@ def owning_models(optimizer: torch.optim.Optimizer, models: Mapping[str, nn.Modu
     return [key for key, model in models.items() if any(id(p) in params for p in model.parameters())]
 
 
+def model_state(model: nn.Module) -> dict[str, Any]:
+    """torch's `get_model_state_dict` (each rank's shards) without the quantised parameters that
+    `shard_model` kept whole: they are frozen and come from the pretrained weights the model is
+    built from (bitsandbytes' own state-dict entries beside them, `<name>.absmax` and the like,
+    could not be loaded back into a sharded model)."""
+    state = get_model_state_dict(model)
+    quantised = quantised_param_names(model)
+    return {k: v for k, v in state.items() if not _under(k, quantised)} if quantised else state
+
+
+def _under(key: str, names: set[str]) -> bool:
+    return any(key == n or key.startswith(n + ".") for n in names)
+
+
 def sharded_state(models: Models, optimizers: Optimizers | None = None) -> dict[str, Any]:
     """`{key: model or optimizer state}` with each rank's shards (DTensors), nothing gathered.
 
@@ -86,7 +101,7 @@ def sharded_state(models: Models, optimizers: Optimizers | None = None) -> dict[
     door (Checkpointer, Fabric, Accelerate) saves from outside a step, and the model it leaves
     behind holds only shards."""
     reshard(*models.values())
-    state: dict[str, Any] = {key: get_model_state_dict(model) for key, model in models.items()}
+    state: dict[str, Any] = {key: model_state(model) for key, model in models.items()}
     for key, (model, optimizer) in (optimizers or {}).items():
         state[key] = optimizer_state_dict(model, optimizer)
     return state
@@ -111,7 +126,18 @@ def apply_state(
     """Copy loaded `state` into the live models and optimizers; the optimizers under `unstepped`
     keys end without state (as saved)."""
     for key, model in models.items():
-        set_model_state_dict(model, state[key], options=StateDictOptions(strict=strict))
+        quantised = quantised_param_names(model)
+        if not quantised:
+            set_model_state_dict(model, state[key], options=StateDictOptions(strict=strict))
+            continue
+        # Quantised weights are not in checkpoints (`model_state`): strict about everything else.
+        result = set_model_state_dict(model, state[key], options=StateDictOptions(strict=False))
+        missing = [k for k in result.missing_keys if not _under(k, quantised)]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"Loading {key!r}: missing keys {missing}, unexpected keys {list(result.unexpected_keys)} "
+                "(quantised weights are not stored and not expected)."
+            )
     for key, (model, optimizer) in (optimizers or {}).items():
         set_optimizer_state_dict(model, optimizer, optim_state_dict=state[key])
         if key in unstepped:

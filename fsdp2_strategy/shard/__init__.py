@@ -7,6 +7,7 @@ what other packages and the adapters use.
 """
 
 from .materialize import copy_from_full, has_meta_tensors, local_region, local_tensor
+from .quantised import quantised_param_names
 from .rank0_weights import shard_with_rank0_weights
 from .replicate import replicate
 from .report import ShardingPlan, sharding_plan
@@ -18,6 +19,7 @@ __all__ = [
     "has_meta_tensors",
     "local_region",
     "local_tensor",
+    "quantised_param_names",
     "replicate",
     "shard_model",
     "shard_with_rank0_weights",

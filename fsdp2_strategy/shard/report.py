@@ -13,6 +13,7 @@ from ..precision import describe_precision
 from ..tensor_parallel import tp_summary
 from ..train import DEFAULT_MODE, SCALAR_REASON, mode_of, replicated_params_of
 from .host_memory import freed_memory_kept
+from .quantised import QUANTISED_REASON
 from .ring_comms import ATTR as RING_ATTR
 
 ACCUMULATION_SUMMARY = {
@@ -170,7 +171,7 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
         plan.groups.append(
             GroupPlan(
                 name=", ".join(by_name) if scalar else _owner_names(by_name),
-                module_type="scalar" if scalar else "replicate",
+                module_type="scalar" if scalar else "quantised" if reason == QUANTISED_REASON else "replicate",
                 num_params=sum(p.numel() for p in by_name.values()),
                 local_bytes=sum(_local_bytes(p) for p in by_name.values()),
                 mesh_shape=tuple(replicated.mesh.shape),

@@ -31,6 +31,7 @@ from ..train import REPLICATED_ATTR, ReplicatedParams, find_scalar_params, mark_
 from ..wrap_policy import modules_matching
 from .host_memory import apply_host_allocator
 from .materialize import check_initialisable, has_meta_tensors, materialize
+from .quantised import QUANTISED_REASON, find_quantised_params
 from .report import sharding_plan
 from .ring_comms import install_ring_comms
 
@@ -76,6 +77,7 @@ def shard_model(
     )
     ignored = {p for n in ignored_names for p in model.get_submodule(n).parameters()}
     scalars = find_scalar_params(model, {id(p) for p in ignored})
+    quantised = find_quantised_params(model, {id(p) for p in ignored}, mesh_device(root_mesh))
     groups = select_groups(model, config, ignored_names)
     meta = has_meta_tensors(model)
     if meta:
@@ -93,7 +95,7 @@ def shard_model(
         _compile_blocks(model, groups, config.compile)
 
     params_before = list(model.parameters())
-    skip_fsdp = ignored | set(scalars.values())
+    skip_fsdp = ignored | set(scalars.values()) | set(quantised.values())
     for name, settings, group_mesh in reversed(specs):  # children before parents, root last
         _shard_one(model.get_submodule(name), name, settings, group_mesh, skip_fsdp)
     mark_replaced_params(params_before, model)
@@ -111,9 +113,22 @@ def shard_model(
         replicated.move_to(mesh_device(root_mesh))
         replicated.broadcast()
         setattr(model, REPLICATED_ATTR, replicated)
+    if quantised:
+        # Not broadcast: every rank loaded the same quantised weights, and their quantisation
+        # state (absmax, code map) lives outside the parameter's data.
+        _replicated_holder(model, root_mesh).add(quantised, QUANTISED_REASON)
     if config.log_plan:
         log_rank_zero("FSDP2 sharding plan:\n%s", sharding_plan(model))
     return model
+
+
+def _replicated_holder(model: nn.Module, mesh: DeviceMesh) -> ReplicatedParams:
+    """The model's `ReplicatedParams` (created empty on `mesh` if it has none yet)."""
+    holder = getattr(model, REPLICATED_ATTR, None)
+    if holder is None:
+        holder = ReplicatedParams({}, mesh)
+        setattr(model, REPLICATED_ATTR, holder)
+    return holder
 
 
 def _resolve_auto_strategy(
