@@ -40,7 +40,9 @@ def test_wheel_contains_core_and_integrations(tmp_path):
     assert proc.returncode == 0, proc.stderr
     wheel = next(tmp_path.glob("fsdp2_strategy-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "fsdp2_strategy/__init__.py" in names and "fsdp2_strategy/sharding.py" in names
+    packages = ("train", "estimate", "shard", "checkpoint", "fsdp1", "cli")
+    assert {"fsdp2_strategy/__init__.py", "fsdp2_strategy/shard/sharding.py", "fsdp2_strategy/cli/__main__.py"} <= names
+    assert all(f"fsdp2_strategy/{p}/__init__.py" in names for p in packages), sorted(names)
     assert "fsdp2_strategy/integrations/__init__.py" in names
     assert (
         "fsdp2_strategy/integrations/accelerate/accelerator.py" in names

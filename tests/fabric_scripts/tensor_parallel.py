@@ -29,14 +29,11 @@ VOCAB, SEQ, N_SAMPLES, BATCH, STEPS, LR = 64, 12, 16, 4, 2, 0.1  # BATCH per dat
 def plan_flow() -> dict:
     torch.manual_seed(0)
     initial = GPT()
-    fabric = Fabric(
-        accelerator="cpu", devices=4, strategy=FSDP2FabricStrategy(tensor_parallel_size=2, tensor_parallel_plan=TP_PLAN)
-    )
-    fabric.launch()
-    model = GPT()
-    model.load_state_dict(initial.state_dict())
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    model, optimizer = fabric.setup(model, optimizer)
+    # Devices and accelerator come from `fabric run` (its --devices 4 --accelerator cpu).
+    fabric = Fabric(strategy=FSDP2FabricStrategy(tensor_parallel_size=2, tensor_parallel_plan=TP_PLAN))
+    raw = GPT()
+    raw.load_state_dict(initial.state_dict())
+    model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR))
     mesh = fabric.strategy.device_mesh
     dp_rank, dp_size = mesh["data_parallel"].get_local_rank(), mesh["data_parallel"].size()
     _, idx, target = lm_data(VOCAB, SEQ, N_SAMPLES, seed=7).tensors
@@ -46,16 +43,16 @@ def plan_flow() -> dict:
         fabric.backward(lm_loss(model, idx[mine], target[mine]))
         optimizer.step()
         optimizer.zero_grad()
-    got = full_params(model)
+    got = full_params(raw)
     expected = sgd_reference(initial, lm_data(VOCAB, SEQ, N_SAMPLES, seed=7), steps, LR)
-    q = model.module.blocks[0].attn.q.weight if hasattr(model, "module") else model.blocks[0].attn.q.weight
+    q = raw.blocks[0].attn.q.weight
     return {
         "max_rel_diff": max_rel_diff(got, expected),
         "same_names": sorted(got) == sorted(expected),
         "mesh_dims": list(mesh.mesh_dim_names),
         "mesh_shape": list(mesh.shape),
         "q_2d_dtensor": isinstance(q, DTensor) and q.device_mesh.ndim == 2,
-        "plan": str(f2.sharding_plan(model)),
+        "plan": str(f2.sharding_plan(raw)),
     }
 
 
