@@ -57,6 +57,7 @@ def runs(tmp_path_factory) -> dict:
     )
     out = {name: json.loads((work / f"{name}.json").read_text()) for name in ("single", "flows", "resume")}
     assert_no_flow_failed(out["flows"])
+    out["work"] = work
     return out
 
 
@@ -171,8 +172,24 @@ def _reduced_in(result: dict, dtype: str) -> bool:
 def test_validate_test_predict_without_training(flows):
     r = flows["evaluation"]
     assert r["root_is_fsdp"]
+    # Each entry point ends resharded; a forward outside them leaves the root gathered (what they undo).
+    assert {k: v for k, v in r["plain_after"].items() if k != "own_forward"} == {
+        "validate": [],
+        "test": [],
+        "predict": [],
+        "fit": [],
+    }
+    assert "inp.weight" in r["plain_after"]["own_forward"]
     assert abs(r["val"] - r["ref"]) <= TOL * r["ref"] and abs(r["test"] - r["ref"]) <= TOL * r["ref"]
     assert r["predicted"] == 16 and r["pred_diff"] < 1e-5  # this rank's half of the 32 samples
+
+
+def test_own_tensor_parallel_under_the_default_is_noted_once(flows):
+    """FSDP2Strategy() keeps FSDP over every device (tensor_parallel_size=1), unlike
+    ModelParallelStrategy(); a module doing TP itself gets one warning saying so, on rank 0."""
+    rank0, rank1 = flows["own_tp_with_default_strategy"]["tp_notes"]
+    assert len(rank0) == 1 and rank1 == []
+    assert "OwnTensorParallel" in rank0[0] and "tensor_parallel_size='auto'" in rank0[0]
 
 
 def test_configure_model_sharding_is_kept(flows):
@@ -196,6 +213,30 @@ def test_checkpoint_layout_is_lightnings(flows):
     assert c["step_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", "meta.pt"]
     assert c["explicit_is_dir"] and c["full_is_file"]
     assert c["top1_listing"] == ["epoch=1-step=8.ckpt"]  # save_top_k removed the older directory whole
+
+
+def test_lightning_consolidation_tool_reads_our_checkpoints(runs, tmp_path):
+    """`python -m lightning.pytorch.utilities.consolidate_checkpoint` (FSDPStrategy's tool) turns our
+    sharded directory into one file the Trainer loads; `fsdp2-strategy consolidate` agrees."""
+    from safetensors.torch import load_file
+
+    ckpt = runs["work"] / "ckpts" / "epoch=0-step=4.ckpt"
+    out = tmp_path / "consolidated.ckpt"
+    _run(["-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(ckpt), "--output_file", str(out)], 120)
+    full = torch.load(out, weights_only=False)
+    expected = {k: torch.tensor(v) for k, v in runs["flows"]["checkpoints"]["epoch0_params"].items()}
+    assert sorted(full["state_dict"]) == sorted(expected)
+    assert all(torch.equal(full["state_dict"][k], v) for k, v in expected.items())
+    assert len(full["optimizer_states"]) == 1 and full["optimizer_states"][0]["state"]  # Adam's moments
+    assert full["global_step"] == 4 and full["epoch"] == 0  # Lightning's meta.pt merged in
+    _run(["-m", "fsdp2_strategy.cli", "consolidate", str(ckpt), str(tmp_path / "hf")], 120)
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(weights) == sorted(expected) and all(torch.equal(weights[k], v) for k, v in expected.items())
+
+
+def test_model_parallel_strategy_checkpoint_resumes(flows):
+    """A directory in ModelParallelStrategy's layout (model under "state_dict") resumes exactly."""
+    assert flows["checkpoints"]["mps_resumed_diff"] == 0.0
 
 
 def test_resume_from_last_continues_exactly(flows):

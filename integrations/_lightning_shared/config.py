@@ -8,12 +8,15 @@ imported here except through `_compat`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import fsdp2_strategy as f2
+from fsdp2_strategy.distributed import log_rank_zero
 from fsdp2_strategy.estimate import resolve_strategy
 from fsdp2_strategy.sharding_strategies import strategy
 from fsdp2_strategy.tensor_parallel import declared_plan, user_parallelised_modules
@@ -71,7 +74,40 @@ def effective_config(
         changes["mesh_shape"] = (num_nodes, num_processes)
     if module is not None and config.tensor_parallel_size > 1 and not core_applies_tensor_parallel(config, module):
         changes.update(own_tensor_parallel(config, module, data_parallel_size))
+    if module is not None and config.tensor_parallel_size == 1:
+        _note_own_tensor_parallel_on_one_rank(module)
     return dataclasses.replace(config, **changes) if changes else config
+
+
+_noted_tp_default = False
+
+
+def _note_own_tensor_parallel_on_one_rank(module: nn.Module) -> None:
+    """Log once (rank 0) when the module parallelised itself (`configure_model`) while the strategy
+    has `tensor_parallel_size=1`: its TP then spans one device. Our default differs on purpose from
+    ModelParallelStrategy's (TP over the devices of a node): "fsdp2" promises FSDP over every device."""
+    global _noted_tp_default
+    # On Lightning's "tensor_parallel" dim: modules the user only fully_shard-ed do not count.
+    own = [
+        m
+        for m in user_parallelised_modules(module)
+        if any(
+            "tensor_parallel" in (p.device_mesh.mesh_dim_names or ())
+            for p in m.parameters(recurse=False)
+            if isinstance(p, DTensor)
+        )
+    ]
+    if own and not _noted_tp_default:
+        _noted_tp_default = True
+        log_rank_zero(
+            "%d module(s) of %s apply tensor parallelism themselves (configure_model), but the strategy has "
+            "tensor_parallel_size=1 (FSDP over every device, the 'fsdp2' default), so their 'tensor_parallel' "
+            "mesh dim spans one device. ModelParallelStrategy's default is TP over the devices of a node: pass "
+            "tensor_parallel_size='auto' (Trainer) or the TP size to get it.",
+            len(own),
+            type(module).__name__,
+            level=logging.WARNING,
+        )
 
 
 def core_applies_tensor_parallel(config: f2.FSDP2Config, module: nn.Module) -> bool:

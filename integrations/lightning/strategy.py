@@ -50,7 +50,11 @@ __all__ = ["FSDP2Strategy", "STEP_METHODS"]
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 """LightningModule methods Lightning calls instead of `forward`; FSDP gathers the root around them."""
 
-_MODEL_KEY = "state_dict"  # Lightning's key for the model; optimizers are "optimizer_<i>"
+_MODEL_KEY = "model"
+"""The model's key in a sharded checkpoint: FSDPStrategy's, which Lightning's `consolidate_checkpoint`
+reads (optimizers are "optimizer_<i>", as in both Lightning strategies)."""
+_LOADABLE_MODEL_KEYS = (_MODEL_KEY, "state_dict")
+"""Model keys `load_checkpoint` reads: ours (and FSDPStrategy's), and ModelParallelStrategy's."""
 _AUTO = object()  # tensor_parallel_size="auto": the devices of one node, known once launched
 
 
@@ -211,7 +215,32 @@ class FSDP2Strategy(ModelParallelStrategy):
         with f2.no_sync(self.model):
             yield
 
+    # ------------------------------------------------------------------ end of an entry point
+    # Forward-only passes (validation, test, predict) leave the root group gathered: each entry
+    # point ends with every managed parameter back as its shard.
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        f2.reshard(self.model)
+
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        f2.reshard(self.model)
+
+    def on_test_end(self) -> None:
+        super().on_test_end()
+        f2.reshard(self.model)
+
+    def on_predict_end(self) -> None:
+        super().on_predict_end()
+        f2.reshard(self.model)
+
     # ------------------------------------------------------------------ checkpoints
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state for a checkpoint, taken after resharding (a checkpoint taken outside
+        a step, after validation, would otherwise see the root's gathered parameters)."""
+        f2.reshard(self.model)
+        return super().lightning_module_state_dict()
+
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state for `save_checkpoint`, leaving an optimizer that never stepped
         without state (torch's state-dict call would step it once; see core `checkpoint.state`)."""
@@ -232,7 +261,7 @@ class FSDP2Strategy(ModelParallelStrategy):
                 "sharded checkpoints are written by torch.distributed.checkpoint, not a CheckpointIO."
             )
         path = Path(self.broadcast(filepath))  # every rank writes to rank 0's path
-        state = {_MODEL_KEY: checkpoint.pop(_MODEL_KEY)}
+        state = {_MODEL_KEY: checkpoint.pop("state_dict")}  # the Trainer's key for the model's state
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         # Names Lightning rewrites (`last.ckpt`, `save_top_k` slots) are replaced, never mixed.
         cdir.save_dir(path, state, files={META_FILE: checkpoint}, replace=True)
@@ -247,7 +276,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
         cdir.load_dir(
             path,
-            {_MODEL_KEY: self.model},
+            {_saved_model_key(path): self.model},
             {f"optimizer_{i}": (self.model, o) for i, o in enumerate(optimizers)},
             strict=self.lightning_module.strict_loading,
         )
@@ -266,3 +295,9 @@ class FSDP2Strategy(ModelParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register "fsdp2", "fsdp2_hybrid", "fsdp2_cpu_offload" and "fsdp2_spawn"."""
         register_all(cls, strategy_registry)
+
+
+def _saved_model_key(path: Path) -> str:
+    """Which of `_LOADABLE_MODEL_KEYS` the sharded checkpoint at `path` holds the model under."""
+    names = cdir.read_metadata(path).state_dict_metadata
+    return next((k for k in _LOADABLE_MODEL_KEYS if any(n.startswith(k + ".") for n in names)), _MODEL_KEY)

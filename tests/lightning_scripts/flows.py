@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed.checkpoint as dcp
 from _collect import full
 from _comm import collective_dtypes, count_collectives
 from _models import ResidualBlock
@@ -37,8 +38,10 @@ from common import (
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 import fsdp2_strategy as f2
 from fsdp2_strategy import _torch_compat as tc
@@ -228,13 +231,29 @@ def precision(out: dict, work: Path) -> None:
         out["double_error"] = str(exc)
 
 
+def _plain_params(model: nn.Module) -> list[str]:
+    """Managed parameters that are not DTensor shards (gathered, left so by a forward-only pass)."""
+    return [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+
+
 def evaluation(out: dict, work: Path) -> None:
-    """validate/test/predict on a model that never trained, against one process."""
+    """validate/test/predict on a model that never trained, against one process; after each entry
+    point (and a fit whose validation runs last) every parameter is its shard again."""
     model, initial = _fresh()
     fit = trainer()
     val = fit.validate(model, loader(BATCH, shuffle=False), verbose=False)[0]["val_sum"]
+    plain = {"validate": _plain_params(model)}
     test = fit.test(model, loader(BATCH, shuffle=False), verbose=False)[0]["val_sum"]
+    plain["test"] = _plain_params(model)
     preds = fit.predict(model, loader(BATCH, shuffle=False))
+    plain["predict"] = _plain_params(model)
+    trainer(max_steps=2, val_check_interval=2, limit_val_batches=1).fit(
+        model, loader(BATCH), val_dataloaders=loader(BATCH, shuffle=False)
+    )
+    plain["fit"] = _plain_params(model)
+    with torch.no_grad():
+        model(dataset().tensors[1][:2])  # a forward outside the Trainer: the root stays gathered
+    plain["own_forward"] = _plain_params(model)
     _, xs, ys = dataset().tensors
     with torch.no_grad():
         ref_out = initial(xs)
@@ -247,6 +266,7 @@ def evaluation(out: dict, work: Path) -> None:
         pred_diff=pred_diff,
         root_is_fsdp=isinstance(model, FSDPModule),
         predicted=sum(len(i) for i, _ in preds),
+        plain_after=plain,
     )
 
 
@@ -257,6 +277,33 @@ class ManualBlocks(LitMLP):
         for block in self.blocks:
             if not isinstance(block, FSDPModule):
                 fully_shard(block, mesh=self.device_mesh["data_parallel"], reshard_after_forward=False)
+
+
+class OwnTensorParallel(LitMLP):
+    """Written for ModelParallelStrategy's default (TP over a node): parallelises a block itself."""
+
+    def configure_model(self):
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        if not isinstance(self.blocks[0].fc.weight, DTensor):
+            parallelize_module(self.blocks[0].fc, self.device_mesh["tensor_parallel"], ColwiseParallel())
+
+
+def own_tp_with_default_strategy(out: dict, work: Path) -> None:
+    """FSDP2Strategy() keeps tensor_parallel_size=1 and says so, once, when the module does TP itself."""
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fsdp2_strategy").addHandler(handler)
+    try:
+        for _ in range(2):  # a second fit in the same process does not repeat it
+            torch.manual_seed(0)
+            trainer(FSDP2Strategy(), max_steps=1).fit(OwnTensorParallel(), loader(BATCH))
+    finally:
+        logging.getLogger("fsdp2_strategy").removeHandler(handler)
+    out["tp_notes"] = gather([m for m in records if "tensor_parallel_size=1" in m])
 
 
 def manual_configure_model(out: dict, work: Path) -> None:
@@ -334,6 +381,21 @@ def checkpoints(out: dict, work: Path) -> None:
     out["epoch0_params"] = {k: v.tolist() for k, v in full_params(first).items()}
     out["listing"] = sorted(p.name for p in ckpt_dir.iterdir())
     out["step_files"] = sorted(p.name for p in (ckpt_dir / "epoch=0-step=4.ckpt").iterdir())
+
+    # ModelParallelStrategy's layout (the model under "state_dict", plain DCP, no checksums), as its
+    # save_checkpoint writes it: FSDP2Strategy resumes from it too.
+    mps = work / "mps_style.ckpt"
+    optimizer = first.trainer.optimizers[0]
+    dcp.save(
+        {"state_dict": get_model_state_dict(first), "optimizer_0": get_optimizer_state_dict(first, optimizer)},
+        checkpoint_id=mps,
+    )
+    if torch.distributed.get_rank() == 0:
+        torch.save(torch.load(ckpt_dir / "last.ckpt" / "meta.pt", weights_only=False), mps / "meta.pt")
+    torch.distributed.barrier()
+    from_mps, _ = _fresh(seed=7, optimizer="adam")
+    trainer(max_epochs=2).fit(from_mps, loader(BATCH), ckpt_path=mps)
+    out["mps_resumed_diff"] = max_rel_diff(full_params(from_mps), ref_params)
 
     resumed, _ = _fresh(seed=7, optimizer="adam")  # other init: everything must come from the checkpoint
     _ckpt_trainer(ckpt_dir, 2).fit(resumed, loader(BATCH), ckpt_path="last")
@@ -466,6 +528,7 @@ FLOWS = [
     precision,
     evaluation,
     manual_configure_model,
+    own_tp_with_default_strategy,
     meta_init,
     checkpoints,
     auto_strategy,

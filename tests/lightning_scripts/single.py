@@ -38,10 +38,11 @@ def resume(out_path: str, ckpt: str, flows_json: str) -> None:
     loaded_diff = max_rel_diff(
         {k: v.detach() for k, v in loaded.named_parameters()}, {k: torch.tensor(v) for k, v in saved.items()}
     )
-    # Lightning's own reader of sharded checkpoints (behind its consolidation CLI) reads ours.
+    # Lightning's own reader of sharded checkpoints (behind its consolidation CLI) reads ours; the
+    # model is under FSDPStrategy's key "model" (which that CLI renames to "state_dict").
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
-    lightning_view = _load_distributed_checkpoint(Path(ckpt))["state_dict"]
+    lightning_view = _load_distributed_checkpoint(Path(ckpt))["model"]
     lightning_diff = max_rel_diff({k: lightning_view[k] for k in saved}, {k: torch.tensor(v) for k, v in saved.items()})
     torch.manual_seed(7)
     model = LitMLP(optimizer="adam")
