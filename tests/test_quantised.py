@@ -81,8 +81,14 @@ def _world(root: str) -> dict:
     with torch.no_grad():
         x = _batches()[0][0]
         same_output = torch.equal(model(x), again(x))
-    return {"params": _full(model), "kept": kept, "plan": str(f2.sharding_plan(model)), "reloaded": reloaded,
-            "same_output": same_output, "sharded": sorted(n for n, p in model.named_parameters() if hasattr(p, "full_tensor"))}
+    return {
+        "params": _full(model),
+        "kept": kept,
+        "plan": str(f2.sharding_plan(model)),
+        "reloaded": reloaded,
+        "same_output": same_output,
+        "sharded": sorted(n for n, p in model.named_parameters() if hasattr(p, "full_tensor")),
+    }
 
 
 def test_quantised_base_stays_whole_and_the_rest_trains_like_one_process(tmp_path):
