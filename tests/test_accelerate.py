@@ -229,6 +229,8 @@ def test_several_models_in_one_prepare(flows):
 def test_prepare_model_alone_for_evaluation(flows):
     r = flows["evaluation"]
     assert r["root_is_fsdp"] and r["rel"] < 1e-6
+    # The forward left the root gathered; save_state resharded it: only shards remain.
+    assert r["gathered_after_forward"] and r["plain_after_save"] == []
 
 
 def test_save_state_load_state_resume_exactly(flows):

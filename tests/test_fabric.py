@@ -217,6 +217,8 @@ def test_save_load_resumes_exactly_and_returns_the_rest(flows):
     assert c["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", "meta.pt"]
     assert c["step"] == 1 and c["counter"] == 7 and c["remainder"] == {"note": "hello"}
     assert c["resume_diff"] == 0.0 and c["resumed_losses"] == c["continued_losses"]
+    # fabric.save after an evaluation forward: the root was gathered, the save left only shards.
+    assert "inp.weight" in c["gathered_before_save"] and c["plain_after_save"] == []
 
 
 def test_damaged_partial_and_unsupported_checkpoints_refused(flows):

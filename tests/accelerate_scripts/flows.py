@@ -389,13 +389,22 @@ def multi_model(out: dict, work: Path) -> None:
 
 def evaluation(out: dict, work: Path) -> None:
     model, initial = fresh(8)
-    acc = FSDP2Accelerator(mixed_precision="no")
+    # Groups stay gathered after forward (the config file reshards them: not here), so the save
+    # below has something to reshard.
+    acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(reshard_after_forward=False), mixed_precision="no")
     model = acc.prepare(model)
     model.eval()
     _, x, _ = rank_batch()
     with torch.no_grad():
         got, want = model(x), initial.eval()(x)
-    out.update(root_is_fsdp=isinstance(model, FSDPModule), rel=((got - want).norm() / want.norm()).item())
+    gathered = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]  # the root, after forward
+    acc.save_state(work / "after_eval")  # a save outside a step reshards first
+    out.update(
+        root_is_fsdp=isinstance(model, FSDPModule),
+        rel=((got - want).norm() / want.norm()).item(),
+        gathered_after_forward=gathered,
+        plain_after_save=[n for n, p in model.named_parameters() if not isinstance(p, DTensor)],
+    )
 
 
 def checkpoints(out: dict, work: Path) -> None:

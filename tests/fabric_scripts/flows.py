@@ -238,7 +238,11 @@ def checkpoints(out: dict, work: Path) -> None:
     raw, _ = fresh(5)
     model, optimizer = fabric.setup(raw, torch.optim.Adam(raw.parameters(), lr=0.01))
     _train(fabric, model, optimizer, batches=BATCHES[:1])
+    with torch.no_grad():
+        model(torch.ones(2, 8))  # an evaluation forward leaves the root group gathered ...
+    gathered = [n for n, p in raw.named_parameters() if not isinstance(p, DTensor)]
     fabric.save(ck, {"model": model, "optimizer": optimizer, "step": 1, "counter": Counter(7), "note": "hello"})
+    plain_after_save = [n for n, p in raw.named_parameters() if not isinstance(p, DTensor)]  # ... the save reshards
     files = sorted(p.name for p in ck.iterdir())
     continued_losses = _train(fabric, model, optimizer, batches=BATCHES[1:])
     continuing = full_params(raw)
@@ -260,6 +264,8 @@ def checkpoints(out: dict, work: Path) -> None:
         resumed_losses=resumed_losses,
         continued_losses=continued_losses,
         resume_diff=max_rel_diff(full_params(raw2), continuing),
+        gathered_before_save=gathered,
+        plain_after_save=plain_after_save,
     )
 
     # Damaged (one byte of rank 0's shard file flipped) and partial (.metadata gone) copies.
