@@ -24,15 +24,19 @@ QUANTISED_REASON = "quantised (bitsandbytes): kept whole and frozen on every ran
 """The sharding plan's note for these parameters."""
 
 
+def _is_bitsandbytes(param: nn.Parameter) -> bool:
+    return type(param).__name__ in QUANTISED_TYPES
+
+
 def quantised_param_names(model: nn.Module) -> set[str]:
     """Qualified names of the model's bitsandbytes parameters (the quantised ones `shard_model` kept)."""
-    return {n for n, p in model.named_parameters() if type(p).__name__ in QUANTISED_TYPES}
+    return {n for n, p in model.named_parameters() if _is_bitsandbytes(p)}
 
 
 def find_quantised_params(model: nn.Module, exclude: set[int], device: torch.device) -> dict[str, nn.Parameter]:
     """The quantised parameters of `model` by qualified name (ids in `exclude` skipped: ignored
     modules), checked; raises ValueError listing every bitsandbytes parameter that cannot be kept."""
-    found = {n: p for n, p in model.named_parameters() if type(p).__name__ in QUANTISED_TYPES and id(p) not in exclude}
+    found = {n: p for n, p in model.named_parameters() if _is_bitsandbytes(p) and id(p) not in exclude}
     problems = []
     for name, p in found.items():
         kind = f"{name} ({type(p).__name__}, {p.dtype}, {p.device})"

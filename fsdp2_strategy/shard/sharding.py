@@ -107,28 +107,18 @@ def shard_model(
     _guard_direct_forward(model)
     if meta:
         materialize(model, root_mesh)
-    if scalars:
+    if scalars or quantised:
         # Looked up again by name: materialising replaces meta parameters with new objects.
         replicated = ReplicatedParams({n: model.get_parameter(n) for n in scalars}, root_mesh)
         replicated.move_to(mesh_device(root_mesh))
         replicated.broadcast()
+        # Added after the broadcast: every rank loaded the same quantised weights, and their
+        # quantisation state (absmax, code map) lives outside the parameter's data.
+        replicated.add(quantised, QUANTISED_REASON)
         setattr(model, REPLICATED_ATTR, replicated)
-    if quantised:
-        # Not broadcast: every rank loaded the same quantised weights, and their quantisation
-        # state (absmax, code map) lives outside the parameter's data.
-        _replicated_holder(model, root_mesh).add(quantised, QUANTISED_REASON)
     if config.log_plan:
         log_rank_zero("FSDP2 sharding plan:\n%s", sharding_plan(model))
     return model
-
-
-def _replicated_holder(model: nn.Module, mesh: DeviceMesh) -> ReplicatedParams:
-    """The model's `ReplicatedParams` (created empty on `mesh` if it has none yet)."""
-    holder = getattr(model, REPLICATED_ATTR, None)
-    if holder is None:
-        holder = ReplicatedParams({}, mesh)
-        setattr(model, REPLICATED_ATTR, holder)
-    return holder
 
 
 def _resolve_auto_strategy(

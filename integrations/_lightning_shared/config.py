@@ -87,14 +87,14 @@ def _note_own_tensor_parallel_on_one_rank(module: nn.Module) -> None:
     has `tensor_parallel_size=1`: its TP then spans one device. Our default differs on purpose from
     ModelParallelStrategy's (TP over the devices of a node): "fsdp2" promises FSDP over every device."""
     global _noted_tp_default
-    # On Lightning's "tensor_parallel" dim: modules the user only fully_shard-ed do not count.
+    # Own parameters on Lightning's "tensor_parallel" dim: modules the user only fully_shard-ed
+    # (DTensors on "data_parallel") do not count.
     own = [
         m
-        for m in user_parallelised_modules(module)
+        for m in module.modules()
         if any(
-            "tensor_parallel" in (p.device_mesh.mesh_dim_names or ())
+            isinstance(p, DTensor) and "tensor_parallel" in (p.device_mesh.mesh_dim_names or ())
             for p in m.parameters(recurse=False)
-            if isinstance(p, DTensor)
         )
     ]
     if own and not _noted_tp_default:
