@@ -6,7 +6,15 @@ optimizer = torch.optim.AdamW(model.parameters())
 """
 
 from . import _torch_compat  # noqa: F401  (checks the private torch names the core uses; raises ImportError naming them)
-from .checkpoint import Checkpointer, export_full, inspect_checkpoint, load_full_weights
+from .checkpoint import (
+    Checkpointer,
+    export_full,
+    export_peft,
+    inspect_checkpoint,
+    load_full_weights,
+    save_merged,
+    save_peft_adapter,
+)
 from .config import FSDP2Config, ModuleOverride
 from .distributed import init_distributed, shutdown
 from .estimate import MemoryEstimate, StrategyComparison, compare_strategies, estimate_memory
@@ -28,6 +36,7 @@ __all__ = [
     "compare_strategies",
     "estimate_memory",
     "export_full",
+    "export_peft",
     "fully_shard",
     "init_distributed",
     "inspect_checkpoint",
@@ -35,6 +44,8 @@ __all__ = [
     "no_sync",
     "replicate",
     "reshard",
+    "save_merged",
+    "save_peft_adapter",
     "set_gradient_sync",
     "shard_model",
     "sharding_plan",

@@ -31,6 +31,7 @@ from .config_checks import (
     check_choice,
     parse_bytes,
 )
+from .precision import dtype_from_name
 from .tensor_parallel import check_plan as _check_tensor_parallel_plan
 
 SHARDING_STRATEGIES = strategies.NAMES
@@ -110,6 +111,15 @@ class FSDP2Config:
     """None (keep parameter dtype), "bf16"/"fp16" (low-precision compute, fp32 master weights and
     fp32 gradient reduction), "fp32", a dict of `MixedPrecisionPolicy` fields (dtype names
     allowed), or a `torch.distributed.fsdp.MixedPrecisionPolicy`."""
+
+    frozen_dtype: Any = "auto"
+    """Storage dtype of frozen parameters (`requires_grad=False`, e.g. the base model under LoRA):
+    "auto" (default: the compute dtype of the group that owns them, `mixed_precision`'s
+    `param_dtype`, when that is set; else kept), None (keep), or a dtype ("bf16", "fp16", "fp32",
+    a `torch.dtype`). Frozen weights get no gradients and no optimizer state, so an fp32 copy of
+    them only costs memory: under "bf16" mixed precision FSDP casts them to bf16 before every
+    all-gather anyway, and storing them in bf16 computes the same numbers with half the bytes.
+    Trainable parameters keep their dtype (fp32 master weights and optimizer state)."""
 
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU. Pinned memory is used only
@@ -193,6 +203,13 @@ class FSDP2Config:
     step on 2 CPU ranks, "keep_gathered", k=4), which DDP, keeping its buffers, does not pay. The
     cost: resident memory stays at its high-water mark; tensor memory is unchanged."""
 
+    checkpoint_trainable_only: bool | str = "auto"
+    """What the adapters' sharded checkpoints (Lightning's `save_checkpoint`, Fabric's `save`,
+    Accelerate's `save_state`) store of a model: True: only what training changes (parameters
+    that require gradients, buffers, optimizer state) plus a fingerprint of the frozen parameters,
+    checked on load; False: everything; "auto" (default): True for PEFT models, so a LoRA
+    checkpoint is adapter-sized. `f2.Checkpointer(trainable_only=...)` is the core's switch."""
+
     log_plan: bool = True
     """Log the sharding plan table on rank 0 after `shard_model`."""
 
@@ -208,6 +225,7 @@ class FSDP2Config:
         self._validate_mesh_shape()
         _check_wrap_policy(self.wrap_policy, "FSDP2Config.wrap_policy")
         _check_mixed_precision(self.mixed_precision, "FSDP2Config.mixed_precision")
+        self._validate_frozen_dtype()
         if not isinstance(self.cpu_offload, bool):
             raise ValueError(f"FSDP2Config.cpu_offload={self.cpu_offload!r} is invalid; use True or False.")
         _check_module_list(self.activation_checkpointing, "FSDP2Config.activation_checkpointing", allow_auto=True)
@@ -223,6 +241,11 @@ class FSDP2Config:
         check_choice(self.collectives, COLLECTIVES, "FSDP2Config.collectives")
         check_choice(self.host_allocator, HOST_ALLOCATORS, "FSDP2Config.host_allocator")
         self._validate_tensor_parallel()
+        if not (self.checkpoint_trainable_only == "auto" or isinstance(self.checkpoint_trainable_only, bool)):
+            raise ValueError(
+                f"FSDP2Config.checkpoint_trainable_only={self.checkpoint_trainable_only!r} is invalid; use 'auto' "
+                "(trainable-only for PEFT models), True or False."
+            )
 
     def _validate_tensor_parallel(self) -> None:
         size = self.tensor_parallel_size
@@ -246,6 +269,17 @@ class FSDP2Config:
                     f"with tensor_parallel_size={size} every group shares one (data parallel x tensor parallel) mesh. "
                     "Drop those sharding_strategy overrides (reshard, precision and offload overrides are fine)."
                 )
+
+    def _validate_frozen_dtype(self) -> None:
+        if self.frozen_dtype == "auto":
+            return
+        try:
+            dtype_from_name(self.frozen_dtype, "FSDP2Config.frozen_dtype")
+        except ValueError:
+            raise ValueError(
+                f"FSDP2Config.frozen_dtype={self.frozen_dtype!r} is invalid; use 'auto' (the compute dtype), "
+                "None (keep), 'bf16', 'fp16', 'fp32' or a torch.dtype."
+            ) from None
 
     def _validate_mesh_shape(self) -> None:
         if self.mesh_shape is None:

@@ -1,6 +1,7 @@
 """Checkpoints: models and optimizers to and from the sharded state dict (`state`), one atomic
 DCP directory with its commit marker and checksums (`directory`, `integrity`), one directory per
-step (`Checkpointer`), and full weights in and out (`full_weights`, `export`).
+step (`Checkpointer`), full weights in and out (`full_weights`, `export`), trainable-only checkpoints
+(`trainable`) and PEFT adapters and merged weights out (`peft`, `peft_export`).
 
 Imports the base modules and `shard` (full-weight loading copies into shards). `__all__` is what
 other packages and the adapters use; `directory` is the atomic-directory API the adapters build
@@ -11,7 +12,19 @@ from . import directory
 from .checkpointer import Checkpointer, load_step_dir, step_dir_name
 from .export import export_full, inspect_checkpoint, read_full_model_state, write_model_view
 from .full_weights import load_full_weights
-from .state import Models, Optimizers, optimizer_state_dict, owning_models, sharded_state, unstepped_kept
+from .peft import save_merged, save_peft_adapter
+from .peft_export import export_peft
+from .state import (
+    Models,
+    Optimizers,
+    model_state,
+    optimizer_state_dict,
+    owning_models,
+    sharded_state,
+    side_entries,
+    unstepped_kept,
+)
+from .trainable import is_peft_model, saves_trainable_only
 
 __all__ = [
     "Checkpointer",
@@ -19,12 +32,19 @@ __all__ = [
     "Optimizers",
     "directory",
     "export_full",
+    "export_peft",
+    "is_peft_model",
     "inspect_checkpoint",
     "load_full_weights",
     "load_step_dir",
+    "model_state",
     "optimizer_state_dict",
     "owning_models",
     "read_full_model_state",
+    "save_merged",
+    "save_peft_adapter",
+    "saves_trainable_only",
+    "side_entries",
     "sharded_state",
     "step_dir_name",
     "unstepped_kept",

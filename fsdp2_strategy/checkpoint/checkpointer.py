@@ -33,6 +33,7 @@ from ..distributed import barrier, is_distributed, log_rank_zero, logger, rank
 from . import directory as cdir
 from .directory import TMP_PREFIX
 from .state import Models, Optimizers, sharded_state
+from .trainable import check_trainable_only
 
 EXTRA_FILE = "extra.pt"
 MODEL_KEY, OPTIM_KEY = "model", "optim"  # top-level keys; DCP flattens them to "model.<name>"
@@ -53,16 +54,30 @@ class Checkpointer:
         async_save: write in a background thread (`dcp.async_save`); `save()` returns once the
             state is copied to CPU memory, and the step is committed by `wait()` or by the
             next `save()`/`load()`.
+        trainable_only: store only what training changes: parameters that require gradients,
+            buffers and the optimizer state, with a fingerprint of the frozen parameters that
+            `load()` checks (another base is refused by name). "auto" (default): for PEFT models
+            (a LoRA checkpoint is then adapter-sized); True; False (everything). `load()` reads
+            either kind whatever this says.
 
     Every method is collective: call it on every rank, in the same order.
     """
 
-    def __init__(self, root: str | os.PathLike, *, keep_last: int | None = None, async_save: bool = False):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        keep_last: int | None = None,
+        async_save: bool = False,
+        trainable_only: bool | str = "auto",
+    ):
+        check_trainable_only(trainable_only, "Checkpointer trainable_only")
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"Checkpointer keep_last must be None or an int >= 1, got {keep_last!r}.")
         self.root = Path(root)
         self.keep_last = keep_last
         self.async_save = async_save
+        self.trainable_only = trainable_only
         self._pending: tuple[int, Future] | None = None
         self._async_group: dist.ProcessGroup | None = None
         self._stager = None
@@ -100,7 +115,9 @@ class Checkpointer:
                 f"Checkpoint step {step} already exists at {final}; committed steps are never rewritten. "
                 "Save under a new step number, or delete that directory first."
             )
-        state = _collect_state(model, optimizer)  # validates the arguments before touching the disk
+        state = sharded_state(
+            *_named(model, optimizer), trainable_only=self.trainable_only
+        )  # validates the arguments before touching the disk
         tmp = cdir.prepare_tmp(final, {EXTRA_FILE: extra} if extra is not None else None)
         if self.async_save:
             self._pending = (step, self._start_async(state, tmp))
@@ -244,11 +261,6 @@ def _named(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> 
             raise ValueError("Checkpointer needs model= with optimizer=: optimizer state is keyed by parameter names.")
         return {}, {}
     return {MODEL_KEY: model}, ({OPTIM_KEY: (model, optimizer)} if optimizer is not None else {})
-
-
-def _collect_state(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> dict:
-    """Sharded state dicts: each rank holds DTensor shards, nothing is gathered."""
-    return sharded_state(*_named(model, optimizer))
 
 
 def _read_extra(path: Path) -> Any:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..distributed import barrier, from_rank_zero, is_distributed, logger, rank
 from . import integrity as integrity
 from .state import UNSTEPPED, Models, Optimizers, apply_state, model_state, sharded_state, without_markers
+from .trainable import base_mismatches, fingerprint_key
 
 METADATA = ".metadata"  # DCP writes it last: the commit marker of a checkpoint directory
 STEP_DIR = re.compile(r"^step-(\d+)$")  # `Checkpointer`'s per-step directories
@@ -261,7 +263,9 @@ def load_dir(
         for key in optimizers
         if not has_prefix(metadata, key + ".")
     ]
-    model_states = {key: model_state(model) for key, model in models.items()}
+    # A trainable-only checkpoint (its frozen base's fingerprint saved beside it) holds no frozen weights.
+    partial = {key for key in models if fingerprint_key(key) in metadata.state_dict_metadata}
+    model_states = {key: model_state(model, trainable_only=key in partial) for key, model in models.items()}
     for i, (key, current) in enumerate(model_states.items()):
         check_compatible(metadata, current, key + ".", path, absent if i == 0 else None, strict=strict)
         if not strict:
@@ -269,11 +273,27 @@ def load_dir(
             model_states[key] = {k: v for k, v in current.items() if k in saved}
     if absent and not models:
         raise ValueError(f"Checkpoint {path} does not match:\n  " + "\n  ".join(absent))
-    state = {**model_states, **without_markers(sharded_state({}, optimizers), optimizers)}
+    fingerprints = {fingerprint_key(key): "" for key in partial}
+    state = {**model_states, **fingerprints, **without_markers(sharded_state({}, optimizers), optimizers)}
     if state:
         load_dcp(state, path)
+    for key in sorted(partial):
+        check_same_base(path, key, state[fingerprint_key(key)], models[key])
     unstepped = frozenset(k for k in optimizers if f"{k}.{UNSTEPPED}" in metadata.state_dict_metadata)
     apply_state(state, models, optimizers, strict=strict, unstepped=unstepped)
+
+
+def check_same_base(path: Path, key: str, saved: str, model: nn.Module) -> None:
+    """Collective: raise ValueError (before anything is applied) if the frozen parameters of `model`
+    are not the base the trainable-only checkpoint at `path` was trained on."""
+    problems = base_mismatches(saved, model)
+    if problems:
+        raise ValueError(
+            f"Checkpoint {path} holds only the trainable state of {key!r}, trained on another frozen base than "
+            f"this model's ({len(problems)} parameters differ):\n  "
+            + "\n  ".join(problems[:_MAX_LISTED])
+            + "\nBuild the model from the same pretrained weights (and adapter config) before loading."
+        )
 
 
 def check_compatible(

@@ -41,6 +41,27 @@ def resolve_checkpoint_dir(path: str | Path, step: int | None = None) -> Path:
     return cdir.resolve_step(path, "latest" if step is None else step)
 
 
+def verified_checkpoint_dir(checkpoint_dir: str | Path, step: int | None = None) -> Path:
+    """`resolve_checkpoint_dir`, its files checked against `checksums.json` (ValueError if damaged)."""
+    ckpt_dir = resolve_checkpoint_dir(checkpoint_dir, step)
+    integrity.warn_if_unverified(ckpt_dir)
+    problems = integrity.check(ckpt_dir)  # one process: every file listed in checksums.json
+    if problems:
+        raise ValueError(
+            f"Checkpoint {ckpt_dir} is damaged and was not exported:\n  "
+            + "\n  ".join(problems)
+            + "\nExport an earlier step (step=N, or --step N)."
+        )
+    return ckpt_dir
+
+
+def read_objects(ckpt_dir: Path, keys: list[str]) -> dict[str, Any]:
+    """Non-tensor entries (pickled objects) of a checkpoint, in this one process."""
+    state: dict[str, Any] = dict.fromkeys(keys, "")
+    _dcp_read(ckpt_dir, state)
+    return state
+
+
 def model_tensor_keys(metadata: Metadata) -> dict[str, str]:
     """Output name -> DCP key for the model's tensors (keys under a known model prefix when present)."""
     tensors = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
@@ -140,6 +161,11 @@ def _read(ckpt_dir: Path, metadata: Metadata, keys: dict[str, str], names: list[
     for name in names:
         meta = cast(TensorStorageMetadata, metadata.state_dict_metadata[keys[name]])
         state[keys[name]] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    _dcp_read(ckpt_dir, state)
+    return {name: (state[keys[name]].to(dtype) if dtype else state[keys[name]]).contiguous() for name in names}
+
+
+def _dcp_read(ckpt_dir: Path, state: dict[str, Any]) -> None:
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         try:
@@ -149,7 +175,11 @@ def _read(ckpt_dir: Path, metadata: Metadata, keys: dict[str, str], names: list[
                 f"Reading the shards of {ckpt_dir} failed ({cdir.dcp_failure(exc)}): the checkpoint is damaged or "
                 "incomplete. Use an earlier step (step=N, or --step N)."
             ) from None
-    return {name: (state[keys[name]].to(dtype) if dtype else state[keys[name]]).contiguous() for name in names}
+
+
+def read_tensors(ckpt_dir: Path, metadata: Metadata, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Full tensors of the DCP `keys` (as saved), in this one process."""
+    return _read(ckpt_dir, metadata, {k: k for k in keys}, keys, None)
 
 
 def _progress(total: int, desc: str):
@@ -193,15 +223,7 @@ def export_full(
     if format not in ("safetensors", "torch"):
         raise ValueError(f"format={format!r} is invalid; use 'safetensors' or 'torch'.")
     target_dtype = dtype_from_name(dtype, "dtype")
-    ckpt_dir = resolve_checkpoint_dir(checkpoint_dir, step)
-    integrity.warn_if_unverified(ckpt_dir)
-    problems = integrity.check(ckpt_dir)  # one process: every file listed in checksums.json
-    if problems:
-        raise ValueError(
-            f"Checkpoint {ckpt_dir} is damaged and was not exported:\n  "
-            + "\n  ".join(problems)
-            + "\nExport an earlier step (step=N, or --step N)."
-        )
+    ckpt_dir = verified_checkpoint_dir(checkpoint_dir, step)
     metadata = cdir.read_metadata(ckpt_dir)
     keys = model_tensor_keys(metadata)
     if not keys:

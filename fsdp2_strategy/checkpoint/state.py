@@ -31,6 +31,15 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..shard import quantised_param_names
 from ..train import reshard
+from .peft import peft_description, peft_key
+from .trainable import (
+    fingerprint_key,
+    fingerprint_text,
+    frozen_names,
+    is_peft_model,
+    saves_trainable_only,
+    trainable_keys,
+)
 
 UNSTEPPED = "unstepped"
 """Key inside a saved optimizer state: present (True) when that optimizer had never stepped."""
@@ -80,31 +89,57 @@ def owning_models(optimizer: torch.optim.Optimizer, models: Mapping[str, nn.Modu
     return [key for key, model in models.items() if any(id(p) in params for p in model.parameters())]
 
 
-def model_state(model: nn.Module) -> dict[str, Any]:
+def model_state(model: nn.Module, *, trainable_only: bool = False) -> dict[str, Any]:
     """torch's `get_model_state_dict` (each rank's shards) without the quantised parameters that
     `shard_model` kept whole: they are frozen and come from the pretrained weights the model is
     built from (bitsandbytes' own state-dict entries beside them, `<name>.absmax` and the like,
-    could not be loaded back into a sharded model)."""
+    could not be loaded back into a sharded model). `trainable_only` also leaves out every frozen
+    parameter (see `trainable`)."""
     state = get_model_state_dict(model)
     quantised = quantised_param_names(model)
-    return {k: v for k, v in state.items() if not _under(k, quantised)} if quantised else state
+    if quantised:
+        state = {k: v for k, v in state.items() if not _under(k, quantised)}
+    if trainable_only:
+        state = {k: state[k] for k in trainable_keys(model, list(state))}
+    return state
 
 
 def _under(key: str, names: set[str]) -> bool:
     return any(key == n or key.startswith(n + ".") for n in names)
 
 
-def sharded_state(models: Models, optimizers: Optimizers | None = None) -> dict[str, Any]:
+def sharded_state(
+    models: Models, optimizers: Optimizers | None = None, *, trainable_only: Any = "auto"
+) -> dict[str, Any]:
     """`{key: model or optimizer state}` with each rank's shards (DTensors), nothing gathered.
 
     Groups a forward-only pass left gathered are resharded first (`train.reshard`): every front
     door (Checkpointer, Fabric, Accelerate) saves from outside a step, and the model it leaves
-    behind holds only shards."""
+    behind holds only shards. `trainable_only` ("auto": for PEFT models, True, False) leaves the
+    frozen parameters out and adds their fingerprint under `frozen_base.<key>` (see `trainable`)."""
     reshard(*models.values())
-    state: dict[str, Any] = {key: model_state(model) for key, model in models.items()}
+    state: dict[str, Any] = {}
+    for key, model in models.items():
+        state.update(model_entries(key, model, saves_trainable_only(model, trainable_only)))
     for key, (model, optimizer) in (optimizers or {}).items():
         state[key] = optimizer_state_dict(model, optimizer)
     return state
+
+
+def model_entries(key: str, model: nn.Module, trainable_only: bool) -> dict[str, Any]:
+    """Collective: the checkpoint entries of one model: its state under `key` and its `side_entries`."""
+    return {key: model_state(model, trainable_only=trainable_only), **side_entries(key, model, trainable_only)}
+
+
+def side_entries(key: str, model: nn.Module, trainable_only: bool) -> dict[str, Any]:
+    """Collective: what a checkpoint stores beside a model's state: the frozen base's fingerprint
+    (trainable-only saves; see `trainable`) and a PEFT model's adapter description (see `peft`)."""
+    entries: dict[str, Any] = {}
+    if trainable_only:
+        entries[fingerprint_key(key)] = fingerprint_text(model)
+    if is_peft_model(model):
+        entries[peft_key(key)] = peft_description(model)
+    return entries
 
 
 def without_markers(state: dict[str, Any], optimizers: Optimizers | None) -> dict[str, Any]:
@@ -126,17 +161,19 @@ def apply_state(
     """Copy loaded `state` into the live models and optimizers; the optimizers under `unstepped`
     keys end without state (as saved)."""
     for key, model in models.items():
-        quantised = quantised_param_names(model)
-        if not quantised:
+        # Quantised weights are never stored, frozen ones not in a trainable-only checkpoint.
+        expected_absent = quantised_param_names(model)
+        if fingerprint_key(key) in state:
+            expected_absent |= set(frozen_names(model))
+        if not expected_absent:
             set_model_state_dict(model, state[key], options=StateDictOptions(strict=strict))
             continue
-        # Quantised weights are not in checkpoints (`model_state`): strict about everything else.
         result = set_model_state_dict(model, state[key], options=StateDictOptions(strict=False))
-        missing = [k for k in result.missing_keys if not _under(k, quantised)]
+        missing = [k for k in result.missing_keys if not _under(k, expected_absent)]
         if strict and (missing or result.unexpected_keys):
             raise RuntimeError(
                 f"Loading {key!r}: missing keys {missing}, unexpected keys {list(result.unexpected_keys)} "
-                "(quantised weights are not stored and not expected)."
+                "(quantised weights, and frozen ones in a trainable-only checkpoint, are not expected)."
             )
     for key, (model, optimizer) in (optimizers or {}).items():
         set_optimizer_state_dict(model, optimizer, optim_state_dict=state[key])

@@ -29,6 +29,7 @@ from ..mesh import (
 from ..tensor_parallel import apply_tensor_parallel, mark_user_parallelised, split_mesh
 from ..train import REPLICATED_ATTR, ReplicatedParams, find_scalar_params, mark_replaced_params, record_mode
 from ..wrap_policy import modules_matching
+from .frozen import cast_frozen
 from .host_memory import apply_host_allocator
 from .materialize import check_initialisable, has_meta_tensors, materialize
 from .quantised import QUANTISED_REASON, find_quantised_params
@@ -94,8 +95,9 @@ def shard_model(
     if config.compile:
         _compile_blocks(model, groups, config.compile)
 
-    params_before = list(model.parameters())
     skip_fsdp = ignored | set(scalars.values()) | set(quantised.values())
+    cast_frozen(model, specs, config.frozen_dtype, skip_fsdp)
+    params_before = list(model.parameters())
     for name, settings, group_mesh in reversed(specs):  # children before parents, root last
         _shard_one(model.get_submodule(name), name, settings, group_mesh, skip_fsdp)
     mark_replaced_params(params_before, model)
@@ -105,6 +107,7 @@ def shard_model(
 
     _set_prefetch(model, top_level(groups), config.forward_prefetch, config.backward_prefetch)
     _guard_direct_forward(model)
+    _guard_save_pretrained(model)
     if meta:
         materialize(model, root_mesh)
     if scalars or quantised:
@@ -230,3 +233,28 @@ def _guard_direct_forward(model: nn.Module) -> None:
             continue
         if any(True for _ in own_named_params(module)):
             module.forward = _GuardedForward(module, module.forward)
+
+
+_SAVE_PRETRAINED_ERROR = (
+    "{cls}.save_pretrained() on an FSDP2-sharded model would write each rank's shards (or crash on "
+    "DTensor storage). Call, on every rank, fsdp2_strategy.save_peft_adapter(model, dir) for a PEFT "
+    "adapter, fsdp2_strategy.save_merged(model, dir) for merged weights, or accelerator.save_model; "
+    "or pass save_pretrained(..., state_dict=full_state_dict) gathered first."
+)
+
+
+def _guard_save_pretrained(model: nn.Module) -> None:
+    """Hugging Face / PEFT `save_pretrained` reads the live (sharded) parameters; with an explicit
+    gathered `state_dict` it is fine, without one it raises an error naming what to call instead."""
+    for module in model.modules():
+        original = getattr(module, "save_pretrained", None)
+        if not callable(original) or getattr(original, "_f2_guarded", False):
+            continue
+
+        def guarded(*args: Any, _original: Any = original, _cls: str = type(module).__name__, **kwargs: Any) -> Any:
+            if kwargs.get("state_dict") is None:
+                raise RuntimeError(_SAVE_PRETRAINED_ERROR.format(cls=_cls))
+            return _original(*args, **kwargs)
+
+        guarded._f2_guarded = True  # type: ignore[attr-defined]
+        module.__dict__["save_pretrained"] = guarded  # an instance attribute: the class is untouched

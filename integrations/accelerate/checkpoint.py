@@ -98,7 +98,7 @@ def save_state(acc: Accelerator, output_dir: str | os.PathLike | None, safe_seri
     else:
         path = Path(output_dir)
     path = Path(from_rank_zero(str(path.resolve())))  # one directory, rank 0's spelling
-    state = sharded_state(*_named(acc))
+    state = sharded_state(*_named(acc), trainable_only=acc.fsdp_plugin.fsdp2_config.checkpoint_trainable_only)
     tmp = cdir.prepare_tmp(path)
     prepared = compat.registries(acc)
     compat.save_accelerator_state(

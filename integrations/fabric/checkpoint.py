@@ -54,15 +54,16 @@ def split_state(state: dict[str, Any], action: str) -> tuple[dict, dict, dict]:
     return models, optimizers, rest
 
 
-def save(path: Path, state: dict[str, Any]) -> None:
+def save(path: Path, state: dict[str, Any], *, trainable_only: bool | str = "auto") -> None:
     """Collective: models and optimizers as DCP shards, the rest in `meta.pt`, committed atomically.
+    `trainable_only`: `FSDP2Config.checkpoint_trainable_only`.
 
     A name saved again is replaced whole (the old directory stays loadable until the new one is
     committed), so a crash mid-save loses at most that save.
     """
     models, optimizers, rest = split_state(state, "save")
     files = {META_FILE: {k: v.state_dict() if _is_stateful(v) else v for k, v in rest.items()}}
-    cdir.save_dir(path, sharded_state(models, optimizers), files=files, replace=True)
+    cdir.save_dir(path, sharded_state(models, optimizers, trainable_only=trainable_only), files=files, replace=True)
 
 
 def load(path: Path, state: dict[str, Any], *, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:

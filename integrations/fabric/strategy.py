@@ -161,7 +161,7 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
                 "sharded checkpoint could not be loaded back. Save without filter; take a subset of the "
                 "full weights later with fsdp2_strategy.export_full."
             )
-        ckpt.save(Path(self.broadcast(path)), state)
+        ckpt.save(Path(self.broadcast(path)), state, trainable_only=self.fsdp2_config.checkpoint_trainable_only)
 
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None

@@ -27,7 +27,13 @@ from torch.optim import Optimizer
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.checkpoint import directory as cdir
-from fsdp2_strategy.checkpoint import optimizer_state_dict, unstepped_kept
+from fsdp2_strategy.checkpoint import (
+    model_state,
+    optimizer_state_dict,
+    saves_trainable_only,
+    side_entries,
+    unstepped_kept,
+)
 from fsdp2_strategy.train import register_step_method
 
 from .._lightning_shared import (
@@ -239,7 +245,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         """The model's state for a checkpoint, taken after resharding (a checkpoint taken outside
         a step, after validation, would otherwise see the root's gathered parameters)."""
         f2.reshard(self.model)
-        return super().lightning_module_state_dict()
+        if not self._save_distributed_checkpoint:
+            return super().lightning_module_state_dict()
+        # The core's view: quantised weights left out, frozen ones too for a trainable-only save.
+        return model_state(self.model, trainable_only=self._trainable_only())
+
+    def _trainable_only(self) -> bool:
+        return saves_trainable_only(self.model, self.fsdp2_config.checkpoint_trainable_only)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state for `save_checkpoint`, leaving an optimizer that never stepped
@@ -262,6 +274,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             )
         path = Path(self.broadcast(filepath))  # every rank writes to rank 0's path
         state = {_MODEL_KEY: checkpoint.pop("state_dict")}  # the Trainer's key for the model's state
+        state.update(side_entries(_MODEL_KEY, self.model, self._trainable_only()))
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         # Names Lightning rewrites (`last.ckpt`, `save_top_k` slots) are replaced, never mixed.
         cdir.save_dir(path, state, files={META_FILE: checkpoint}, replace=True)

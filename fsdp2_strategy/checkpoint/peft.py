@@ -1,0 +1,261 @@
+"""PEFT (LoRA) weights out of a sharded model: the adapter in PEFT's format, or merged full weights.
+
+From a live sharded model (collective: call on every rank; rank 0 writes):
+- `save_peft_adapter(model, out)`: `adapter_model.safetensors` + `adapter_config.json`, what
+  `PeftModel.from_pretrained(base, out)` loads (PEFT's own `get_peft_model_state_dict` names the keys);
+- `save_merged(model, out)`: the base model's weights with each LoRA delta added
+  (`merge_and_unload` semantics: `W + scaling * B @ A`), Hugging Face safetensors plus `config.json`,
+  what `AutoModel...from_pretrained(out)` loads.
+
+Both gather one tensor at a time; rank 0 holds at most one output file's worth (`max_shard_size`).
+A LoRA layer's A and B are small: every rank gathers them to add the delta to its base weight.
+
+Checkpoints of PEFT models hold `peft.<model key>` (JSON: the adapters' configs, and each LoRA
+layer's scaling and fan-in-fan-out), so `export_peft` can write either form from a checkpoint
+directory in one process, without PEFT installed; a trainable-only checkpoint takes the base
+weights from `base=` (the pretrained model's folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..distributed import barrier, logger, rank
+
+PEFT_ENTRY = "peft"
+"""Top-level checkpoint key prefix of a PEFT model's adapter description: `peft.<model key>`."""
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+_SUPPORTED_LAYERS = ("Linear",)  # peft.tuners.lora.layer.Linear: the delta is B @ A
+
+
+def peft_key(model_key: str) -> str:
+    """Where the PEFT description of the model saved under `model_key` is stored."""
+    return f"{PEFT_ENTRY}.{model_key}"
+
+
+def find_peft_model(model: nn.Module) -> tuple[str, Any]:
+    """(qualified name, module) of the `PeftModel` in `model` (`model` itself, or a submodule such as
+    a LightningModule's attribute); ValueError if there is none."""
+    for name, module in model.named_modules():
+        if hasattr(module, "peft_config") and hasattr(module, "get_base_model"):
+            return name, module
+    raise ValueError(
+        f"{type(model).__name__} holds no PEFT model (peft.get_peft_model(...)); for a plain model use "
+        "accelerator.save_model, fsdp2_strategy.export_full on a checkpoint, or save_merged on a PEFT model."
+    )
+
+
+def lora_layers(peft_model: Any, adapter: str) -> dict[str, Any]:
+    """LoRA layers of `adapter` by qualified name relative to the base model; ValueError for a kind
+    whose merge is not a plain `B @ A` (DoRA, embeddings, convolutions)."""
+    base = peft_model.get_base_model()
+    layers: dict[str, Any] = {}
+    unsupported = []
+    for name, module in base.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if not isinstance(lora_a, nn.ModuleDict) or adapter not in lora_a:
+            continue
+        dora = getattr(module, "use_dora", {}).get(adapter, False)
+        if type(module).__name__ not in _SUPPORTED_LAYERS or dora:
+            unsupported.append(f"{name} ({type(module).__name__}{', DoRA' if dora else ''})")
+        layers[name] = module
+    if unsupported:
+        raise ValueError(
+            f"Merging is implemented for LoRA Linear layers; {unsupported} are not. Save the adapter with "
+            "save_peft_adapter and merge it with PEFT's merge_and_unload on one process."
+        )
+    return layers
+
+
+def peft_description(model: nn.Module) -> str:
+    """JSON text stored beside a PEFT model's checkpoint state (see module doc)."""
+    prefix, peft_model = find_peft_model(model)
+    adapters = {name: _jsonable(config.to_dict()) for name, config in peft_model.peft_config.items()}
+    layers: dict[str, dict] = {}
+    for adapter in adapters:
+        try:
+            found = lora_layers(peft_model, adapter)
+        except ValueError:
+            found = {}  # not mergeable offline; the adapter export still works
+        for name, layer in found.items():
+            layers.setdefault(adapter, {})[name] = {
+                "scaling": float(layer.scaling[adapter]),
+                "fan_in_fan_out": bool(getattr(layer, "fan_in_fan_out", False)),
+            }
+    return json.dumps({"prefix": prefix, "adapters": adapters, "layers": layers}, sort_keys=True)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_jsonable(v) for v in value]
+        return sorted(items, key=str) if isinstance(value, (set, frozenset)) else items
+    if hasattr(value, "value") and not isinstance(value, (str, int, float, bool)):  # enums such as TaskType
+        return value.value
+    return value
+
+
+def adapter_name_in(key: str, adapter: str) -> bool:
+    """Whether a parameter name belongs to `adapter` (`...lora_A.default.weight`, `...modules_to_save.default.bias`)."""
+    return f".{adapter}." in f".{key}"
+
+
+def peft_format_name(key: str, adapter: str) -> str:
+    """PEFT's saved name for an adapter parameter: without `modules_to_save.` and the adapter name."""
+    return key.replace("modules_to_save.", "").replace(f".{adapter}", "")
+
+
+def merged_name(key: str, adapter: str) -> str | None:
+    """The base model's name for a PEFT model's state entry, or None for entries merging drops
+    (LoRA matrices, dropout, the original copy of a module that `modules_to_save` trains)."""
+    parts = key.split(".")
+    if any(p.startswith("lora_") for p in parts) or "original_module" in parts:
+        return None
+    if "modules_to_save" in parts:
+        i = parts.index("modules_to_save")
+        if parts[i + 1] != adapter:
+            return None
+        parts = parts[:i] + parts[i + 2 :]
+    return ".".join(p for p in parts if p != "base_layer")
+
+
+def lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out: bool) -> torch.Tensor:
+    """`scaling * B @ A` in fp32, transposed for fan-in-fan-out layers (GPT-2's Conv1D)."""
+    delta = (b.float() @ a.float()) * scaling
+    return delta.T if fan_in_fan_out else delta
+
+
+# ---------------------------------------------------------------------- live model (collective)
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """Collective for a DTensor: the whole tensor on CPU (every rank)."""
+    t = t.detach()
+    return (t.full_tensor() if isinstance(t, DTensor) else t).cpu()
+
+
+def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike, *, adapter_name: str = "default") -> Path:
+    """Collective: write the adapter of a sharded PEFT model in PEFT's format (rank 0 writes).
+
+    `model` is the sharded `PeftModel` or a module holding one. Only the adapter's parameters are
+    gathered (LoRA matrices and `modules_to_save`). Returns `out_dir`."""
+    from peft.utils import get_peft_model_state_dict  # optional: only PEFT models come here
+    from safetensors.torch import save_file  # optional ([hf])
+
+    _, peft_model = find_peft_model(model)
+    if adapter_name not in peft_model.peft_config:
+        raise ValueError(
+            f"adapter_name={adapter_name!r} is not an adapter of this model: {list(peft_model.peft_config)}."
+        )
+    gathered = {n: _full(p) for n, p in peft_model.named_parameters() if adapter_name_in(n, adapter_name)}
+    out = Path(out_dir)
+    if rank() == 0:
+        state = get_peft_model_state_dict(peft_model, state_dict=gathered, adapter_name=adapter_name)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        peft_model.peft_config[adapter_name].save_pretrained(str(out))
+        logger.info("Saved PEFT adapter %r (%d tensors) to %s", adapter_name, len(state), out)
+    barrier()
+    return out
+
+
+def save_merged(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    adapter_name: str = "default",
+    max_shard_size: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Collective: write a sharded PEFT model's base weights with the LoRA deltas merged in, as Hugging
+    Face safetensors (index past `max_shard_size`) plus `config.json`; rank 0 writes. Each weight
+    keeps its dtype (the sum is taken in fp32). Returns `out_dir`."""
+    _, peft_model = find_peft_model(model)
+    layers = lora_layers(peft_model, adapter_name)
+    base = peft_model.get_base_model()
+    state = base.state_dict()
+    names = {k: merged_name(k, adapter_name) for k in state}
+    sizes = {name: _nbytes(state[k]) for k, name in names.items() if name is not None}
+    writer = ShardWriter(Path(out_dir), sizes, max_shard_size) if rank() == 0 else None
+
+    for key, value in state.items():
+        name = names[key]
+        if name is None:
+            continue
+        tensor = _full(value)
+        layer = layers.get(key.removesuffix(".base_layer.weight")) if key.endswith(".base_layer.weight") else None
+        if layer is not None:
+            a, b = _full(layer.lora_A[adapter_name].weight), _full(layer.lora_B[adapter_name].weight)
+            delta = lora_delta(a, b, float(layer.scaling[adapter_name]), getattr(layer, "fan_in_fan_out", False))
+            tensor = (tensor.float() + delta).to(tensor.dtype)
+        if writer is not None:
+            writer.add(name, tensor)
+    if writer is not None:
+        writer.close()
+        save_config = getattr(getattr(base, "config", None), "save_pretrained", None)
+        if callable(save_config):
+            save_config(str(out_dir))
+        logger.info("Saved merged weights (%d LoRA layers) to %s", len(layers), out_dir)
+    barrier()
+    return Path(out_dir)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class ShardWriter:
+    """Writes named tensors, in order, into Hugging Face style safetensors files: `model.safetensors`,
+    or `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json` when the sizes announced
+    up front exceed `max_bytes`. Holds at most one file's tensors."""
+
+    def __init__(self, out: Path, sizes: dict[str, int], max_bytes: int):
+        self.out = out
+        self.pending: dict[str, torch.Tensor] = {}
+        self.weight_map: dict[str, str] = {}
+        self.files = _split(sizes, max_bytes)
+        self.total = sum(sizes.values())
+        self.file_of = {name: i for i, names in enumerate(self.files) for name in names}
+        self.index = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue one tensor; write its file once every tensor of that file arrived."""
+        self.pending[name] = tensor.contiguous()
+        if len(self.pending) == len(self.files[self.index]):
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file  # optional ([hf])
+
+        count = len(self.files)
+        fname = "model.safetensors" if count == 1 else f"model-{self.index + 1:05d}-of-{count:05d}.safetensors"
+        self.out.mkdir(parents=True, exist_ok=True)
+        save_file(self.pending, str(self.out / fname), metadata={"format": "pt"})
+        self.weight_map.update(dict.fromkeys(self.pending, fname))
+        self.pending, self.index = {}, self.index + 1
+
+    def close(self) -> None:
+        """Write the index (several files); every announced tensor must have been added."""
+        if self.pending or self.index != len(self.files):
+            raise RuntimeError(f"ShardWriter closed with {len(self.pending)} tensors unwritten.")
+        if len(self.files) > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
+            (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _split(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    files: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if files[-1] and used + size > max_bytes:
+            files.append([])
+            used = 0
+        files[-1].append(name)
+        used += size
+    return files

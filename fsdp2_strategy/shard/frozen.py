@@ -1,0 +1,49 @@
+"""Frozen parameters (`requires_grad=False`, e.g. a LoRA model's base) stored in their compute dtype.
+
+FSDP2 allocates gradients and reduce-scatters only for parameters that require them, and an
+optimizer built from the trainable parameters keeps no state for the rest; so a frozen parameter
+costs only its own storage. Under "bf16" mixed precision FSDP casts every parameter to bf16 before
+the all-gather: keeping the frozen ones in bf16 from the start computes exactly the same numbers
+and halves their bytes (`FSDP2Config.frozen_dtype`). Trainable parameters in the same group keep
+fp32 (torch requires one original dtype among a group's trainable parameters only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..groups import GroupSettings
+from ..precision import dtype_from_name
+
+
+def cast_frozen(
+    model: nn.Module, specs: Iterable[tuple[str, GroupSettings, Any]], frozen_dtype: Any, skip: set
+) -> dict[str, torch.dtype]:
+    """Cast each frozen parameter of a group to `frozen_dtype` ("auto": the owning group's compute
+    dtype, if it has one) in place (ties kept: the same Parameter object changes); returns the
+    names cast and their new dtype. Parameters in `skip` (ignored, replicated, quantised) are left."""
+    if frozen_dtype is None:
+        return {}
+    fixed = None if frozen_dtype == "auto" else dtype_from_name(frozen_dtype, "FSDP2Config.frozen_dtype")
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    seen: set[int] = set()
+    cast: dict[str, torch.dtype] = {}
+    for name, settings, _mesh in reversed(list(specs)):  # children first: a parameter's owner is its deepest group
+        dtype = fixed or settings.mp_policy.param_dtype
+        for p in model.get_submodule(name).parameters():
+            if id(p) in seen or p in skip:
+                continue
+            seen.add(id(p))
+            if dtype is not None and not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+                cast[names[id(p)]] = dtype
+    return cast
+
+
+def frozen_param_names(model: nn.Module) -> list[str]:
+    """Qualified names of the parameters that do not require gradients."""
+    return [n for n, p in model.named_parameters() if not p.requires_grad]
