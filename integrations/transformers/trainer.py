@@ -1,0 +1,213 @@
+"""`FSDP2TrainerMixin`: a `transformers.Trainer` (or TRL trainer) whose accelerator is `FSDP2Accelerator`."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+from typing import Any, TypeVar
+
+import torch
+import transformers
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
+
+import fsdp2_strategy as f2
+from fsdp2_strategy.distributed import log_rank_zero
+
+from ..accelerate import FSDP2Accelerator, FSDP2Plugin
+from . import _compat as compat
+from . import checkpoint
+
+__all__ = ["FSDP2Trainer", "FSDP2TrainerMixin", "fsdp2_trainer"]
+
+T = TypeVar("T", bound=type)
+
+_ENGINE_ARGS = {
+    "deepspeed": "DeepSpeed is another engine; drop TrainingArguments(deepspeed=...) or use the stock Trainer",
+    "fsdp": "the FSDP settings come from the accelerate config file (fsdp_config: with fsdp_version: 2) or "
+    "FSDP2Trainer(fsdp_plugin=FSDP2Plugin(...)); drop TrainingArguments(fsdp=..., fsdp_config=...)",
+    "save_only_model": "FSDP2Trainer checkpoints are the whole training state (committed DCP directories); "
+    "drop save_only_model and call trainer.save_model() for weights alone",
+    "auto_find_batch_size": "a sharded model is not re-sharded for a new batch size; set the batch size and drop "
+    "auto_find_batch_size",
+}
+
+
+def _is_peft_model(model: Any) -> bool:
+    peft = sys.modules.get("peft")  # a PeftModel exists only if peft was imported: no import here
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def _refuse_other_engines(args: Any) -> None:
+    """ValueError naming each TrainingArguments option FSDP2Trainer cannot honour, and the fix."""
+    refused = [f"{name}: {why}" for name, why in _ENGINE_ARGS.items() if getattr(args, name, None)]
+    if refused:
+        raise ValueError("FSDP2Trainer cannot run with TrainingArguments " + "; ".join(refused) + ".")
+
+
+def _launched_world_size() -> int:
+    value = os.environ.get("WORLD_SIZE", "1")
+    return int(value) if value.isdigit() else 1
+
+
+class FSDP2TrainerMixin:
+    """Put before a `transformers.Trainer` subclass: `class MySFT(FSDP2TrainerMixin, SFTTrainer)`.
+
+    The Trainer then builds `FSDP2Accelerator` (with `FSDP2Plugin()`, which reads the FSDP config that
+    `accelerate launch --config_file` sets, unless `fsdp_plugin=` is given) instead of the stock
+    `Accelerator`, and its checkpoints are the accelerator's committed, checksummed `save_state`
+    directories. Every other argument and method is the Trainer's.
+
+    Args:
+        *args, **kwargs: the Trainer's own arguments.
+        fsdp_plugin: an `FSDP2Plugin` (settings the accelerate config cannot carry); default `FSDP2Plugin()`.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if transformers.Trainer in mro and mro.index(transformers.Trainer) < mro.index(FSDP2TrainerMixin):
+            raise TypeError(
+                f"{cls.__name__}: FSDP2TrainerMixin must come before the Trainer class in the bases "
+                f"(class {cls.__name__}(FSDP2TrainerMixin, <Trainer>)), or the stock methods win."
+            )
+
+    def __init__(self, *args: Any, fsdp_plugin: FSDP2Plugin | None = None, **kwargs: Any) -> None:
+        if not isinstance(self, transformers.Trainer):
+            raise TypeError(
+                f"FSDP2TrainerMixin is a mixin for transformers.Trainer subclasses; {type(self).__name__} is not "
+                "one. Use FSDP2Trainer, or fsdp2_trainer(YourTrainerClass)."
+            )
+        if fsdp_plugin is not None and not isinstance(fsdp_plugin, FSDP2Plugin):
+            raise TypeError(f"fsdp_plugin must be an FSDP2Plugin, got {type(fsdp_plugin).__name__}.")
+        self._fsdp2_plugin = fsdp_plugin
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ the accelerator
+    def create_accelerator_and_postprocess(self) -> None:
+        """Build `FSDP2Accelerator` from the Trainer's arguments (the stock method builds `Accelerator`)."""
+        args = self.args
+        _refuse_other_engines(args)
+        _ = args.device  # TrainingArguments sets Accelerate's process state up now, once (it resets it first)
+        if _launched_world_size() > 1 and args.world_size != _launched_world_size():
+            # No GPU and no `use_cpu`: Accelerate decided every rank trains alone. Drop that state;
+            # FSDP2Accelerator starts the gloo group and the state the launch asked for.
+            compat.reset_accelerate_state()
+        self.accelerator = FSDP2Accelerator(
+            fsdp_plugin=self._fsdp2_plugin or FSDP2Plugin(), **self._fsdp2_accelerator_args()
+        )
+        self.gather_function = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(self.gather_function).parameters:
+            self.gather_function = functools.partial(
+                self.gather_function, use_gather_object=args.eval_use_gather_object
+            )
+        self.is_deepspeed_enabled = False
+        self.is_fsdp_enabled = True  # the Trainer's FSDP paths: optimizer after prepare, model reference updates
+        if self.accelerator.fsdp_plugin.activation_checkpointing and args.activation_checkpointing:
+            raise ValueError(
+                "The accelerate config's fsdp_activation_checkpointing and TrainingArguments(activation_checkpointing="
+                "True) are both set; keep one (the FSDP2 config's checkpoints each wrapped block)."
+            )
+        log_rank_zero(
+            "FSDP2Trainer: %d process(es), global batch %d (per device %d x accumulation %d)",
+            self.accelerator.num_processes,
+            args.per_device_train_batch_size * self.accelerator.num_processes * args.gradient_accumulation_steps,
+            args.per_device_train_batch_size,
+            args.gradient_accumulation_steps,
+        )
+
+    def _fsdp2_accelerator_args(self) -> dict[str, Any]:
+        """The stock method's `Accelerator` arguments: data-loader config, accumulation handled by the Trainer."""
+        args = self.args
+        grad_acc_kwargs = dict(args.accelerator_config.gradient_accumulation_kwargs or {})
+        if "num_steps" in grad_acc_kwargs:
+            if args.gradient_accumulation_steps > 1:
+                raise ValueError(
+                    "AcceleratorConfig's gradient_accumulation_kwargs sets num_steps and TrainingArguments sets "
+                    "gradient_accumulation_steps > 1; set one of them."
+                )
+            args.gradient_accumulation_steps = grad_acc_kwargs["num_steps"]
+        grad_acc_kwargs["num_steps"] = 1  # the Trainer accumulates itself
+        config = args.accelerator_config.to_dict()
+        dataloader_config = DataLoaderConfiguration(
+            **{k: config.pop(k) for k in ("split_batches", "dispatch_batches", "even_batches", "use_seedable_sampler")}
+        )
+        dataloader_config.data_seed = args.data_seed
+        dataloader_config.non_blocking = config.pop("non_blocking")
+        built = self._build_accelerator_args(
+            dataloader_config=dataloader_config,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(**grad_acc_kwargs),
+        )
+        built.pop("deepspeed_plugin", None)  # None: refused above
+        built.pop("fsdp_plugin", None)
+        return built
+
+    def _has_mixed_mesh_grads(self, model: Any) -> bool:
+        # The core's clip_grad_norm_ (FSDP2Accelerator.clip_grad_norm_) spans meshes and plain tensors itself.
+        return False
+
+    # ------------------------------------------------------------------ checkpoints
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's `train`; `resume_from_checkpoint=True` resumes from the newest *committed* checkpoint."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = checkpoint.latest_checkpoint(self.args.output_dir)
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            resume_from_checkpoint = checkpoint.check_resumable(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        checkpoint.save_checkpoint(self, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        # Model, optimizer, accelerate's RNG and step: all prepared objects, resharded to this world size.
+        self.accelerator.load_state(checkpoint.check_resumable(resume_from_checkpoint))
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
+        if checkpoint_dir is not None:
+            checkpoint.load_scheduler(self, checkpoint_dir)
+
+    def _load_best_model(self) -> None:
+        checkpoint.load_model_weights(self, self.state.best_model_checkpoint)
+
+    # ------------------------------------------------------------------ weights out
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Hugging Face weights `from_pretrained` loads (or a PEFT adapter), whatever the state-dict type.
+
+        Collective: call it on every rank (the Trainer does). Full weights are gathered to rank 0 one
+        tensor at a time; a PEFT model writes only its adapter (`adapter_model.safetensors`)."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if _is_peft_model(self.model):
+            f2.save_peft_adapter(self.model, output_dir)
+            if self.args.should_save:
+                self._save_side_files(output_dir)
+        else:
+            state_dict = self.accelerator.get_state_dict(self.model)
+            self._save(output_dir, state_dict=state_dict)
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_side_files(self, output_dir: str) -> None:
+        """Rank 0: the tokenizer and the training arguments, as the stock `_save` writes beside the weights."""
+        os.makedirs(output_dir, exist_ok=True)
+        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, compat.TRAINING_ARGS_NAME))
+
+
+class FSDP2Trainer(FSDP2TrainerMixin, transformers.Trainer):
+    """`transformers.Trainer` on the fsdp2_strategy engine: `from ... import FSDP2Trainer as Trainer`."""
+
+
+def fsdp2_trainer(cls: T) -> T:
+    """`cls` (a `transformers.Trainer` subclass, e.g. `trl.SFTTrainer`) with `FSDP2TrainerMixin` in front.
+
+    Raises TypeError for a class that is not a Trainer."""
+    if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
+        raise TypeError(f"fsdp2_trainer() takes a transformers.Trainer subclass (e.g. trl.SFTTrainer), got {cls!r}.")
+    if issubclass(cls, FSDP2TrainerMixin):
+        return cls
+    return type(
+        f"FSDP2{cls.__name__}", (FSDP2TrainerMixin, cls), {"__module__": cls.__module__, "__doc__": cls.__doc__}
+    )

@@ -1,0 +1,153 @@
+"""transformers.Trainer (and TRL's SFTTrainer) on the engine: `FSDP2Trainer` under `accelerate launch
+--config_file` on 2 CPU processes, and unit tests of its refusals.
+
+The scripts in tests/transformers_scripts/ measure and write JSON; the assertions live here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import transformers  # noqa: E402
+from _harness import assert_no_flow_failed, free_port  # noqa: E402
+
+from fsdp2_strategy.integrations.transformers import (  # noqa: E402
+    FSDP2Trainer,
+    FSDP2TrainerMixin,
+    fsdp2_trainer,
+)
+from fsdp2_strategy.integrations.transformers.trainer import _refuse_other_engines  # noqa: E402
+
+SCRIPTS = Path(__file__).parent / "transformers_scripts"
+TOL = 1e-5  # fp32 parity, relative
+
+
+def accelerate_launch(config: str, script: str, *args: str, timeout: int = 300) -> None:
+    """`accelerate launch --config_file CONFIG SCRIPT ARGS...` on 2 CPU processes, as a user runs it."""
+    # The config file alone decides (no FSDP_*/ACCELERATE_* from outside), except ACCELERATE_USE_CPU:
+    # Accelerate's FSDP launcher drops the file's `use_cpu: true`, and on a GPU machine these tests stay on CPU.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(SCRIPTS / config)]
+    cmd += ["--main_process_port", str(free_port()), script, *args]
+    proc = subprocess.run(
+        cmd,
+        env=dict(env, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", TOKENIZERS_PARALLELISM="false"),
+        cwd=SCRIPTS,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
+def _load(path: Path) -> dict:
+    out = json.loads(path.read_text())
+    assert_no_flow_failed(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> dict:
+    """fsdp2_sharded.yaml: parity + evaluate + save_model, checkpoints and resume, bf16."""
+    work = tmp_path_factory.mktemp("transformers_sharded")
+    accelerate_launch("fsdp2_sharded.yaml", "flows.py", str(work / "out.json"), str(work))
+    return _load(work / "out.json")
+
+
+# ---------------------------------------------------------------------------------------- 2-process runs
+def test_two_processes_train_like_one(sharded):
+    r = sharded["parity"]
+    assert r["num_processes"] == 2 and r["world_size"] == 2 and r["distributed_type"] == "DistributedType.FSDP"
+    assert r["update_size"] > 1e-4  # training moved the weights: the comparison is not vacuous
+    assert r["param_rel_diff"] < TOL and r["update_rel_diff"] < TOL, r
+    # max_grad_norm: the global norm before clipping is the one-process norm, and clipping happened.
+    assert all(n > 0.05 for n in r["ref_norms"])
+    assert len(r["grad_norms"]) == 3
+    assert all(abs(a - b) <= TOL * b for a, b in zip(r["grad_norms"], r["ref_norms"])), r
+
+
+def test_evaluate_sees_every_sample_once(sharded):
+    r = sharded["parity"]
+    assert r["seen"] == list(range(11))  # 11 samples over 2 ranks x 3: the padded duplicate is dropped
+    assert abs(r["eval"]["eval_ce"] - r["ref_eval"]["ce"]) <= TOL * r["ref_eval"]["ce"]
+    assert r["eval"]["eval_acc"] == pytest.approx(r["ref_eval"]["acc"], abs=1e-7)
+
+
+def test_save_model_loads_with_from_pretrained_sharded(sharded):
+    r = sharded["parity"]
+    assert {"config.json", "model.safetensors"} <= set(r["saved_files"])
+    assert r["saved_rel_diff"] < 1e-7
+
+
+def test_checkpoints_rotate_committed_and_keep_best(sharded):
+    r = sharded["checkpoints"]
+    assert r["committed_run1"] == [2, 6]  # save_total_limit=2: the newest and the best (step 2) stay
+    assert r["best"] == "checkpoint-2" and r["best_loaded_rel_diff"] == 0.0
+    assert r["step6_vs_step2"] > 1e-3  # loading the best changed the weights
+    assert {".metadata", "checksums.json", "trainer_state.json", "scheduler.pt", "rng_state_1.pth"} <= set(r["files"])
+
+
+def test_resume_skips_partial_and_continues_exactly(sharded):
+    r = sharded["checkpoints"]
+    assert r["latest_run2"] == "checkpoint-4"  # checkpoint-6 there is partial (no .metadata)
+    assert "not a committed FSDP2Trainer checkpoint" in r["partial_error"]
+    assert r["resume_global_step"] == 6
+    assert r["resume_rel_diff"] < TOL, r
+    assert r["committed_run2"] == [4, 6]  # the partial checkpoint-6 was replaced by a committed one
+
+
+def test_bf16_is_the_fsdp2_policy(sharded):
+    r = sharded["bf16"]
+    assert r["accelerator_precision"] == "bf16" and r["policy"] == "bf16"
+    assert r["compute_dtypes"] == ["torch.bfloat16"] and r["param_dtypes"] == ["torch.float32"]
+    assert 0 < r["train_loss"] < 10
+
+
+# ---------------------------------------------------------------------------------------- unit tests
+def test_mixin_refuses_a_class_that_is_not_a_trainer():
+    class NotATrainer(FSDP2TrainerMixin):
+        pass
+
+    with pytest.raises(TypeError, match="mixin for transformers.Trainer subclasses"):
+        NotATrainer()
+    with pytest.raises(TypeError, match="takes a transformers.Trainer subclass"):
+        fsdp2_trainer(object)
+
+
+def test_mixin_must_come_first():
+    with pytest.raises(TypeError, match="must come before the Trainer class"):
+
+        class Wrong(transformers.Trainer, FSDP2TrainerMixin):
+            pass
+
+
+def test_fsdp2_trainer_helper_builds_the_subclass():
+    cls = fsdp2_trainer(transformers.Trainer)
+    assert issubclass(cls, FSDP2TrainerMixin) and issubclass(cls, transformers.Trainer)
+    assert cls.__mro__.index(FSDP2TrainerMixin) < cls.__mro__.index(transformers.Trainer)
+    assert fsdp2_trainer(FSDP2Trainer) is FSDP2Trainer
+
+
+@pytest.mark.parametrize(
+    "name, value, words",
+    [
+        ("deepspeed", "ds.json", "DeepSpeed is another engine"),
+        ("fsdp", ["full_shard"], "fsdp_version: 2"),
+        ("save_only_model", True, "trainer.save_model()"),
+        ("auto_find_batch_size", True, "drop auto_find_batch_size"),
+    ],
+)
+def test_other_engines_refused_by_name(name, value, words):
+    fields = dict.fromkeys(("deepspeed", "fsdp", "save_only_model", "auto_find_batch_size"))
+    with pytest.raises(ValueError, match=rf"{name}: .*{words}".replace("(", r"\(").replace(")", r"\)")):
+        _refuse_other_engines(SimpleNamespace(**{**fields, name: value}))

@@ -1,0 +1,118 @@
+"""Shared pieces of the transformers flow scripts: the tiny BERT, data, arguments, the one-process reference."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.utils.data import Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _collect
+
+from _collect import full_params, gather, write_json  # noqa: E402,F401
+
+VOCAB, SEQ, LABELS = 100, 8, 3
+
+
+def bert(seed: int = 0) -> transformers.BertForSequenceClassification:
+    """A tiny BERT classifier built from a config (no download), without dropout."""
+    config = transformers.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        num_labels=LABELS,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(seed)
+    model = transformers.BertForSequenceClassification(config)
+    # BERT's forward takes **kwargs but its loss ignores `num_items_in_batch`: told so, the Trainer
+    # divides by the accumulation steps itself (otherwise the loss is scaled by processes x steps).
+    model.accepts_loss_kwargs = False
+    return model
+
+
+class Tokens(Dataset):
+    """`n` random sequences; token 0 of sample i is `10 + i`, so metrics can tell samples apart."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        self.x[:, 0] = 10 + torch.arange(n)
+        self.y = torch.randint(0, LABELS, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.y[i]}
+
+
+def args(output_dir: Path, **kwargs) -> transformers.TrainingArguments:
+    """TrainingArguments for these flows: SGD at a constant rate unless told otherwise, no reporting."""
+    base = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=3,
+        learning_rate=0.1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        ddp_timeout=120,  # a stuck rank fails the run
+        dataloader_pin_memory=False,
+    )
+    return transformers.TrainingArguments(**{**base, **kwargs})
+
+
+def reference_sgd(initial, data: Tokens, steps: int, global_batch: int, lr: float, clip: float):
+    """One process: SGD on consecutive global batches, clipped by total norm. Returns (params, norms)."""
+    model = copy.deepcopy(initial)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    norms = []
+    for step in range(steps):
+        idx = slice(step * global_batch, (step + 1) * global_batch)
+        loss = model(input_ids=data.x[idx], labels=data.y[idx]).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms, model
+
+
+def vector_rel_diff(got: dict, want: dict, start: dict | None = None) -> float:
+    """||got - want|| / ||want|| over all parameters as one vector; with `start`, of the updates
+    (got - start vs want - start): per-tensor ratios would blow up on near-zero biases."""
+    base = {k: torch.zeros_like(v) for k, v in want.items()} if start is None else start
+    diff = torch.cat([(got[k].float() - want[k].float()).flatten() for k in want])
+    ref = torch.cat([(want[k].float() - base[k].float()).flatten() for k in want])
+    return (diff.norm() / ref.norm()).item()
+
+
+def run_flows(flows: list, out_path: str, work: Path) -> None:
+    """Run each flow, recording `{"error": traceback}` for one that raised, and write rank 0's JSON."""
+    result: dict = {}
+    for flow in flows:
+        entry: dict = {}
+        try:
+            flow(entry, work)
+        except BaseException:  # DCP's CheckpointException is a BaseException
+            entry["error"] = traceback.format_exc()
+            print(f"[flow {flow.__name__}]", entry["error"], file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            errors = gather(entry.get("error"))
+            if any(errors):
+                entry["error"] = "\n".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+            dist.barrier()
+        result[flow.__name__] = entry
+    write_json(out_path, result)

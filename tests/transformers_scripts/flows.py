@@ -1,0 +1,202 @@
+"""Flows of `FSDP2Trainer` under `accelerate launch --config_file fsdp2_sharded.yaml` (2 CPU processes).
+
+Usage: accelerate launch --config_file CONFIG flows.py OUT.json WORK_DIR [flow,flow,...]
+
+Each flow measures and records numbers in OUT.json (rank 0); tests/test_transformers.py asserts on them.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from common import Tokens, args, bert, full_params, reference_sgd, run_flows, vector_rel_diff
+
+import fsdp2_strategy as f2
+from fsdp2_strategy.integrations.transformers import FSDP2Trainer, committed_checkpoints, latest_checkpoint
+
+CLIP = 0.05  # below every step's gradient norm here: clipping happens on each step
+STEPS, GLOBAL_BATCH = 3, 8  # 2 per device x 2 processes x 2 accumulation steps
+
+
+def _rank0() -> bool:
+    return dist.get_rank() == 0
+
+
+def parity(entry: dict, work: Path) -> None:
+    """2 processes x accumulation 2 x max_grad_norm against one process on the same global batches;
+    then evaluate() against the reference model, and save_model() read back by from_pretrained."""
+    model = bert(0)
+    initial = copy.deepcopy(model)
+    train, evals = Tokens(STEPS * GLOBAL_BATCH, 1), Tokens(11, 2)  # 11: the last eval batch is padded
+    seen: list[int] = []
+
+    def metrics(p) -> dict:
+        seen[:] = sorted((torch.as_tensor(p.inputs)[:, 0] - 10).tolist())
+        logits, labels = torch.as_tensor(p.predictions), torch.as_tensor(p.label_ids)
+        return {
+            "ce": F.cross_entropy(logits, labels).item(),
+            "acc": (logits.argmax(-1) == labels).float().mean().item(),
+        }
+
+    trainer = FSDP2Trainer(
+        model=model,
+        args=args(
+            work / "parity",
+            gradient_accumulation_steps=2,
+            max_steps=STEPS,
+            max_grad_norm=CLIP,
+            train_sampling_strategy="sequential",
+            include_for_metrics=["inputs"],
+        ),
+        train_dataset=train,
+        eval_dataset=evals,
+        compute_metrics=metrics,
+    )
+    entry["num_processes"] = trainer.accelerator.num_processes
+    entry["world_size"] = trainer.args.world_size
+    entry["distributed_type"] = str(trainer.accelerator.distributed_type)
+    trainer.train()
+    got = full_params(trainer.model)
+    want, norms, ref_model = reference_sgd(initial, train, STEPS, GLOBAL_BATCH, 0.1, CLIP)
+    start = {n: p.detach() for n, p in initial.named_parameters()}
+    entry["param_rel_diff"] = vector_rel_diff(got, want)
+    entry["update_rel_diff"] = vector_rel_diff(got, want, start)
+    entry["update_size"] = vector_rel_diff(start, want)  # how far training moved: the check is not vacuous
+    entry["grad_norms"] = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    entry["ref_norms"] = norms
+    entry["eval"] = trainer.evaluate()
+    entry["seen"] = seen
+    with torch.no_grad():
+        logits = ref_model(input_ids=evals.x).logits
+    entry["ref_eval"] = {
+        "ce": F.cross_entropy(logits, evals.y).item(),
+        "acc": (logits.argmax(-1) == evals.y).float().mean().item(),
+    }
+    out = work / "parity_saved"
+    trainer.save_model(str(out))
+    if _rank0():
+        loaded = transformers.BertForSequenceClassification.from_pretrained(out)
+        entry["saved_files"] = sorted(p.name for p in out.iterdir())
+        entry["saved_rel_diff"] = vector_rel_diff({n: p.detach() for n, p in loaded.named_parameters()}, got)
+
+
+class Snapshots(transformers.TrainerCallback):
+    """Full parameters at given steps (collective: every rank runs callbacks); copies a checkpoint once saved."""
+
+    def __init__(self, steps: tuple[int, ...], copy_step: int | None = None, copy_to: Path | None = None) -> None:
+        self.steps, self.copy_step, self.copy_to, self.params = steps, copy_step, copy_to, {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step in self.steps:
+            self.params[state.global_step] = full_params(model)
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.copy_step and _rank0():
+            name = f"checkpoint-{state.global_step}"
+            shutil.copytree(Path(args.output_dir) / name, self.copy_to / name)
+        dist.barrier()
+
+
+def _ckpt_args(output_dir: Path, **kwargs) -> transformers.TrainingArguments:
+    return args(
+        output_dir,
+        optim="adamw_torch",  # optimizer state and a decaying rate: a resume must restore both
+        learning_rate=0.01,
+        lr_scheduler_type="linear",
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=2,
+        save_total_limit=2,
+        **kwargs,
+    )
+
+
+def checkpoints(entry: dict, work: Path) -> None:
+    """save_steps + save_total_limit + load_best_model_at_end; then a resume from the newest committed
+    checkpoint (a partial checkpoint-6 beside it) must end where the uninterrupted run ended."""
+    run1, run2 = work / "run1", work / "run2"
+    calls = []
+
+    def first_eval_best(p) -> dict:  # the first evaluation (step 2) scores best: the best is not the last
+        calls.append(1)
+        return {"score": 1.0 if len(calls) == 1 else 0.0}
+
+    snaps = Snapshots((2, 6), copy_step=4, copy_to=run2)
+    if _rank0():
+        run2.mkdir(parents=True)
+    trainer = FSDP2Trainer(
+        model=bert(0),
+        args=_ckpt_args(
+            run1,
+            eval_strategy="steps",
+            eval_steps=2,
+            load_best_model_at_end=True,
+            metric_for_best_model="score",
+            greater_is_better=True,
+        ),
+        train_dataset=Tokens(48, 3),
+        eval_dataset=Tokens(6, 4),
+        compute_metrics=first_eval_best,
+        callbacks=[snaps],
+    )
+    trainer.train()
+    entry["committed_run1"] = sorted(committed_checkpoints(run1))
+    entry["best"] = Path(trainer.state.best_model_checkpoint).name
+    entry["best_loaded_rel_diff"] = vector_rel_diff(full_params(trainer.model), snaps.params[2])
+    entry["step6_vs_step2"] = vector_rel_diff(snaps.params[6], snaps.params[2])
+    entry["files"] = sorted(p.name for p in (run1 / "checkpoint-6").iterdir())
+
+    if _rank0():  # what a killed non-atomic writer leaves, and an unfinished save of ours
+        (run2 / "checkpoint-6").mkdir()
+        (run2 / "checkpoint-6" / "model.safetensors").write_bytes(b"")
+        (run2 / ".tmp-checkpoint-8").mkdir()
+    dist.barrier()
+    entry["latest_run2"] = Path(latest_checkpoint(run2)).name
+    snaps2 = Snapshots((6,))
+    resumed = FSDP2Trainer(model=bert(123), args=_ckpt_args(run2), train_dataset=Tokens(48, 3), callbacks=[snaps2])
+    try:
+        resumed.train(resume_from_checkpoint=str(run2 / "checkpoint-6"))
+    except FileNotFoundError as exc:
+        entry["partial_error"] = str(exc)
+    resumed.train(resume_from_checkpoint=True)
+    entry["resume_rel_diff"] = vector_rel_diff(snaps2.params[6], snaps.params[6])
+    entry["resume_global_step"] = resumed.state.global_step
+    entry["committed_run2"] = sorted(committed_checkpoints(run2))
+
+
+def bf16(entry: dict, work: Path) -> None:
+    """bf16=True: the FSDP2 bf16 policy (bf16 compute, fp32 parameters), no autocast."""
+    model = bert(0)
+    dtypes = []
+    model.classifier.register_forward_pre_hook(lambda m, inp: dtypes.append(str(inp[0].dtype)))
+    trainer = FSDP2Trainer(
+        model=model, args=args(work / "bf16", bf16=True, use_cpu=True, max_steps=2), train_dataset=Tokens(8, 5)
+    )
+    entry["accelerator_precision"] = trainer.accelerator.mixed_precision
+    entry["policy"] = str(trainer.accelerator.fsdp2_config.mixed_precision)
+    out = trainer.train()
+    entry["train_loss"] = out.training_loss
+    entry["compute_dtypes"] = sorted(set(dtypes))
+    entry["param_dtypes"] = sorted({str(p.dtype) for p in trainer.model.parameters()})
+
+
+FLOWS = [parity, checkpoints, bf16]
+
+
+def main() -> None:
+    out_path, work = sys.argv[1], Path(sys.argv[2])
+    by_name = {f.__name__: f for f in FLOWS}
+    flows = [by_name[n] for n in sys.argv[3].split(",")] if len(sys.argv) > 3 else FLOWS
+    run_flows(flows, out_path, work)
+    f2.shutdown()
+
+
+if __name__ == "__main__":
+    main()
