@@ -64,6 +64,16 @@ def sharded(tmp_path_factory) -> dict:
     return _load(work / "out.json")
 
 
+@pytest.fixture(scope="module")
+def full(tmp_path_factory) -> dict:
+    """fsdp2_full.yaml: FULL_STATE_DICT checkpoints and save_model, a LoRA model, TRL's SFTTrainer."""
+    pytest.importorskip("peft")
+    pytest.importorskip("trl")
+    work = tmp_path_factory.mktemp("transformers_full")
+    accelerate_launch("fsdp2_full.yaml", "flows_full.py", str(work / "out.json"), str(work))
+    return _load(work / "out.json")
+
+
 # ---------------------------------------------------------------------------------------- 2-process runs
 def test_two_processes_train_like_one(sharded):
     r = sharded["parity"]
@@ -111,6 +121,32 @@ def test_bf16_is_the_fsdp2_policy(sharded):
     assert r["accelerator_precision"] == "bf16" and r["policy"] == "bf16"
     assert r["compute_dtypes"] == ["torch.bfloat16"] and r["param_dtypes"] == ["torch.float32"]
     assert 0 < r["train_loss"] < 10
+
+
+def test_full_state_dict_checkpoint_and_save_model_load_with_from_pretrained(full):
+    r = full["full_state_dict"]
+    assert r["state_dict_type"] == "FULL_STATE_DICT"
+    assert {".metadata", "checksums.json", "model.safetensors", "config.json"} <= set(r["checkpoint_files"])
+    assert r["checkpoint_rel_diff"] < 1e-7 and r["saved_rel_diff"] < 1e-7
+    assert {"config.json", "model.safetensors"} <= set(r["saved_files"])
+
+
+def test_peft_model_trains_and_saves_a_loadable_adapter(full):
+    r = full["peft_lora"]
+    assert r["lora_B_moved"][0] > 0 and r["lora_B_moved"][1] > 1e-5  # every LoRA B left zero
+    assert r["frozen_unchanged"] == 0.0  # the base weights stayed frozen
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(r["saved_files"])
+    assert "model.safetensors" not in r["saved_files"]
+    assert r["adapter_tensors"] == 8 and r["adapter_rel_diff"] < 1e-7
+
+
+def test_trl_sft_trainer_through_fsdp2_trainer(full):
+    r = full["sft"]
+    assert r["class"] == "FSDP2SFTTrainer" and r["accelerator"] == "FSDP2Accelerator"
+    losses = r["losses"]
+    assert len(losses) == 8 and all(0 < x < 10 for x in losses)
+    assert losses[-1] < losses[0] - 0.3
+    assert r["moved"] > 1e-3 and r["reloads"] == "LlamaForCausalLM"
 
 
 # ---------------------------------------------------------------------------------------- unit tests

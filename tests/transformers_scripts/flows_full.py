@@ -1,0 +1,154 @@
+"""Flows of `FSDP2Trainer` under `accelerate launch --config_file fsdp2_full.yaml` (2 CPU processes):
+FULL_STATE_DICT checkpoints and save_model, a PEFT (LoRA) model, and TRL's SFTTrainer.
+
+Usage: accelerate launch --config_file fsdp2_full.yaml flows_full.py OUT.json WORK_DIR [flow,flow,...]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformers
+from common import Tokens, args, bert, full_params, run_flows, vector_rel_diff
+
+import fsdp2_strategy as f2
+from fsdp2_strategy.integrations.transformers import FSDP2Trainer, fsdp2_trainer
+
+
+def _rank0() -> bool:
+    return dist.get_rank() == 0
+
+
+def _loaded(model: torch.nn.Module) -> dict:
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def full_state_dict(entry: dict, work: Path) -> None:
+    """fsdp_state_dict_type: FULL_STATE_DICT: the first checkpoint is written (with model.safetensors) and
+    both it and save_model() load with from_pretrained."""
+    trainer = FSDP2Trainer(
+        model=bert(0),
+        args=args(work / "full", max_steps=2, save_strategy="steps", save_steps=2),
+        train_dataset=Tokens(8, 1),
+    )
+    entry["state_dict_type"] = trainer.accelerator.fsdp_plugin.state_dict_type.name
+    trainer.train()
+    got = full_params(trainer.model)
+    trainer.save_model(str(work / "full_saved"))
+    if _rank0():
+        checkpoint = work / "full" / "checkpoint-2"
+        entry["checkpoint_files"] = sorted(p.name for p in checkpoint.iterdir())
+        from_ckpt = transformers.BertForSequenceClassification.from_pretrained(checkpoint)
+        entry["checkpoint_rel_diff"] = vector_rel_diff(_loaded(from_ckpt), got)
+        saved = transformers.BertForSequenceClassification.from_pretrained(work / "full_saved")
+        entry["saved_files"] = sorted(p.name for p in (work / "full_saved").iterdir())
+        entry["saved_rel_diff"] = vector_rel_diff(_loaded(saved), got)
+
+
+def peft_lora(entry: dict, work: Path) -> None:
+    """A LoRA model trains through FSDP2Trainer and save_model() writes an adapter PeftModel loads."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], task_type="SEQ_CLS")
+    model = get_peft_model(bert(0), lora)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    trainer = FSDP2Trainer(
+        model=model, args=args(work / "peft", max_steps=3, learning_rate=0.5), train_dataset=Tokens(12, 2)
+    )
+    trainer.train()
+    after = full_params(trainer.model)
+    moved = [(after[n] - b).norm().item() for n, b in before.items()]
+    entry["lora_B_moved"] = [min(moved), max(moved)]
+    entry["frozen_unchanged"] = max(
+        (after[n] - p.detach()).abs().max().item()
+        for n, p in get_peft_model(bert(0), lora).named_parameters()
+        if "lora_" not in n and "classifier" not in n
+    )
+    out = work / "peft_saved"
+    trainer.save_model(str(out))
+    if _rank0():
+        entry["saved_files"] = sorted(p.name for p in out.iterdir())
+        loaded = PeftModel.from_pretrained(bert(0), out)
+        trained = {n: after[n] for n, _ in loaded.named_parameters() if "lora_" in n}
+        entry["adapter_rel_diff"] = vector_rel_diff(_loaded(loaded), trained)
+        entry["adapter_tensors"] = len(trained)
+
+
+def _tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer built here (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = "the a cat dog sat ran on under mat log red blue big small".split()
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<eos>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>"
+    )
+
+
+def sft(entry: dict, work: Path) -> None:
+    """TRL's SFTTrainer through fsdp2_trainer() on a tiny Llama: loss finite and falling, weights moved."""
+    import trl
+    from datasets import Dataset
+
+    tokenizer = _tokenizer()
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    texts = ["the cat sat on the mat", "a dog ran under the log", "the big red dog sat", "a small blue cat ran"]
+    dataset = Dataset.from_dict({"text": texts * 4})
+    sft_args = trl.SFTConfig(
+        output_dir=str(work / "sft"),
+        max_steps=8,
+        per_device_train_batch_size=2,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        max_length=16,
+        disable_tqdm=True,
+        save_strategy="no",
+        dataloader_pin_memory=False,
+        use_cpu=True,  # TRL defaults to bf16=True, which TrainingArguments accepts on CPU only with use_cpu
+    )
+    SFTTrainer = fsdp2_trainer(trl.SFTTrainer)
+    trainer = SFTTrainer(model=model, args=sft_args, train_dataset=dataset, processing_class=tokenizer)
+    entry["class"] = type(trainer).__name__
+    entry["accelerator"] = type(trainer.accelerator).__name__
+    trainer.train()
+    entry["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    entry["moved"] = vector_rel_diff(full_params(trainer.model), start)  # ||got - start|| / ||start||
+    out = work / "sft_saved"
+    trainer.save_model(str(out))
+    if _rank0():
+        entry["reloads"] = type(transformers.AutoModelForCausalLM.from_pretrained(out)).__name__
+
+
+FLOWS = [full_state_dict, peft_lora, sft]
+
+
+def main() -> None:
+    out_path, work = sys.argv[1], Path(sys.argv[2])
+    by_name = {f.__name__: f for f in FLOWS}
+    flows = [by_name[n] for n in sys.argv[3].split(",")] if len(sys.argv) > 3 else FLOWS
+    run_flows(flows, out_path, work)
+    f2.shutdown()
+
+
+if __name__ == "__main__":
+    main()
