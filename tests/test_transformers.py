@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -32,16 +33,19 @@ SCRIPTS = Path(__file__).parent / "transformers_scripts"
 TOL = 1e-5  # fp32 parity, relative
 
 
-def accelerate_launch(config: str, script: str, *args: str, timeout: int = 300) -> None:
+def accelerate_launch(config: str, script: str, *args: str, cpu_env: bool = True, timeout: int = 300) -> None:
     """`accelerate launch --config_file CONFIG SCRIPT ARGS...` on 2 CPU processes, as a user runs it."""
     # The config file alone decides (no FSDP_*/ACCELERATE_* from outside), except ACCELERATE_USE_CPU:
     # Accelerate's FSDP launcher drops the file's `use_cpu: true`, and on a GPU machine these tests stay on CPU.
+    # `cpu_env=False` leaves it out, as a user's launch on a machine without GPU does.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
+    if cpu_env:
+        env["ACCELERATE_USE_CPU"] = "true"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(SCRIPTS / config)]
     cmd += ["--main_process_port", str(free_port()), script, *args]
     proc = subprocess.run(
         cmd,
-        env=dict(env, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", TOKENIZERS_PARALLELISM="false"),
+        env=dict(env, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"),
         cwd=SCRIPTS,
         capture_output=True,
         text=True,
@@ -70,8 +74,11 @@ def full(tmp_path_factory) -> dict:
     pytest.importorskip("peft")
     pytest.importorskip("trl")
     work = tmp_path_factory.mktemp("transformers_full")
-    accelerate_launch("fsdp2_full.yaml", "flows_full.py", str(work / "out.json"), str(work))
-    return _load(work / "out.json")
+    # Without ACCELERATE_USE_CPU where no GPU exists: the launch a CPU user runs (TrainingArguments then
+    # sets Accelerate up as one process per rank, which the adapter must undo).
+    no_gpu = not torch.cuda.is_available()
+    accelerate_launch("fsdp2_full.yaml", "flows_full.py", str(work / "out.json"), str(work), cpu_env=not no_gpu)
+    return {**_load(work / "out.json"), "without_cpu_variable": no_gpu}
 
 
 # ---------------------------------------------------------------------------------------- 2-process runs
@@ -88,6 +95,7 @@ def test_two_processes_train_like_one(sharded):
 
 def test_evaluate_sees_every_sample_once(sharded):
     r = sharded["parity"]
+    assert abs(r["eval_before_train"] - r["ref_eval_before_train"]) <= TOL * r["ref_eval_before_train"]
     assert r["seen"] == list(range(11))  # 11 samples over 2 ranks x 3: the padded duplicate is dropped
     assert abs(r["eval"]["eval_ce"] - r["ref_eval"]["ce"]) <= TOL * r["ref_eval"]["ce"]
     assert r["eval"]["eval_acc"] == pytest.approx(r["ref_eval"]["acc"], abs=1e-7)
@@ -125,6 +133,9 @@ def test_bf16_is_the_fsdp2_policy(sharded):
 
 def test_full_state_dict_checkpoint_and_save_model_load_with_from_pretrained(full):
     r = full["full_state_dict"]
+    assert r["world_size"] == 2 and r["num_processes"] == 2
+    if full["without_cpu_variable"]:
+        assert r["args_world_size_before"] == 1  # what the stock Trainer would have run with
     assert r["state_dict_type"] == "FULL_STATE_DICT"
     assert {".metadata", "checksums.json", "model.safetensors", "config.json"} <= set(r["checkpoint_files"])
     assert r["checkpoint_rel_diff"] < 1e-7 and r["saved_rel_diff"] < 1e-7

@@ -62,6 +62,9 @@ def parity(entry: dict, work: Path) -> None:
     entry["num_processes"] = trainer.accelerator.num_processes
     entry["world_size"] = trainer.args.world_size
     entry["distributed_type"] = str(trainer.accelerator.distributed_type)
+    entry["eval_before_train"] = trainer.evaluate()["eval_ce"]  # shards the model before train() does
+    with torch.no_grad():
+        entry["ref_eval_before_train"] = F.cross_entropy(initial(input_ids=evals.x).logits, evals.y).item()
     trainer.train()
     got = full_params(trainer.model)
     want, norms, ref_model = reference_sgd(initial, train, STEPS, GLOBAL_BATCH, 0.1, CLIP)

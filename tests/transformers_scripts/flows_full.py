@@ -29,11 +29,13 @@ def _loaded(model: torch.nn.Module) -> dict:
 def full_state_dict(entry: dict, work: Path) -> None:
     """fsdp_state_dict_type: FULL_STATE_DICT: the first checkpoint is written (with model.safetensors) and
     both it and save_model() load with from_pretrained."""
-    trainer = FSDP2Trainer(
-        model=bert(0),
-        args=args(work / "full", max_steps=2, save_strategy="steps", save_steps=2),
-        train_dataset=Tokens(8, 1),
-    )
+    training_args = args(work / "full", max_steps=2, save_strategy="steps", save_steps=2)
+    # Without ACCELERATE_USE_CPU (and no GPU) TrainingArguments alone sees one process: the stock Trainer
+    # would train each rank alone on all the data.
+    entry["args_world_size_before"] = training_args.world_size
+    trainer = FSDP2Trainer(model=bert(0), args=training_args, train_dataset=Tokens(8, 1))
+    entry["world_size"] = training_args.world_size
+    entry["num_processes"] = trainer.accelerator.num_processes
     entry["state_dict_type"] = trainer.accelerator.fsdp_plugin.state_dict_type.name
     trainer.train()
     got = full_params(trainer.model)
