@@ -28,6 +28,16 @@ def dtype_from_name(value: Any, name: str) -> torch.dtype | None:
     raise ValueError(f"{name}={value!r} is not a dtype; use one of {sorted(aliases)} or a torch.dtype.")
 
 
+def frozen_storage_dtype(setting: Any, compute: torch.dtype | None, param: torch.Tensor) -> torch.dtype:
+    """The dtype a frozen parameter is stored in under `FSDP2Config.frozen_dtype=setting` ("auto": the
+    owning group's compute dtype `compute`, if any; None: its own); non-float parameters keep theirs."""
+    if setting is None or not param.is_floating_point():
+        return param.dtype
+    if setting == "auto":
+        return compute or param.dtype
+    return dtype_from_name(setting, "FSDP2Config.frozen_dtype") or param.dtype
+
+
 _POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
 
 

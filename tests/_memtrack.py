@@ -83,6 +83,15 @@ def minilm_model():
     return AutoModel.from_config(AutoConfig.from_pretrained(pretrained_dir()))
 
 
+def minilm_lora_model():
+    """all-MiniLM-L6-v2 with PEFT LoRA (r=8) on the attention's query and value: 0.15 M trainable parameters."""
+    import peft
+
+    model = minilm_model()
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["query", "value"]))
+
+
 def minilm_batch(n=8, seq=64):
     g = torch.Generator().manual_seed(0)
     return {"input_ids": torch.randint(0, 30000, (n, seq), generator=g)}
@@ -96,6 +105,7 @@ MODELS = {
     "gpt": (gpt_model, gpt_batch, gpt_loss),
     "convnet": (conv_model, conv_batch, conv_loss),
     "minilm": (minilm_model, minilm_batch, minilm_loss),
+    "minilm_lora": (minilm_lora_model, minilm_batch, minilm_loss),
 }
 
 

@@ -29,7 +29,8 @@ from ..wrap_policy import modules_matching
 from .sim_device import resolve_device_type
 from .sim_model import meta_copy
 from .sim_optimizer import measure_optimizer
-from .simulate import GroupSizes, LiveBytes, group_sizes, run_step, states_without_batch
+from .sim_sizes import GroupSizes, group_sizes
+from .simulate import LiveBytes, run_step, states_without_batch
 
 
 @dataclass
@@ -236,17 +237,18 @@ def _result(
     tracker: LiveBytes,
 ) -> MemoryEstimate:
     shards = sum(g.sharded for g in sizes.values())
+    grads = sum(g.trainable_sharded for g in sizes.values())  # frozen parameters have none
     replicated = sum(g.replicated for g in sizes.values())
     buffers = sum(g.buffers for g in sizes.values())
     offload = config.cpu_offload
-    # Optimizer step: shards, their gradients, the state and the step's temporaries.
-    step_device = 0 if offload else 2 * shards + opt_bytes + step_temp
+    # Optimizer step: shards, the trainable ones' gradients, the state and the step's temporaries.
+    step_device = 0 if offload else shards + grads + opt_bytes + step_temp
     step_peak = replicated * 3 + buffers + step_device
     peak, phase = tracker.peak, tracker.peak_phase
     at_peak = tracker.at_peak
     if step_peak > peak:
         peak, phase = step_peak, "optimizer step"
-        at_peak = {"gathered": 0, "grads": 0 if offload else shards, "activations": 0, "mp": 0}
+        at_peak = {"gathered": 0, "grads": 0 if offload else grads, "activations": 0, "mp": 0}
     mp = at_peak.get("mp", 0)
     return MemoryEstimate(
         strategy=strategy,
@@ -267,7 +269,7 @@ def _result(
         communication_buffer_bytes=at_peak.get("transient", 0),
         peak_bytes=int(peak),
         peak_phase=phase,
-        host_bytes=(2 * shards + opt_bytes + step_temp) if offload else 0,
+        host_bytes=(shards + grads + opt_bytes + step_temp) if offload else 0,
         communication=communication_bytes(sizes, config, shard, replicate, accumulation, micro_batches),
     )
 

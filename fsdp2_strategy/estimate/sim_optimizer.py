@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .simulate import GroupSizes, LiveBytes
+from .sim_sizes import GroupSizes
+from .simulate import LiveBytes
 
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps),
@@ -44,13 +45,17 @@ def optimizer_factory(spec: Any) -> Callable[[list], torch.optim.Optimizer] | No
 def measure_optimizer(spec: Any, sizes: dict[str, GroupSizes]) -> tuple[int, int]:
     """(state bytes, step temporaries) of the optimizer on this rank's shards, stepped on meta.
 
-    The shards are stood in for by one flat meta tensor per group and dtype-size (the state is
+    The trainable shards are stood in for by one flat meta tensor per group and dtype-size (the state is
     elementwise for the optimizers named here; a factory given by the user is measured the same way).
     """
     factory = optimizer_factory(spec)
     if factory is None:
         return 0, 0
-    params = [nn.Parameter(torch.empty(g.sharded // 4, device="meta")) for g in sizes.values() if g.sharded]
+    params = [
+        nn.Parameter(torch.empty(g.trainable_sharded // 4, device="meta"))
+        for g in sizes.values()
+        if g.trainable_sharded
+    ]
     for p in params:
         p.grad = torch.empty_like(p)
     opt = factory(params)

@@ -8,15 +8,12 @@ group's forward and backward, reshard after forward by the group's choice, reduc
 free the unsharded gradients when a group's backward is done, prefetch one group ahead in
 backward (torch's default) or as configured. What depends on the training device (attention
 kernels, gloo's reduce-scatter copy) lives in `sim_device`; the meta copy of model and batch in
-`sim_model`.
+`sim_model`; each group's sizes from the parameter shapes in `sim_sizes`.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -24,11 +21,10 @@ from torch import nn
 
 from .. import _torch_compat as tc
 from ..config import FSDP2Config
-from ..groups import settings_for
-from ..mesh import default_reshard_after_forward
 from ..train import gathers_up_front
 from .sim_device import attention_kernels, reduce_scatter_scratch
 from .sim_model import default_loss
+from .sim_sizes import GroupSizes
 
 
 class LiveBytes(tc.TorchDispatchMode):
@@ -92,107 +88,6 @@ class LiveBytes(tc.TorchDispatchMode):
                 "activations": activations,
                 "transient": transient,
             }
-
-
-@dataclass
-class GroupSizes:
-    """Bytes one FSDP group holds per rank, by form."""
-
-    params: list = field(default_factory=list)
-    """Qualified names of the sharded parameters this group gathers."""
-    sharded: int = 0
-    """Padded shard of those parameters on one rank (their own dtype)."""
-    gathered: int = 0
-    """The unsharded parameters in the compute dtype."""
-    mp_copy: int = 0
-    """Part of `gathered` that is a low-precision copy (0 without mixed precision)."""
-    reduce_bytes: int = 0
-    """Unsharded gradients in the reduce dtype."""
-    reduce_input: int = 0
-    """The flat reduce-scatter input: `reduce_bytes` with every dim 0 padded to the shard size."""
-    replicated: int = 0
-    """Parameters FSDP does not shard here (scalars, ignored modules): every rank holds them."""
-    buffers: int = 0
-    """Module buffers owned by this group."""
-    shard_size: int = 1
-    """Ranks this group's parameters are sharded over."""
-    replicate_size: int = 1
-    """Replicas of each shard (HSDP / NO_SHARD)."""
-    keep_after_forward: bool = False
-    """The group stays gathered between forward and backward (reshard_after_forward False)."""
-    reshard_to: int = 0
-    """An int `reshard_after_forward`: after forward it holds 1/reshard_to of `gathered`."""
-    mp_dtype: torch.dtype | None = None
-    """The compute dtype of the mixed-precision policy (None: each parameter's own)."""
-    reduce_dtype: torch.dtype | None = None
-    """The gradient-reduction dtype (None: the compute dtype)."""
-
-
-def _nearest(name: str, groups: list[str]) -> str:
-    parts = name.split(".")
-    for i in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:i])
-        if prefix in groups:
-            return prefix
-    return ""
-
-
-def _padded_shard_numel(p: torch.Tensor, shard: int) -> int:
-    """FSDP2 shards dim 0 and pads it to a multiple of the shard size."""
-    return math.ceil(p.shape[0] / shard) * (p.numel() // max(p.shape[0], 1))
-
-
-def _padded_shard_bytes(p: torch.Tensor, shard: int) -> int:
-    return _padded_shard_numel(p, shard) * p.element_size()
-
-
-def group_sizes(
-    model: nn.Module,
-    groups: list[str],
-    ignored: list[str],
-    config: FSDP2Config,
-    mesh_of: Callable[[str], tuple[int, int]],
-) -> dict[str, GroupSizes]:
-    """Sizes of every group ("" is the root), from parameter shapes and each group's settings."""
-    sizes = {g: GroupSizes() for g in groups}
-    last_block = groups[-1] if len(groups) > 1 else None
-    for name in groups:
-        settings = settings_for(name, config)
-        g = sizes[name]
-        g.shard_size, g.replicate_size = mesh_of(settings.strategy)
-        reshard = settings.reshard_after_forward
-        if name == last_block and reshard is None and settings.override is None:
-            reshard = False  # as shard_model: backward starts with the last block
-        if reshard is None:
-            reshard = default_reshard_after_forward(settings.strategy)
-        reshard = (name != "") if reshard is None else reshard
-        # A shard group of one rank still frees its all-gather output after forward when resharding
-        # (HYBRID_SHARD on a (2, 1) mesh measured 32.0 MB against NO_SHARD's 34.4 MB).
-        g.keep_after_forward = reshard is False
-        g.reshard_to = reshard if isinstance(reshard, int) and not isinstance(reshard, bool) else 0
-        g.mp_dtype, g.reduce_dtype = settings.mp_policy.param_dtype, settings.mp_policy.reduce_dtype
-    ignored_params = {id(p) for n in ignored for p in model.get_submodule(n).parameters()}
-    for pname, p in model.named_parameters():
-        owner = sizes[_nearest(pname.rsplit(".", 1)[0] if "." in pname else "", groups)]
-        if id(p) in ignored_params or p.ndim == 0:
-            owner.replicated += p.numel() * p.element_size()
-            continue
-        compute = owner.mp_dtype if owner.mp_dtype is not None and p.is_floating_point() else p.dtype
-        reduce = owner.reduce_dtype or compute
-        owner.params.append(pname)
-        owner.sharded += _padded_shard_bytes(p, owner.shard_size)
-        gathered = p.numel() * _itemsize(compute)
-        owner.gathered += gathered
-        owner.mp_copy += gathered if compute != p.dtype else 0
-        owner.reduce_bytes += p.numel() * _itemsize(reduce)
-        owner.reduce_input += _padded_shard_numel(p, owner.shard_size) * owner.shard_size * _itemsize(reduce)
-    for bname, b in model.named_buffers():
-        sizes[_nearest(bname.rsplit(".", 1)[0] if "." in bname else "", groups)].buffers += b.numel() * b.element_size()
-    return sizes
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 class _Schedule:
@@ -310,7 +205,7 @@ class _Schedule:
         if not self.keep_backward:
             self.reshard(name)
         if self.sync:
-            new_shard = 0 if name in self.sharded_grads or self.offload else g.sharded
+            new_shard = 0 if name in self.sharded_grads or self.offload else g.trainable_sharded
             # Copy-in: the unsharded gradients and the flat reduce-scatter input are alive together;
             # then the gradients are dropped and the output shard is allocated; the collective's
             # scratch (gloo's copy of the input, the ring's receive buffer) is alive meanwhile.
@@ -375,11 +270,13 @@ def states_without_batch(
     kept = sum(g.gathered for g in sizes.values() if g.keep_after_forward)
     moving = sorted((g.gathered for g in sizes.values() if not g.keep_after_forward), reverse=True)
     tracker.add("gathered", kept + sum(moving[: 1 + prefetch]))
-    tracker.add("grads", 0 if offload else sum(g.sharded for g in sizes.values()))
+    tracker.add("grads", 0 if offload else sum(g.trainable_sharded for g in sizes.values()))
     # An all-gather (prefetch) and the previous group's reduce-scatter can be in flight together.
     reduce = max(
         (
-            g.reduce_input + reduce_scatter_scratch(device_type, collectives, g.reduce_input, g.shard_size) + g.sharded
+            g.reduce_input
+            + reduce_scatter_scratch(device_type, collectives, g.reduce_input, g.shard_size)
+            + g.trainable_sharded
             for g in sizes.values()
         ),
         default=0,

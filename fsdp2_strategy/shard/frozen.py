@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..groups import GroupSettings
-from ..precision import dtype_from_name
+from ..precision import frozen_storage_dtype
 
 
 def cast_frozen(
@@ -28,22 +28,16 @@ def cast_frozen(
     names cast and their new dtype. Parameters in `skip` (ignored, replicated, quantised) are left."""
     if frozen_dtype is None:
         return {}
-    fixed = None if frozen_dtype == "auto" else dtype_from_name(frozen_dtype, "FSDP2Config.frozen_dtype")
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     seen: set[int] = set()
     cast: dict[str, torch.dtype] = {}
     for name, settings, _mesh in reversed(list(specs)):  # children first: a parameter's owner is its deepest group
-        dtype = fixed or settings.mp_policy.param_dtype
         for p in model.get_submodule(name).parameters():
             if id(p) in seen or p in skip:
                 continue
             seen.add(id(p))
-            if dtype is not None and not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            dtype = frozen_storage_dtype(frozen_dtype, settings.mp_policy.param_dtype, p)
+            if not p.requires_grad and p.dtype != dtype:
                 p.data = p.data.to(dtype)
                 cast[names[id(p)]] = dtype
     return cast
-
-
-def frozen_param_names(model: nn.Module) -> list[str]:
-    """Qualified names of the parameters that do not require gradients."""
-    return [n for n, p in model.named_parameters() if not p.requires_grad]
