@@ -264,3 +264,15 @@ def test_trainable_only_checkpoint_loads_on_one_process(lora_world):
         assert rel_diff(model.get_parameter(name).detach(), p.detach()) < TOL, name
     with pytest.raises(ValueError, match="another frozen base"):
         f2.Checkpointer(tmp / "ckpt").load(model=lora(tiny_bert(seed=3)))
+
+
+def test_export_command(lora_world, tmp_path, capsys):
+    from fsdp2_strategy.cli import main
+
+    tmp, _ = lora_world
+    assert main(["export", str(tmp / "ckpt"), str(tmp_path / "a")]) == 0
+    assert (tmp_path / "a" / "adapter_model.safetensors").is_file()
+    assert main(["export", str(tmp / "ckpt"), str(tmp_path / "m"), "--merged"]) == 2
+    assert "pass base= (--base)" in capsys.readouterr().err
+    assert main(["export", str(tmp / "ckpt"), str(tmp_path / "m"), "--merged", "--base", str(tmp / "base")]) == 0
+    assert (tmp_path / "m" / "model.safetensors").is_file() and (tmp_path / "m" / "config.json").is_file()

@@ -1,4 +1,4 @@
-"""The `fsdp2-strategy` command line: `consolidate` and `inspect` sharded checkpoints (`main`),
+"""The `fsdp2-strategy` command line: `consolidate`, `export` (PEFT) and `inspect` sharded checkpoints (`main`),
 `plan` memory for a model (`plan`). Run as `fsdp2-strategy ...` or `python -m fsdp2_strategy.cli ...`.
 
 The top layer: imports any package of the core, and nothing imports it.

@@ -1,4 +1,4 @@
-"""`fsdp2-strategy` command line: consolidate and inspect sharded checkpoints; plan memory."""
+"""`fsdp2-strategy` command line: consolidate, export (PEFT) and inspect sharded checkpoints; plan memory."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from ..checkpoint import export_full, inspect_checkpoint
+from ..checkpoint import export_full, export_peft, inspect_checkpoint
 from . import plan as plan_command
 
 
@@ -35,6 +35,20 @@ def build_parser() -> argparse.ArgumentParser:
     cons.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="convert on export")
     cons.add_argument("--step", type=int, default=None, help="step of a Checkpointer root (default: latest)")
     cons.add_argument("--max-shard-size", type=_size, default="5GB", help="split safetensors above this (e.g. 500MB)")
+    exp = sub.add_parser(
+        "export",
+        help="a PEFT model's adapter (PEFT's format, for PeftModel.from_pretrained) or, with --merged, "
+        "the base weights with the LoRA deltas added (for AutoModel...from_pretrained)",
+    )
+    exp.add_argument("checkpoint", help="a DCP directory or a Checkpointer root (latest committed step)")
+    exp.add_argument("out", help="output folder")
+    kind = exp.add_mutually_exclusive_group()
+    kind.add_argument("--adapter", action="store_true", help="the adapter only (the default)")
+    kind.add_argument("--merged", action="store_true", help="merged full weights")
+    exp.add_argument("--base", default=None, help="pretrained model folder (merging a trainable-only checkpoint)")
+    exp.add_argument("--adapter-name", default="default")
+    exp.add_argument("--step", type=int, default=None, help="step of a Checkpointer root (default: latest)")
+    exp.add_argument("--max-shard-size", type=_size, default="5GB", help="split merged safetensors above this")
     insp = sub.add_parser(
         "inspect",
         help="list steps, tensors, shapes, dtypes and the saving world size; "
@@ -58,6 +72,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.out,
                 format=args.format,
                 dtype=args.dtype,
+                step=args.step,
+                max_shard_size=args.max_shard_size,
+            )
+            print(f"wrote {out}")
+        elif args.command == "export":
+            out = export_peft(
+                args.checkpoint,
+                args.out,
+                merged=args.merged,
+                base=args.base,
+                adapter_name=args.adapter_name,
                 step=args.step,
                 max_shard_size=args.max_shard_size,
             )
