@@ -438,3 +438,11 @@ def test_private_lightning_api_present():
     import lightning.pytorch.core.saving as saving
 
     assert saving.pl_load is _compat._pl_load  # installed by importing the adapter
+
+
+def test_peft_checkpoints_hold_the_adapters_and_resume_on_the_same_base(flows):
+    r = flows["peft_checkpoints"]
+    assert r["saved_model_keys"] and all("lora_" in k for k in r["saved_model_keys"]), r["saved_model_keys"]
+    assert r["frozen_base_entry"]
+    assert r["resumed_diff"] < TOL, r["resumed_diff"]
+    assert "another frozen base" in r["other_base_error"] and "blocks.0.fc" in r["other_base_error"]

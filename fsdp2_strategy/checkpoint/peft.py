@@ -41,12 +41,17 @@ def peft_key(model_key: str) -> str:
     return f"{PEFT_ENTRY}.{model_key}"
 
 
+def peft_models(model: nn.Module) -> list[tuple[str, Any]]:
+    """(qualified name, module) of each `PeftModel` in `model` (`model` itself, or a submodule such as
+    a LightningModule's attribute)."""
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "peft_config") and hasattr(m, "get_base_model")]
+
+
 def find_peft_model(model: nn.Module) -> tuple[str, Any]:
-    """(qualified name, module) of the `PeftModel` in `model` (`model` itself, or a submodule such as
-    a LightningModule's attribute); ValueError if there is none."""
-    for name, module in model.named_modules():
-        if hasattr(module, "peft_config") and hasattr(module, "get_base_model"):
-            return name, module
+    """The first of `peft_models(model)`; ValueError if there is none."""
+    found = peft_models(model)
+    if found:
+        return found[0]
     raise ValueError(
         f"{type(model).__name__} holds no PEFT model (peft.get_peft_model(...)); for a plain model use "
         "accelerator.save_model, fsdp2_strategy.export_full on a checkpoint, or save_merged on a PEFT model."
@@ -76,7 +81,7 @@ def lora_layers(peft_model: Any, adapter: str) -> dict[str, Any]:
 
 
 def peft_description(model: nn.Module) -> str:
-    """JSON text stored beside a PEFT model's checkpoint state (see module doc)."""
+    """JSON text stored beside a PEFT model's checkpoint state (see module doc); `model` holds a `PeftModel`."""
     prefix, peft_model = find_peft_model(model)
     adapters = {name: _jsonable(config.to_dict()) for name, config in peft_model.peft_config.items()}
     layers: dict[str, dict] = {}

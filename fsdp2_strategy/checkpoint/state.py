@@ -31,12 +31,11 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..shard import quantised_param_names
 from ..train import reshard
-from .peft import peft_description, peft_key
+from .peft import peft_description, peft_key, peft_models
 from .trainable import (
     fingerprint_key,
     fingerprint_text,
     frozen_names,
-    is_peft_model,
     saves_trainable_only,
     trainable_keys,
 )
@@ -137,7 +136,7 @@ def side_entries(key: str, model: nn.Module, trainable_only: bool) -> dict[str, 
     entries: dict[str, Any] = {}
     if trainable_only:
         entries[fingerprint_key(key)] = fingerprint_text(model)
-    if is_peft_model(model):
+    if peft_models(model):  # adapters injected without a PeftModel have no config to export
         entries[peft_key(key)] = peft_description(model)
     return entries
 

@@ -462,6 +462,45 @@ def checkpoints(out: dict, work: Path) -> None:
     out["damaged_errors_all_ranks"] = gather(out["damaged_error"] is not None)
 
 
+class LitLoRA(LitMLP):
+    """LitMLP with PEFT LoRA injected into each block's `fc`; only the adapters train. The base comes
+    from `base_seed`, the adapters' initial values from `lora_seed`."""
+
+    def __init__(self, base_seed: int = 0, lora_seed: int = 1, **kwargs):
+        import peft
+
+        torch.manual_seed(base_seed)
+        super().__init__(**kwargs)
+        torch.manual_seed(lora_seed)
+        config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["fc"], init_lora_weights="gaussian")
+        peft.inject_adapter_in_model(config, self)
+        for name, p in self.named_parameters():
+            p.requires_grad = "lora_" in name
+
+
+def peft_checkpoints(out: dict, work: Path) -> None:
+    """Trainable-only sharded checkpoints through the Trainer ("auto" for PEFT layers): resume exactly
+    on the same base, refuse another base, and store only the adapters."""
+    ckpt_dir = work / "lora_ckpts"
+    ref = LitLoRA(optimizer="adam")
+    trainer(max_epochs=2).fit(ref, loader(BATCH))
+    first = LitLoRA(optimizer="adam")
+    _ckpt_trainer(ckpt_dir, 1).fit(first, loader(BATCH))
+    names = dcp.FileSystemReader(str(ckpt_dir / "last.ckpt")).read_metadata().state_dict_metadata
+    out["saved_model_keys"] = sorted(k for k in names if k.startswith("model."))
+    out["frozen_base_entry"] = "frozen_base.model" in names
+    resumed = LitLoRA(lora_seed=9, optimizer="adam")  # same base, other adapter values: all from the checkpoint
+    _ckpt_trainer(ckpt_dir, 2).fit(resumed, loader(BATCH), ckpt_path="last")
+    out["resumed_diff"] = max_rel_diff(full_params(resumed), full_params(ref))
+    try:
+        trainer(max_epochs=2).fit(
+            LitLoRA(base_seed=5, optimizer="adam"), loader(BATCH), ckpt_path=ckpt_dir / "last.ckpt"
+        )
+        out["other_base_error"] = None
+    except ValueError as exc:
+        out["other_base_error"] = str(exc)
+
+
 def _auto_budgets(config: f2.FSDP2Config, model) -> dict:
     """Budgets from the core planner's estimates (2 ranks, AdamW, no batch: what "auto" uses):
     one that FULL_SHARD fits and SHARD_GRAD_OP (less communication) does not, one that
@@ -531,6 +570,7 @@ FLOWS = [
     own_tp_with_default_strategy,
     meta_init,
     checkpoints,
+    peft_checkpoints,
     auto_strategy,
 ]
 
