@@ -33,7 +33,9 @@ SCRIPTS = Path(__file__).parent / "transformers_scripts"
 TOL = 1e-5  # fp32 parity, relative
 
 
-def accelerate_launch(config: str, script: str, *args: str, cpu_env: bool = True, timeout: int = 300) -> None:
+def accelerate_launch(
+    config: str, script: str, *args: str, cpu_env: bool = True, timeout: int = 300, expect_ok: bool = True
+) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file CONFIG SCRIPT ARGS...` on 2 CPU processes, as a user runs it."""
     # The config file alone decides (no FSDP_*/ACCELERATE_* from outside), except ACCELERATE_USE_CPU:
     # Accelerate's FSDP launcher drops the file's `use_cpu: true`, and on a GPU machine these tests stay on CPU.
@@ -51,7 +53,9 @@ def accelerate_launch(config: str, script: str, *args: str, cpu_env: bool = True
         text=True,
         timeout=timeout,
     )
-    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    if expect_ok:
+        assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
 
 
 def _load(path: Path) -> dict:
@@ -70,15 +74,17 @@ def sharded(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory) -> dict:
-    """fsdp2_full.yaml: FULL_STATE_DICT checkpoints and save_model, a LoRA model, TRL's SFTTrainer."""
+    """fsdp2_full.yaml: a run killed mid-save (killed.py), then FULL_STATE_DICT checkpoints and save_model,
+    a LoRA model, TRL's SFTTrainer and the resume of the killed run."""
     pytest.importorskip("peft")
     pytest.importorskip("trl")
     work = tmp_path_factory.mktemp("transformers_full")
     # Without ACCELERATE_USE_CPU where no GPU exists: the launch a CPU user runs (TrainingArguments then
     # sets Accelerate up as one process per rank, which the adapter must undo).
     no_gpu = not torch.cuda.is_available()
+    killed = accelerate_launch("fsdp2_full.yaml", "killed.py", str(work / "killed"), expect_ok=False)
     accelerate_launch("fsdp2_full.yaml", "flows_full.py", str(work / "out.json"), str(work), cpu_env=not no_gpu)
-    return {**_load(work / "out.json"), "without_cpu_variable": no_gpu}
+    return {**_load(work / "out.json"), "without_cpu_variable": no_gpu, "killed_output": killed.stdout + killed.stderr}
 
 
 # ---------------------------------------------------------------------------------------- 2-process runs
@@ -129,6 +135,15 @@ def test_bf16_is_the_fsdp2_policy(sharded):
     assert r["accelerator_precision"] == "bf16" and r["policy"] == "bf16"
     assert r["compute_dtypes"] == ["torch.bfloat16"] and r["param_dtypes"] == ["torch.float32"]
     assert 0 < r["train_loss"] < 10
+
+
+def test_kill_mid_save_then_resume_continues_exactly(full):
+    assert "exitcode  : 17" in full["killed_output"]  # both processes died inside the save of checkpoint-6
+    r = full["resume_after_kill"]
+    assert r["left"] == [".tmp-checkpoint-6", "checkpoint-2", "checkpoint-4"]
+    assert r["latest"] == "checkpoint-4"
+    assert r["resume_rel_diff"] < TOL, r
+    assert r["committed_after"] == [2, 4, 6] and r["left_after"] == []
 
 
 def test_full_state_dict_checkpoint_and_save_model_load_with_from_pretrained(full):

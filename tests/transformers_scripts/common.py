@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -75,8 +76,39 @@ def args(output_dir: Path, **kwargs) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(**{**base, **kwargs})
 
 
+class Snapshots(transformers.TrainerCallback):
+    """Full parameters at given steps (collective: every rank runs callbacks); copies a checkpoint once saved."""
+
+    def __init__(self, steps: tuple[int, ...], copy_step: int | None = None, copy_to: Path | None = None) -> None:
+        self.steps, self.copy_step, self.copy_to, self.params = steps, copy_step, copy_to, {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step in self.steps:
+            self.params[state.global_step] = full_params(model)
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.copy_step and dist.get_rank() == 0:
+            name = f"checkpoint-{state.global_step}"
+            shutil.copytree(Path(args.output_dir) / name, self.copy_to / name)
+        dist.barrier()
+
+
+def checkpoint_args(output_dir: Path, **kwargs) -> transformers.TrainingArguments:
+    """Six Adam steps with a linear decay, a committed checkpoint every 2, the newest 2 kept."""
+    base = dict(
+        optim="adamw_torch",  # optimizer state and a decaying rate: a resume must restore both
+        learning_rate=0.01,
+        lr_scheduler_type="linear",
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=2,
+        save_total_limit=2,
+    )
+    return args(output_dir, **{**base, **kwargs})
+
+
 def reference_sgd(initial, data: Tokens, steps: int, global_batch: int, lr: float, clip: float):
-    """One process: SGD on consecutive global batches, clipped by total norm. Returns (params, norms)."""
+    """One process: SGD on consecutive global batches, clipped by total norm: (params, norms, model)."""
     model = copy.deepcopy(initial)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     norms = []

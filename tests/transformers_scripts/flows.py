@@ -8,7 +8,6 @@ Each flow measures and records numbers in OUT.json (rank 0); tests/test_transfor
 from __future__ import annotations
 
 import copy
-import shutil
 import sys
 from pathlib import Path
 
@@ -16,7 +15,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
-from common import Tokens, args, bert, full_params, reference_sgd, run_flows, vector_rel_diff
+from common import (
+    Snapshots,
+    Tokens,
+    args,
+    bert,
+    checkpoint_args,
+    full_params,
+    reference_sgd,
+    run_flows,
+    vector_rel_diff,
+)
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.transformers import FSDP2Trainer, committed_checkpoints, latest_checkpoint
@@ -90,37 +99,6 @@ def parity(entry: dict, work: Path) -> None:
         entry["saved_rel_diff"] = vector_rel_diff({n: p.detach() for n, p in loaded.named_parameters()}, got)
 
 
-class Snapshots(transformers.TrainerCallback):
-    """Full parameters at given steps (collective: every rank runs callbacks); copies a checkpoint once saved."""
-
-    def __init__(self, steps: tuple[int, ...], copy_step: int | None = None, copy_to: Path | None = None) -> None:
-        self.steps, self.copy_step, self.copy_to, self.params = steps, copy_step, copy_to, {}
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step in self.steps:
-            self.params[state.global_step] = full_params(model)
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == self.copy_step and _rank0():
-            name = f"checkpoint-{state.global_step}"
-            shutil.copytree(Path(args.output_dir) / name, self.copy_to / name)
-        dist.barrier()
-
-
-def _ckpt_args(output_dir: Path, **kwargs) -> transformers.TrainingArguments:
-    return args(
-        output_dir,
-        optim="adamw_torch",  # optimizer state and a decaying rate: a resume must restore both
-        learning_rate=0.01,
-        lr_scheduler_type="linear",
-        max_steps=6,
-        save_strategy="steps",
-        save_steps=2,
-        save_total_limit=2,
-        **kwargs,
-    )
-
-
 def checkpoints(entry: dict, work: Path) -> None:
     """save_steps + save_total_limit + load_best_model_at_end; then a resume from the newest committed
     checkpoint (a partial checkpoint-6 beside it) must end where the uninterrupted run ended."""
@@ -136,7 +114,7 @@ def checkpoints(entry: dict, work: Path) -> None:
         run2.mkdir(parents=True)
     trainer = FSDP2Trainer(
         model=bert(0),
-        args=_ckpt_args(
+        args=checkpoint_args(
             run1,
             eval_strategy="steps",
             eval_steps=2,
@@ -163,7 +141,7 @@ def checkpoints(entry: dict, work: Path) -> None:
     dist.barrier()
     entry["latest_run2"] = Path(latest_checkpoint(run2)).name
     snaps2 = Snapshots((6,))
-    resumed = FSDP2Trainer(model=bert(123), args=_ckpt_args(run2), train_dataset=Tokens(48, 3), callbacks=[snaps2])
+    resumed = FSDP2Trainer(model=bert(123), args=checkpoint_args(run2), train_dataset=Tokens(48, 3), callbacks=[snaps2])
     try:
         resumed.train(resume_from_checkpoint=str(run2 / "checkpoint-6"))
     except FileNotFoundError as exc:

@@ -12,10 +12,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
-from common import Tokens, args, bert, full_params, run_flows, vector_rel_diff
+from common import Snapshots, Tokens, args, bert, checkpoint_args, full_params, run_flows, vector_rel_diff
 
 import fsdp2_strategy as f2
-from fsdp2_strategy.integrations.transformers import FSDP2Trainer, fsdp2_trainer
+from fsdp2_strategy.integrations.transformers import (
+    FSDP2Trainer,
+    committed_checkpoints,
+    fsdp2_trainer,
+    latest_checkpoint,
+)
 
 
 def _rank0() -> bool:
@@ -141,7 +146,29 @@ def sft(entry: dict, work: Path) -> None:
         entry["reloads"] = type(transformers.AutoModelForCausalLM.from_pretrained(out)).__name__
 
 
-FLOWS = [full_state_dict, peft_lora, sft]
+def resume_after_kill(entry: dict, work: Path) -> None:
+    """Resume what killed.py left (run first, in the same WORK_DIR): the newest committed checkpoint, then
+    the same end as an uninterrupted run."""
+    killed = work / "killed"
+    entry["left"] = sorted(p.name for p in killed.iterdir())
+    entry["latest"] = Path(latest_checkpoint(killed)).name
+    resumed = Snapshots((6,))
+    FSDP2Trainer(
+        model=bert(7),
+        args=checkpoint_args(killed, save_total_limit=3),
+        train_dataset=Tokens(48, 3),
+        callbacks=[resumed],
+    ).train(resume_from_checkpoint=True)
+    whole = Snapshots((6,))
+    FSDP2Trainer(
+        model=bert(0), args=checkpoint_args(work / "whole"), train_dataset=Tokens(48, 3), callbacks=[whole]
+    ).train()
+    entry["resume_rel_diff"] = vector_rel_diff(resumed.params[6], whole.params[6])
+    entry["committed_after"] = sorted(committed_checkpoints(killed))
+    entry["left_after"] = sorted(p.name for p in killed.iterdir() if p.name.startswith("."))
+
+
+FLOWS = [full_state_dict, peft_lora, sft, resume_after_kill]
 
 
 def main() -> None:
