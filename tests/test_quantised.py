@@ -117,3 +117,77 @@ def test_a_layer_not_yet_quantised_is_refused_by_name():
     message = run_distributed(_unquantised_world, 1)[0]
     assert "base.weight (Params4bit, torch.float32, cpu) is not quantised yet" in message
     assert "model.to(device)" in message
+
+
+# --------------------------------------------------------------------------- QLoRA through PEFT
+class QuantisedBlocks(nn.Module):
+    """Two frozen 4-bit residual blocks between full-precision input and output layers."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList()
+        for _ in range(2):
+            source = nn.Linear(16, 16)
+            layer = bnb.nn.Linear4bit(16, 16, compute_dtype=torch.float32, quant_type="nf4")
+            layer.weight = bnb.nn.Params4bit(source.weight.data.clone(), requires_grad=False, quant_type="nf4")
+            layer.bias = nn.Parameter(source.bias.data.clone(), requires_grad=False)
+            self.blocks.append(layer)
+        self.out = nn.Linear(16, 1)
+        self.to("cpu")  # quantises
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.out(h)
+
+
+def qlora_model(lora_seed: int = 1) -> nn.Module:
+    """PEFT's LoRA on the 4-bit blocks (`peft.get_peft_model`, as QLoRA recipes do); only LoRA trains."""
+    peft = pytest.importorskip("peft")
+    model = QuantisedBlocks()
+    torch.manual_seed(lora_seed)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["blocks.0", "blocks.1"], init_lora_weights="gaussian")
+    return peft.get_peft_model(model, config)
+
+
+def _qlora_world(root: str) -> dict:
+    import torch.distributed as dist
+
+    model = f2.shard_model(qlora_model(), log_plan=False)
+    _train(model, dist.get_rank(), dist.get_world_size())
+    ck = f2.Checkpointer(root)
+    ck.save(STEPS, model=model)  # "auto": trainable-only for a PEFT model
+    again = f2.shard_model(qlora_model(lora_seed=5), log_plan=False)
+    ck.load(model=again)
+    f2.save_peft_adapter(model, f"{root}/adapter")
+    try:
+        f2.save_merged(model, f"{root}/merged")
+        merged_error = "no error"
+    except ValueError as exc:
+        merged_error = str(exc)
+    return {
+        "params": _full(model),
+        "reloaded": max(rel_diff(a, b) for a, b in zip(_full(model).values(), _full(again).values())),
+        "merged_error": merged_error,
+    }
+
+
+def test_qlora_with_peft_trains_like_one_process_and_saves_the_adapter(tmp_path):
+    from safetensors.torch import load_file
+
+    reference = qlora_model()
+    _train(reference, 0, 1)
+    expected = _full(reference)
+    results = run_distributed(_qlora_world, 2, str(tmp_path))
+    for r in results:
+        assert sorted(r["params"]) == sorted(expected) and all("lora_" in n for n in expected)
+        assert max(rel_diff(r["params"][n], expected[n]) for n in expected) < 1e-5
+        assert r["reloaded"] == 0.0
+        assert "blocks.0 (quantised base)" in r["merged_error"] and "base=" in r["merged_error"]
+    saved = f2.inspect_checkpoint(tmp_path).tensors
+    assert sorted(k for k in saved if k.startswith("model.")) == sorted(f"model.{n}" for n in expected)
+    adapter = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert len(adapter) == len(expected) and all(".default" not in k for k in adapter)

@@ -33,7 +33,8 @@ PEFT_ENTRY = "peft"
 """Top-level checkpoint key prefix of a PEFT model's adapter description: `peft.<model key>`."""
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-_SUPPORTED_LAYERS = ("Linear",)  # peft.tuners.lora.layer.Linear: the delta is B @ A
+# PEFT's LoRA Linear layers (plain, and on bitsandbytes 4-/8-bit bases): the delta is B @ A.
+_SUPPORTED_LAYERS = ("Linear", "Linear4bit", "Linear8bitLt")
 
 
 def peft_key(model_key: str) -> str:
@@ -58,26 +59,46 @@ def find_peft_model(model: nn.Module) -> tuple[str, Any]:
     )
 
 
-def lora_layers(peft_model: Any, adapter: str) -> dict[str, Any]:
-    """LoRA layers of `adapter` by qualified name relative to the base model; ValueError for a kind
-    whose merge is not a plain `B @ A` (DoRA, embeddings, convolutions)."""
-    base = peft_model.get_base_model()
-    layers: dict[str, Any] = {}
-    unsupported = []
-    for name, module in base.named_modules():
+def lora_layers(peft_model: Any, adapter: str) -> dict[str, tuple[Any, str]]:
+    """Every LoRA layer of `adapter`, by qualified name relative to the base model, with why it cannot
+    be merged ("" when it can: a Linear layer whose delta is `B @ A`; not DoRA, embeddings,
+    convolutions; and, in a live model, not a quantised base whose data is packed integers)."""
+    layers: dict[str, tuple[Any, str]] = {}
+    for name, module in peft_model.get_base_model().named_modules():
         lora_a = getattr(module, "lora_A", None)
         if not isinstance(lora_a, nn.ModuleDict) or adapter not in lora_a:
             continue
-        dora = getattr(module, "use_dora", {}).get(adapter, False)
-        if type(module).__name__ not in _SUPPORTED_LAYERS or dora:
-            unsupported.append(f"{name} ({type(module).__name__}{', DoRA' if dora else ''})")
-        layers[name] = module
+        why = ""
+        kind = _peft_class_name(module)
+        if kind not in _SUPPORTED_LAYERS:
+            why = kind
+        elif getattr(module, "use_dora", {}).get(adapter, False):
+            why = "DoRA"
+        elif _is_quantised(getattr(getattr(module, "base_layer", None), "weight", None)):
+            why = "quantised base"
+        layers[name] = (module, why)
+    return layers
+
+
+def _peft_class_name(module: nn.Module) -> str:
+    """The PEFT layer class of `module` (fully_shard swaps a group's class for an `FSDP<name>` subclass)."""
+    return next((c.__name__ for c in type(module).__mro__ if c.__module__.startswith("peft.")), type(module).__name__)
+
+
+def check_mergeable(reasons: dict[str, str]) -> None:
+    """Raise ValueError naming the layers (name -> reason) that cannot be merged."""
+    unsupported = [f"{name} ({why})" for name, why in reasons.items() if why]
     if unsupported:
         raise ValueError(
-            f"Merging is implemented for LoRA Linear layers; {unsupported} are not. Save the adapter with "
-            "save_peft_adapter and merge it with PEFT's merge_and_unload on one process."
+            f"Merging is implemented for LoRA Linear layers on full-precision weights; {unsupported[:10]} are not. "
+            "Save the adapter (save_peft_adapter, or a checkpoint) and merge it into the full-precision pretrained "
+            "weights with export_peft(checkpoint, out, merged=True, base=...) or PEFT's merge_and_unload."
         )
-    return layers
+
+
+def _is_quantised(weight: Any) -> bool:
+    """A bitsandbytes 4-bit / 8-bit weight (its data is packed integers: a delta cannot be added)."""
+    return weight is not None and type(weight).__module__.startswith("bitsandbytes")
 
 
 def peft_description(model: nn.Module) -> str:
@@ -86,14 +107,12 @@ def peft_description(model: nn.Module) -> str:
     adapters = {name: _jsonable(config.to_dict()) for name, config in peft_model.peft_config.items()}
     layers: dict[str, dict] = {}
     for adapter in adapters:
-        try:
-            found = lora_layers(peft_model, adapter)
-        except ValueError:
-            found = {}  # not mergeable offline; the adapter export still works
-        for name, layer in found.items():
+        for name, (layer, why) in lora_layers(peft_model, adapter).items():
             layers.setdefault(adapter, {})[name] = {
                 "scaling": float(layer.scaling[adapter]),
                 "fan_in_fan_out": bool(getattr(layer, "fan_in_fan_out", False)),
+                # A quantised base merges offline into the pretrained weights (`export_peft(base=...)`).
+                "unmergeable": "" if why == "quantised base" else why,
             }
     return json.dumps({"prefix": prefix, "adapters": adapters, "layers": layers}, sort_keys=True)
 
@@ -182,7 +201,9 @@ def save_merged(
     Face safetensors (index past `max_shard_size`) plus `config.json`; rank 0 writes. Each weight
     keeps its dtype (the sum is taken in fp32). Returns `out_dir`."""
     _, peft_model = find_peft_model(model)
-    layers = lora_layers(peft_model, adapter_name)
+    found = lora_layers(peft_model, adapter_name)
+    check_mergeable({name: why for name, (_, why) in found.items()})
+    layers = {name: layer for name, (layer, _) in found.items()}
     base = peft_model.get_base_model()
     state = base.state_dict()
     names = {k: merged_name(k, adapter_name) for k in state}

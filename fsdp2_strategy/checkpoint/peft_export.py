@@ -25,6 +25,7 @@ from .peft import (
     PEFT_ENTRY,
     ShardWriter,
     adapter_name_in,
+    check_mergeable,
     lora_delta,
     merged_name,
     peft_format_name,
@@ -104,6 +105,7 @@ def _export_merged(ckpt, metadata, saved, info, adapter, base: Path | None, out:
         if target is not None:
             sources[target] = ("ckpt", key)
     layers = info["layers"].get(adapter, {})
+    check_mergeable({name: layer.get("unmergeable", "") for name, layer in layers.items()})
     missing = [f"{layer}.weight" for layer in layers if f"{layer}.weight" not in sources]
     if missing:
         raise ValueError(f"Base weights of LoRA layers not found in the checkpoint or base folder: {missing[:10]}.")
