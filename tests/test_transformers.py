@@ -25,8 +25,11 @@ from _harness import assert_no_flow_failed, free_port  # noqa: E402
 from fsdp2_strategy.integrations.transformers import (  # noqa: E402
     FSDP2Trainer,
     FSDP2TrainerMixin,
+    committed_checkpoints,
     fsdp2_trainer,
+    latest_checkpoint,
 )
+from fsdp2_strategy.integrations.transformers.checkpoint import rotate  # noqa: E402
 from fsdp2_strategy.integrations.transformers.trainer import _refuse_other_engines  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "transformers_scripts"
@@ -213,3 +216,30 @@ def test_other_engines_refused_by_name(name, value, words):
     fields = dict.fromkeys(("deepspeed", "fsdp", "save_only_model", "auto_find_batch_size"))
     with pytest.raises(ValueError, match=rf"{name}: .*{words}".replace("(", r"\(").replace(")", r"\)")):
         _refuse_other_engines(SimpleNamespace(**{**fields, name: value}))
+
+
+def test_fsdp_plugin_must_be_an_fsdp2_plugin():
+    with pytest.raises(TypeError, match="fsdp_plugin must be an FSDP2Plugin"):
+        FSDP2Trainer(fsdp_plugin=object())
+
+
+def _checkpoint_dirs(root: Path, committed: list[int], partial: list[int]) -> None:
+    for step in committed + partial:
+        (root / f"checkpoint-{step}").mkdir(parents=True)
+    for step in committed:
+        (root / f"checkpoint-{step}" / ".metadata").write_bytes(b"")
+
+
+def test_rotation_counts_only_committed_and_keeps_newest_and_best(tmp_path):
+    _checkpoint_dirs(tmp_path, committed=[2, 4, 6, 8], partial=[10])
+    removed = rotate(tmp_path, 2, best=str(tmp_path / "checkpoint-4"))
+    assert [p.name for p in removed] == ["checkpoint-2", "checkpoint-6"]
+    assert sorted(committed_checkpoints(tmp_path)) == [4, 8]
+    assert (tmp_path / "checkpoint-10").is_dir()  # not ours to judge: a partial save is left alone
+    assert Path(latest_checkpoint(tmp_path)).name == "checkpoint-8"
+
+
+def test_resume_true_without_a_committed_checkpoint_names_the_partial_ones(tmp_path):
+    _checkpoint_dirs(tmp_path, committed=[], partial=[3])
+    with pytest.raises(ValueError, match=r"No valid checkpoint found.*not committed: \['checkpoint-3'\]"):
+        latest_checkpoint(tmp_path)

@@ -107,7 +107,7 @@ class FSDP2TrainerMixin:
         if self.accelerator.fsdp_plugin.activation_checkpointing and args.activation_checkpointing:
             raise ValueError(
                 "The accelerate config's fsdp_activation_checkpointing and TrainingArguments(activation_checkpointing="
-                "True) are both set; keep one (the FSDP2 config's checkpoints each wrapped block)."
+                "True) are both set; keep one (fsdp_activation_checkpointing checkpoints each FSDP2-wrapped block)."
             )
         log_rank_zero(
             "FSDP2Trainer: %d process(es), global batch %d (per device %d x accumulation %d)",
