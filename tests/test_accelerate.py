@@ -490,3 +490,12 @@ def test_private_api_change_fails_loudly(monkeypatch):
     assert "Install accelerate>=" in str(info.value) and "tested with accelerate" in str(info.value)
     with pytest.raises(ImportError, match="_models"):
         compat.check_accelerator(object())
+
+
+def test_peft_state_holds_the_adapter_and_every_save_path_loads(flows):
+    r = flows["peft_lora"]
+    assert r["saved_model_keys"] and all("lora_" in k for k in r["saved_model_keys"]), r["saved_model_keys"]
+    assert r["fingerprint"]
+    assert r["reloaded_rel"] == 0.0  # load_state of the adapter-only directory
+    for key in ("peft_recipe_rel", "peft_save_model_rel", "merged_rel"):  # Accelerate's recipe; save_model; merged
+        assert r[key] < TOL, (key, r[key])

@@ -12,7 +12,7 @@ from . import directory
 from .checkpointer import Checkpointer, load_step_dir, step_dir_name
 from .export import export_full, inspect_checkpoint, read_full_model_state, write_model_view
 from .full_weights import load_full_weights
-from .peft import save_merged, save_peft_adapter
+from .peft import peft_models, save_merged, save_peft_adapter
 from .peft_export import export_peft
 from .state import (
     Models,
@@ -40,6 +40,7 @@ __all__ = [
     "model_state",
     "optimizer_state_dict",
     "owning_models",
+    "peft_models",
     "read_full_model_state",
     "save_merged",
     "save_peft_adapter",

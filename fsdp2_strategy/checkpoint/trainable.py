@@ -58,14 +58,15 @@ def saves_trainable_only(model: nn.Module, trainable_only: Any) -> bool:
 
 
 def frozen_names(model: nn.Module) -> list[str]:
-    """Names of the frozen parameters a fingerprint covers (quantised ones included: they are the base too)."""
-    return [n for n, p in model.named_parameters() if not p.requires_grad]
+    """Names of the frozen parameters a fingerprint covers (quantised ones included: they are the base
+    too), tied ones under each of their names (a tied head is a state-dict key of its own)."""
+    return [n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad]
 
 
 def frozen_fingerprint(model: nn.Module) -> dict[str, list]:
     """Collective: `{name: [shape, sum, sum of squares]}` of every frozen parameter (see module doc)."""
     names = frozen_names(model)
-    params = dict(model.named_parameters())
+    params = dict(model.named_parameters(remove_duplicate=False))
     stats = torch.zeros(len(names), 2, dtype=torch.float64)
     for i, name in enumerate(names):
         local, copies = _local_values(params[name])

@@ -252,8 +252,13 @@ def _guard_save_pretrained(model: nn.Module) -> None:
             continue
 
         def guarded(*args: Any, _original: Any = original, _cls: str = type(module).__name__, **kwargs: Any) -> Any:
-            if kwargs.get("state_dict") is None:
+            state_dict = kwargs.get("state_dict")
+            if state_dict is None:
                 raise RuntimeError(_SAVE_PRETRAINED_ERROR.format(cls=_cls))
+            if not state_dict and kwargs.get("is_main_process") is False:
+                # Accelerate's recipe passes `get_state_dict(model)`, gathered on rank 0 only: the
+                # other ranks have nothing to write (PEFT would raise KeyError on the empty dict).
+                return None
             return _original(*args, **kwargs)
 
         guarded._f2_guarded = True  # type: ignore[attr-defined]

@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 import fsdp2_strategy as f2
+from fsdp2_strategy.checkpoint import peft_models
 from fsdp2_strategy.distributed import log_rank_zero
 from fsdp2_strategy.shard import shard_with_rank0_weights
 from fsdp2_strategy.train import parameters_by_name, rebind_optimizer
@@ -289,7 +290,12 @@ class FSDP2Accelerator(Accelerator):
     ) -> None:
         """Accelerate's `save_model` (safetensors, sharded with an index past `max_shard_size`) on the
         gathered weights; for a Hugging Face model also its `config.json`, so that
-        `from_pretrained(save_directory)` loads it. Collective."""
+        `from_pretrained(save_directory)` loads it. A PEFT model's adapter is written in PEFT's
+        format instead (`PeftModel.from_pretrained(base, save_directory)`; its full weights with
+        PEFT's names would load nowhere): `f2.save_merged` gives merged weights. Collective."""
+        if peft_models(model):
+            f2.save_peft_adapter(model, save_directory)
+            return
         super().save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
         config = getattr(model, "config", None)
         if self.is_main_process and callable(getattr(config, "save_pretrained", None)):

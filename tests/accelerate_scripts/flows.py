@@ -529,6 +529,61 @@ def hf_export(out: dict, work: Path) -> None:
         out["state_diff"] = max((state[k] - got[k]).abs().max().item() for k in got)
 
 
+def peft_lora(out: dict, work: Path) -> None:
+    """LoRA (PEFT) on a GPT-2 (Conv1D: fan-in-fan-out; the head tied to the frozen embedding):
+    save_state holds the adapter only, and
+    Accelerate's documented adapter recipe, save_model and f2.save_merged write files that PEFT and
+    transformers load with the live model's logits."""
+    import peft
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def base() -> GPT2LMHeadModel:
+        torch.manual_seed(10)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4))
+
+    torch.manual_seed(11)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights="gaussian"
+    )
+    model = peft.get_peft_model(base(), config)
+    acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(wrap_policy="auto"), mixed_precision="no")
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    model, opt = acc.prepare(model, opt)
+    _, x, _ = rank_batch()
+    for _ in range(2):
+        acc.backward(model(input_ids=x, labels=x).loss)
+        opt.step()
+        opt.zero_grad()
+    state_dir = Path(acc.save_state(work / "peft_state"))
+    names = f2.inspect_checkpoint(state_dir)
+    out["saved_model_keys"] = sorted(k for k in names.tensors if k.startswith("model."))
+    out["fingerprint"] = "frozen_base.model" in names.other_keys
+    # Accelerate's documented recipe for PEFT models under FSDP.
+    acc.unwrap_model(model).save_pretrained(
+        work / "peft_recipe",
+        is_main_process=acc.is_main_process,
+        save_function=acc.save,
+        state_dict=acc.get_state_dict(model),
+    )
+    acc.save_model(model, work / "peft_save_model")
+    f2.save_merged(model, work / "peft_merged")
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=x).logits
+        for p in model.parameters():
+            if p.requires_grad:
+                p.zero_()
+        acc.load_state(state_dir)  # the adapter back; the frozen base checked by its fingerprint
+        out["reloaded_rel"] = max_rel_diff({"l": model(input_ids=x).logits}, {"l": logits})
+    if dist.get_rank() == 0:
+        with torch.no_grad():
+            for name in ("peft_recipe", "peft_save_model"):
+                loaded = peft.PeftModel.from_pretrained(base(), work / name).eval()
+                out[f"{name}_rel"] = max_rel_diff({"l": loaded(input_ids=x).logits}, {"l": logits})
+            merged = GPT2LMHeadModel.from_pretrained(work / "peft_merged").eval()
+            out["merged_rel"] = max_rel_diff({"l": merged(input_ids=x).logits}, {"l": logits})
+
+
 def rank0_loading(out: dict, work: Path) -> None:
     """cpu_ram_efficient_loading: real weights on rank 0, the meta device elsewhere (runs last: the
     plugin exports FSDP_CPU_RAM_EFFICIENT_LOADING=true for transformers, as Accelerate's does)."""
@@ -644,6 +699,7 @@ FLOWS = [
     evaluation,
     checkpoints,
     hf_export,
+    peft_lora,
     rank0_loading,
     accumulation_modes,
     auto_strategy,
