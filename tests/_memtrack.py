@@ -3,7 +3,8 @@
 `measure_peak` runs inside a spawned rank: it shards a fresh model, takes one warm-up step (so the
 optimizer state exists, as in every later step), then measures one more optimizer step with
 torch's `MemTracker` (live tensor bytes, counting FSDP2's storage resizes). The models cover
-tied weights (TinyGPT), buffers and BatchNorm (ConvNet) and a Hugging Face encoder (MiniLM).
+tied weights (TinyGPT), buffers and BatchNorm (ConvNet), a Hugging Face encoder (MiniLM) and the
+same with LoRA (frozen base).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from _models import TinyGPT, make_batch
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.estimate.sim_optimizer import optimizer_factory
@@ -121,6 +123,16 @@ def train_step(model, opt, batch, loss_fn, micro_batches: int, accumulation: str
     opt.zero_grad(set_to_none=True)
 
 
+class FrozenAwareTracker(MemTracker):
+    """torch's MemTracker registers a gradient hook on every parameter, which a frozen one refuses (a
+    LoRA base): no hooks for modules holding frozen parameters. The hooks only label gradient storages,
+    which the dispatch mode counts anyway, so the totals measured here are unchanged."""
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        frozen = any(not p.requires_grad for p in module.parameters())
+        return super()._track_module_params_and_buffers(module, install_grad_hooks and not frozen)
+
+
 def measure_peak(
     model_name: str,
     config: dict,
@@ -130,14 +142,13 @@ def measure_peak(
     batch_size: int = 8,
 ) -> int:
     """Peak live tensor bytes of this rank during one steady-state optimizer step."""
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     make_model, make_batch_, loss_fn = MODELS[model_name]
     model = f2.shard_model(make_model(), {**config, "log_plan": False})
     opt = optimizer_factory(optimizer)(list(model.parameters()))
     batch = make_batch_(batch_size)
     train_step(model, opt, batch, loss_fn, micro_batches, accumulation)  # warm-up: optimizer state exists
-    tracker = MemTracker()
+    tracker = FrozenAwareTracker()
     tracker.track_external(model, opt)
     with tracker:
         train_step(model, opt, batch, loss_fn, micro_batches, accumulation, tracker)

@@ -51,6 +51,8 @@ def test_wheel_contains_core_and_integrations(tmp_path):
     assert (
         "fsdp2_strategy/integrations/fabric/strategy.py" in names
         and "fsdp2_strategy/integrations/_lightning_shared/config.py" in names
+        and "fsdp2_strategy/integrations/transformers/trainer.py" in names
+        and "fsdp2_strategy/checkpoint/peft.py" in names
     )
     assert not any(n.startswith("integrations/") for n in names)
     # The wheel imports on its own (unpacked beside nothing else of the repo).
