@@ -105,6 +105,8 @@ def test_two_processes_train_like_one(sharded):
 def test_evaluate_sees_every_sample_once(sharded):
     r = sharded["parity"]
     assert abs(r["eval_before_train"] - r["ref_eval_before_train"]) <= TOL * r["ref_eval_before_train"]
+    # Saving after evaluate() prepared the model first (the Trainer's free_memory() forgets it).
+    assert r["checkpoints"] == ["checkpoint-3"], r["checkpoints"]
     assert r["seen"] == list(range(11))  # 11 samples over 2 ranks x 3: the padded duplicate is dropped
     assert abs(r["eval"]["eval_ce"] - r["ref_eval"]["ce"]) <= TOL * r["ref_eval"]["ce"]
     assert r["eval"]["eval_acc"] == pytest.approx(r["ref_eval"]["acc"], abs=1e-7)

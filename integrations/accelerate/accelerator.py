@@ -189,10 +189,16 @@ class FSDP2Accelerator(Accelerator):
         result = list(args)
         snapshots = []
         for i, obj in enumerate(args):
-            if isinstance(obj, nn.Module) and not getattr(obj, "_is_accelerate_prepared", False):
-                before = parameters_by_name(obj)
-                result[i] = self.prepare_model(obj, device_placement=placements[i])
-                snapshots.append((before, result[i]))
+            if not isinstance(obj, nn.Module):
+                continue
+            if getattr(obj, "_is_accelerate_prepared", False):
+                # Sharded already (by evaluate(), say): registered again, since `free_memory()`
+                # (which the Trainer calls before training) forgets it and save_state would miss it.
+                result[i] = self.prepare_model(obj)
+                continue
+            before = parameters_by_name(obj)
+            result[i] = self.prepare_model(obj, device_placement=placements[i])
+            snapshots.append((before, result[i]))
         optimizers = [
             o for o in args if isinstance(o, torch.optim.Optimizer) and not isinstance(o, AcceleratedOptimizer)
         ]

@@ -63,6 +63,8 @@ def parity(entry: dict, work: Path) -> None:
             max_grad_norm=CLIP,
             train_sampling_strategy="sequential",
             include_for_metrics=["inputs"],
+            save_strategy="steps",  # a checkpoint after evaluate() sharded the model and train() freed the registry
+            save_steps=STEPS,
         ),
         train_dataset=train,
         eval_dataset=evals,
@@ -75,6 +77,7 @@ def parity(entry: dict, work: Path) -> None:
     with torch.no_grad():
         entry["ref_eval_before_train"] = F.cross_entropy(initial(input_ids=evals.x).logits, evals.y).item()
     trainer.train()
+    entry["checkpoints"] = sorted(p.name for p in (work / "parity").iterdir() if p.name.startswith("checkpoint-"))
     got = full_params(trainer.model)
     want, norms, ref_model = reference_sgd(initial, train, STEPS, GLOBAL_BATCH, 0.1, CLIP)
     start = {n: p.detach() for n, p in initial.named_parameters()}
