@@ -275,3 +275,10 @@ def test_hybrid_sharding_with_tensor_parallel_is_refused_by_name():
         r"tensor_parallel_size=2\) is not supported.*FULL_SHARD",
     ):
         strategy.setup_environment()
+
+
+def test_trainable_only_checkpoints_resume_exactly_and_refuse_another_base(flows):
+    r = flows["trainable_only"]
+    assert r["saved_model_keys"] == ["model.out.bias", "model.out.weight"], r["saved_model_keys"]
+    assert r["resume_diff"] < 1e-6, r["resume_diff"]
+    assert "another frozen base" in r["other_base_error"] and "inp.weight" in r["other_base_error"]

@@ -39,7 +39,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 import fsdp2_strategy as f2
-from fsdp2_strategy.integrations.fabric import FSDP2FabricMixedPrecision
+from fsdp2_strategy.integrations.fabric import FSDP2FabricMixedPrecision, FSDP2FabricStrategy
 
 BATCHES = [slice(0, 8), slice(8, 16)]  # two global batches of 8 (4 per rank)
 
@@ -302,7 +302,43 @@ def checkpoints(out: dict, work: Path) -> None:
     out["load_raw_diff"] = max_rel_diff(full_params(raw4), params(source))
 
 
-FLOWS = [parity, accumulation, clipping, precision, meta_init, checkpoints]
+def _half_frozen(base_seed: int, head_seed: int) -> MLP:
+    """MLP whose input layer and blocks are frozen (from `base_seed`); only `out` trains (from `head_seed`)."""
+    model, _ = fresh(base_seed)
+    torch.manual_seed(head_seed)
+    model.out.reset_parameters()
+    for name, p in model.named_parameters():
+        p.requires_grad = name.startswith("out.")
+    return model
+
+
+def trainable_only(out: dict, work: Path) -> None:
+    """FSDP2FabricStrategy(checkpoint_trainable_only=True) on a model with frozen layers (no PEFT):
+    fabric.save stores the trainable part and the base's fingerprint; load continues exactly on the
+    same base and refuses another."""
+    fabric = Fabric(strategy=FSDP2FabricStrategy(checkpoint_trainable_only=True))
+    ck = work / "fabric_trainable"
+
+    def setup(raw):
+        return fabric.setup(raw, torch.optim.SGD([p for p in raw.parameters() if p.requires_grad], lr=LR, momentum=0.9))
+
+    raw = _half_frozen(11, 12)
+    model, optimizer = setup(raw)
+    _train(fabric, model, optimizer, batches=BATCHES[:1])
+    fabric.save(ck, {"model": model, "optimizer": optimizer})
+    _train(fabric, model, optimizer, batches=BATCHES[1:])
+    raw2 = _half_frozen(11, 13)  # the same base, another head: the head comes from the checkpoint
+    model2, optimizer2 = setup(raw2)
+    fabric.load(ck, {"model": model2, "optimizer": optimizer2})
+    _train(fabric, model2, optimizer2, batches=BATCHES[1:])
+    out["resume_diff"] = max_rel_diff(full_params(raw2), full_params(raw))
+    names = f2.inspect_checkpoint(ck)
+    out["saved_model_keys"] = sorted(k for k in names.tensors if k.startswith("model."))
+    other = _half_frozen(14, 12)
+    out["other_base_error"] = _expect_error(lambda: fabric.load(ck, {"model": setup(other)[0]}))
+
+
+FLOWS = [parity, accumulation, clipping, precision, meta_init, checkpoints, trainable_only]
 
 
 def main(out_path: str, work: str, *names: str) -> None:
