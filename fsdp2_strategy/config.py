@@ -29,6 +29,7 @@ from .config_checks import (
     _check_wrap_policy,
     _strategy_name,
     check_choice,
+    check_trainable_only,
     parse_bytes,
 )
 from .precision import dtype_from_name
@@ -241,11 +242,7 @@ class FSDP2Config:
         check_choice(self.collectives, COLLECTIVES, "FSDP2Config.collectives")
         check_choice(self.host_allocator, HOST_ALLOCATORS, "FSDP2Config.host_allocator")
         self._validate_tensor_parallel()
-        if not (self.checkpoint_trainable_only == "auto" or isinstance(self.checkpoint_trainable_only, bool)):
-            raise ValueError(
-                f"FSDP2Config.checkpoint_trainable_only={self.checkpoint_trainable_only!r} is invalid; use 'auto' "
-                "(trainable-only for PEFT models), True or False."
-            )
+        check_trainable_only(self.checkpoint_trainable_only, "FSDP2Config.checkpoint_trainable_only")
 
     def _validate_tensor_parallel(self) -> None:
         size = self.tensor_parallel_size

@@ -127,3 +127,9 @@ def check_choice(value: Any, choices: tuple, name: str) -> None:
 def _check_nonneg_int(value: Any, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}={value!r} is invalid; use an int >= 0 (how many blocks ahead; 0 disables).")
+
+
+def check_trainable_only(value: Any, field: str) -> None:
+    """Raise ValueError naming `field` unless `value` is "auto", True or False (trainable-only checkpoints)."""
+    if not (value == "auto" or isinstance(value, bool)):
+        raise ValueError(f"{field}={value!r} is invalid; use 'auto' (trainable-only for PEFT models), True or False.")

@@ -37,6 +37,8 @@ from fsdp2_strategy.wrap_policy import auto_block_classes, select_wrapped
         (dict(module_overrides=["blocks"]), "module_overrides"),
         (dict(collectives="mpi"), "collectives"),
         (dict(host_allocator="jemalloc"), "host_allocator"),
+        (dict(frozen_dtype="int4"), "frozen_dtype.*'auto'"),
+        (dict(checkpoint_trainable_only="yes"), "checkpoint_trainable_only"),
     ],
 )
 def test_invalid_field_names_the_field(kwargs, field):
@@ -135,3 +137,9 @@ def test_auto_uses_hf_no_split_modules():
             self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
 
     assert auto_block_classes(HFLike()) == (Inner,)
+
+
+def test_checkpointer_trainable_only_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="Checkpointer trainable_only=3 is invalid; use 'auto'"):
+        f2.Checkpointer(tmp_path, trainable_only=3)
+    assert f2.FSDP2Config(frozen_dtype="bf16").frozen_dtype == "bf16" and f2.FSDP2Config(frozen_dtype=None)

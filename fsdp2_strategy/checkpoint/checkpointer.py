@@ -29,11 +29,11 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from ..config_checks import check_trainable_only
 from ..distributed import barrier, is_distributed, log_rank_zero, logger, rank
 from . import directory as cdir
 from .directory import TMP_PREFIX
 from .state import Models, Optimizers, sharded_state
-from .trainable import check_trainable_only
 
 EXTRA_FILE = "extra.pt"
 MODEL_KEY, OPTIM_KEY = "model", "optim"  # top-level keys; DCP flattens them to "model.<name>"

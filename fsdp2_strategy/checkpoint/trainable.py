@@ -30,7 +30,6 @@ from ..shard import quantised_param_names
 
 FROZEN_BASE = "frozen_base"
 """Top-level checkpoint key prefix of the fingerprints: `frozen_base.<model key>` (JSON text)."""
-TRAINABLE_ONLY_CHOICES = ("auto", True, False)
 _REL_TOL = 1e-9
 
 
@@ -42,12 +41,6 @@ def fingerprint_key(model_key: str) -> str:
 def is_peft_model(model: nn.Module) -> bool:
     """Whether `model` contains PEFT (Hugging Face `peft`) layers: its classes come from `peft.`."""
     return any(c.__module__.startswith("peft.") for m in model.modules() for c in type(m).__mro__[:2])
-
-
-def check_trainable_only(value: Any, field: str) -> None:
-    """Raise ValueError naming `field` unless `value` is "auto", True or False."""
-    if not (value == "auto" or isinstance(value, bool)):
-        raise ValueError(f"{field}={value!r} is invalid; use 'auto' (trainable-only for PEFT models), True or False.")
 
 
 def saves_trainable_only(model: nn.Module, trainable_only: Any) -> bool:
