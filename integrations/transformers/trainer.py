@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import sys
 from typing import Any, TypeVar
 
 import torch
@@ -13,6 +12,7 @@ import transformers
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
 import fsdp2_strategy as f2
+from fsdp2_strategy.checkpoint import peft_models
 from fsdp2_strategy.distributed import log_rank_zero
 
 from ..accelerate import FSDP2Accelerator, FSDP2Plugin
@@ -32,11 +32,6 @@ _ENGINE_ARGS = {
     "auto_find_batch_size": "a sharded model is not re-sharded for a new batch size; set the batch size and drop "
     "auto_find_batch_size",
 }
-
-
-def _is_peft_model(model: Any) -> bool:
-    peft = sys.modules.get("peft")  # a PeftModel exists only if peft was imported: no import here
-    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def _refuse_other_engines(args: Any) -> None:
@@ -177,7 +172,7 @@ class FSDP2TrainerMixin:
         Collective: call it on every rank (the Trainer does). Full weights are gathered to rank 0 one
         tensor at a time; a PEFT model writes only its adapter (`adapter_model.safetensors`)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if _is_peft_model(self.model):
+        if peft_models(self.model):
             f2.save_peft_adapter(self.model, output_dir)
             if self.args.should_save:
                 self._save_side_files(output_dir)
