@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..config_checks import check_trainable_only
 from ..distributed import barrier, is_distributed, log_rank_zero, logger, rank
@@ -36,6 +37,8 @@ from .directory import TMP_PREFIX
 from .state import Models, Optimizers, sharded_state
 
 EXTRA_FILE = "extra.pt"
+ASYNC_MODES = (False, True, "overlap")
+"""Accepted values of `Checkpointer(async_save=...)`."""
 MODEL_KEY, OPTIM_KEY = "model", "optim"  # top-level keys; DCP flattens them to "model.<name>"
 
 
@@ -51,9 +54,14 @@ class Checkpointer:
         root: folder holding `step-N/` directories (created on the first save).
         keep_last: after each committed save keep only the newest `keep_last` steps
             (None keeps all). Stale `.tmp-*` directories from crashed saves are removed then too.
-        async_save: write in a background thread (`dcp.async_save`); `save()` returns once the
-            state is copied to CPU memory, and the step is committed by `wait()` or by the
-            next `save()`/`load()`.
+        async_save: False (write before `save()` returns), True (write in a background thread,
+            `dcp.async_save`; `save()` returns once the state is copied to CPU memory), or
+            "overlap" (`save()` returns at once: the copy itself runs in a background thread while
+            the next micro-batches run forward and backward, and the next `optimizer.step()` of any
+            optimizer waits until it is done; buffers, which a forward may change, are copied before
+            `save()` returns). Asynchronous steps are committed by `wait()` or the next
+            `save()`/`load()`. In "overlap" mode change no parameter or optimizer state in place
+            outside `optimizer.step()` until `wait_staged()` (an EMA update written by hand, say).
         trainable_only: store only what training changes: parameters that require gradients,
             buffers and the optimizer state, with a fingerprint of the frozen parameters that
             `load()` checks (another base is refused by name). "auto" (default): for PEFT models
@@ -68,10 +76,14 @@ class Checkpointer:
         root: str | os.PathLike,
         *,
         keep_last: int | None = None,
-        async_save: bool = False,
+        async_save: bool | str = False,
         trainable_only: bool | str = "auto",
     ):
         check_trainable_only(trainable_only, "Checkpointer trainable_only")
+        if async_save not in ASYNC_MODES or not isinstance(async_save, (bool, str)):
+            raise ValueError(
+                f"Checkpointer async_save={async_save!r} is invalid; use False, True or 'overlap' (see the docstring)."
+            )
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"Checkpointer keep_last must be None or an int >= 1, got {keep_last!r}.")
         self.root = Path(root)
@@ -79,8 +91,10 @@ class Checkpointer:
         self.async_save = async_save
         self.trainable_only = trainable_only
         self._pending: tuple[int, Future] | None = None
+        self._staging: Future | None = None  # "overlap": the copy in flight
+        self._step_hook: Any = None
         self._async_group: dist.ProcessGroup | None = None
-        self._stager = None
+        self._stager: DefaultStager | None = None
 
     # ------------------------------------------------------------------ queries
     def latest_step(self) -> int | None:
@@ -119,14 +133,30 @@ class Checkpointer:
             *_named(model, optimizer), trainable_only=self.trainable_only
         )  # validates the arguments before touching the disk
         tmp = cdir.prepare_tmp(final, {EXTRA_FILE: extra} if extra is not None else None)
+        if self.async_save == "overlap":
+            _copy_buffers(state.get(MODEL_KEY, {}), model)
         if self.async_save:
             self._pending = (step, self._start_async(state, tmp))
             return
         cdir.write_dcp(state, tmp, self._storage_writer(tmp))
         self._commit(step)
 
+    def wait_staged(self) -> None:
+        """Wait until an "overlap" save's copy of the state exists (then parameters may change).
+        The next `optimizer.step()` calls it; not collective."""
+        staging, self._staging = self._staging, None
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        if staging is not None:
+            staging.result()  # an error surfaces again, with the step, from wait()
+
     def wait(self) -> None:
         """Wait for an asynchronous save to finish writing, then commit it (collective)."""
+        try:
+            self.wait_staged()
+        except Exception:  # reported below by the upload future, which depends on the copy
+            pass
         if self._pending is None:
             return
         step, future = self._pending
@@ -189,7 +219,7 @@ class Checkpointer:
             # interleave with the training step's all-gathers and deadlock or mix data.
             self._async_group = dist.new_group(backend="gloo")
         if self._stager is None:
-            self._stager = _make_stager()
+            self._stager = self._make_stager()
         try:
             response = dcp.async_save(
                 state,
@@ -200,8 +230,28 @@ class Checkpointer:
             )
         except CheckpointException as exc:
             raise RuntimeError(f"DCP async save into {tmp} failed: {exc}") from exc
-        # A Future, or AsyncSaveResponse when staging itself is asynchronous.
+        # A Future, or AsyncSaveResponse when staging itself is asynchronous ("overlap").
+        staging = getattr(response, "staging_completion", None)
+        if staging is not None and not staging.done():
+            self._staging = staging
+            # Parameters and optimizer state change in the next optimizer step, of whichever
+            # optimizer (the adapters' and the user's alike): it waits for the copy.
+            self._step_hook = register_optimizer_step_pre_hook(lambda *_: self.wait_staged())
         return cast(Future, getattr(response, "upload_completion", response))
+
+    def _make_stager(self) -> DefaultStager:
+        """DCP's stager: a copy to CPU memory, made before `save()` returns (True) or in a background
+        thread ("overlap"); pinned memory and non-blocking copies only with an accelerator (on a
+        CPU-only machine they fail). A hook: tests slow the copy down."""
+        accel = torch.accelerator.is_available()
+        return DefaultStager(
+            StagingOptions(
+                use_pinned_memory=accel,
+                use_shared_memory=False,
+                use_async_staging=self.async_save == "overlap",
+                use_non_blocking_copy=accel,
+            )
+        )
 
     def _commit(self, step: int) -> None:
         """Publish `.tmp-step-N` as `step-N` once every rank's shards and `.metadata` are written."""
@@ -272,14 +322,11 @@ def _read_extra(path: Path) -> Any:
     return torch.load(file, map_location="cpu", weights_only=False)
 
 
-def _make_stager():
-    """A DCP stager that copies to CPU synchronously; pinned memory and non-blocking copies
-    only with an accelerator (on a CPU-only machine they fail)."""
-    accel = torch.accelerator.is_available()
-    # Synchronous staging: `save()` returns once the copy exists, so the caller may modify
-    # parameters (next optimizer step) at once while the background thread writes the copy.
-    return DefaultStager(
-        StagingOptions(
-            use_pinned_memory=accel, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=accel
-        )
-    )
+def _copy_buffers(state: dict[str, Any], model: nn.Module | None) -> None:
+    """Replace the model's buffers in its state by copies: a forward (BatchNorm's running statistics)
+    may change them while an "overlap" save copies the rest in the background."""
+    if model is None:
+        return
+    for name, _ in model.named_buffers():
+        if isinstance(state.get(name), torch.Tensor):
+            state[name] = state[name].detach().clone()
