@@ -132,15 +132,7 @@ def run(args: argparse.Namespace, train_set: TensorDataset, test_set: TensorData
         torch.tensor([measure.state_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024])
     )
     return {
-        "trainer": "lightning",
-        "mode": "full" if args.full else "lora",
-        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "accuracy_before": round(before, 3),
-        "accuracy_after": round(after, 3),
-        "state_MiB_per_rank": [round(int(b) / 2**20, 2) for b in per_rank[:, 0]],
-        "peak_rss_MiB_per_rank": [round(int(b) / 2**20) for b in per_rank[:, 1]],
-        "checkpoint_MiB": round(sum(f.stat().st_size for f in last.rglob("*") if f.is_file()) / 2**20, 3),
-        "median_step_s": round(statistics.median(measure.times[2:] or measure.times), 3),
+        **summary("lightning", args, model, (before, after), per_rank, last, measure.times),
         "last": str(last),
         "rank": trainer.global_rank,
     }
@@ -204,15 +196,7 @@ def run_hf(args: argparse.Namespace, train_set: TensorDataset, test_set: TensorD
     per_rank = trainer.accelerator.gather(torch.tensor([[params + state, rss]]))
     last = max(out_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     return {
-        "trainer": "hf",
-        "mode": "full" if args.full else "lora",
-        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "accuracy_before": round(before, 3),
-        "accuracy_after": round(after, 3),
-        "state_MiB_per_rank": [round(int(b) / 2**20, 2) for b in per_rank[:, 0]],
-        "peak_rss_MiB_per_rank": [round(int(b) / 2**20) for b in per_rank[:, 1]],
-        "checkpoint_MiB": round(sum(f.stat().st_size for f in last.rglob("*") if f.is_file()) / 2**20, 3),
-        "median_step_s": round(statistics.median(timer.times[2:] or timer.times), 3),
+        **summary("hf", args, model, (before, after), per_rank, last, timer.times),
         "saved": str(out_dir / "saved"),
         "rank": trainer.accelerator.process_index,
     }
@@ -230,6 +214,21 @@ class _as_dicts(torch.utils.data.Dataset):  # noqa: N801  (a thin view, named fo
     def __getitem__(self, i: int) -> dict:
         ids, mask, label = self.data[i]
         return {"input_ids": ids, "attention_mask": mask, "labels": label}
+
+
+def summary(trainer: str, args, model, accuracy: tuple, per_rank: torch.Tensor, last: Path, times: list) -> dict:
+    """The measured row: per_rank holds (training state bytes, peak RSS bytes) of each rank."""
+    return {
+        "trainer": trainer,
+        "mode": "full" if args.full else "lora",
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "accuracy_before": round(accuracy[0], 3),
+        "accuracy_after": round(accuracy[1], 3),
+        "state_MiB_per_rank": [round(int(b) / 2**20, 2) for b in per_rank[:, 0]],
+        "peak_rss_MiB_per_rank": [round(int(b) / 2**20) for b in per_rank[:, 1]],
+        "checkpoint_MiB": round(sum(f.stat().st_size for f in last.rglob("*") if f.is_file()) / 2**20, 3),
+        "median_step_s": round(statistics.median(times[2:] or times), 3),
+    }
 
 
 def reload_adapter(result: dict, args: argparse.Namespace, test_set: TensorDataset) -> None:

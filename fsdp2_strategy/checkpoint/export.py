@@ -7,7 +7,6 @@ Runs in one process, without a process group: tensors are read from the DCP file
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pickle
 import re
@@ -26,6 +25,7 @@ from ..distributed import logger
 from ..precision import dtype_from_name
 from . import directory as cdir
 from . import integrity as integrity
+from .hf_files import ShardWriter
 
 # Where the model's tensors sit in a DCP checkpoint: `Checkpointer` ("model.") and
 # Lightning's sharded checkpoints ("state_dict."; also what our Lightning adapter writes).
@@ -143,19 +143,6 @@ def _nbytes(meta: Any, dtype: torch.dtype | None) -> int:
     return torch.Size(meta.size).numel() * torch.empty((), dtype=dt).element_size()
 
 
-def _batches(keys: dict[str, str], metadata: Metadata, max_bytes: float, dtype) -> list[list[str]]:
-    batches: list[list[str]] = [[]]
-    size = 0
-    for name, key in keys.items():
-        nbytes = _nbytes(metadata.state_dict_metadata[key], dtype)
-        if batches[-1] and size + nbytes > max_bytes:
-            batches.append([])
-            size = 0
-        batches[-1].append(name)
-        size += nbytes
-    return batches
-
-
 def _read(ckpt_dir: Path, metadata: Metadata, keys: dict[str, str], names: list[str], dtype) -> dict[str, torch.Tensor]:
     state = {}
     for name in names:
@@ -231,40 +218,32 @@ def export_full(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"export_full: out_dir {out} is a file; pass a folder (it is created if missing).")
-    limit = max_shard_size if format == "safetensors" else float("inf")
-    batches = _batches(keys, metadata, limit, target_dtype)
-    total: int = sum(_nbytes(metadata.state_dict_metadata[keys[n]], target_dtype) for n in keys)
+    sizes = {name: _nbytes(metadata.state_dict_metadata[key], target_dtype) for name, key in keys.items()}
+    total = sum(sizes.values())
     bar = _progress(total, f"export {ckpt_dir.name}")
     try:
         if format == "torch":
-            state = _read(ckpt_dir, metadata, keys, batches[0], target_dtype)
+            state = _read(ckpt_dir, metadata, keys, list(keys), target_dtype)
             bar.update(total)
             out.mkdir(parents=True, exist_ok=True)
             torch.save(state, out / "model.pt")
         else:
-            _write_safetensors(ckpt_dir, metadata, keys, batches, target_dtype, out, bar, total)
+            _write_safetensors(ckpt_dir, metadata, keys, ShardWriter(out, sizes, max_shard_size), target_dtype, bar)
     finally:
         bar.close()
     logger.info("Exported %d tensors from %s to %s", len(keys), ckpt_dir, out)
     return out
 
 
-def _write_safetensors(ckpt_dir, metadata, keys, batches, dtype, out: Path, bar, total: int) -> None:
-    from safetensors.torch import save_file  # optional ([hf]): torch-file exports do without it
-
-    weight_map = {}
-    for i, names in enumerate(batches, start=1):
-        fname = "model.safetensors" if len(batches) == 1 else f"model-{i:05d}-of-{len(batches):05d}.safetensors"
+def _write_safetensors(
+    ckpt_dir: Path, metadata: Metadata, keys: dict[str, str], writer: ShardWriter, dtype, bar
+) -> None:
+    for names in writer.files:  # one output file's tensors read at a time
         state = _read(ckpt_dir, metadata, keys, names, dtype)
-        out.mkdir(
-            parents=True, exist_ok=True
-        )  # after the first read: a checkpoint that cannot be read leaves no folder
-        save_file(state, str(out / fname), metadata={"format": "pt"})
+        for name in names:  # the folder is created by the first write: an unreadable checkpoint leaves none
+            writer.add(name, state[name])
         bar.update(sum(t.numel() * t.element_size() for t in state.values()))
-        weight_map.update(dict.fromkeys(names, fname))
-    if len(batches) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    writer.close()
 
 
 @dataclass
