@@ -276,3 +276,10 @@ def test_export_command(lora_world, tmp_path, capsys):
     assert "pass base= (--base)" in capsys.readouterr().err
     assert main(["export", str(tmp / "ckpt"), str(tmp_path / "m"), "--merged", "--base", str(tmp / "base")]) == 0
     assert (tmp_path / "m" / "model.safetensors").is_file() and (tmp_path / "m" / "config.json").is_file()
+
+
+def test_export_full_of_a_peft_checkpoint_points_to_export_peft(lora_world, tmp_path, caplog):
+    tmp, _ = lora_world
+    with caplog.at_level("WARNING"):
+        f2.export_full(tmp / "ckpt_full", tmp_path / "full")
+    assert "holds a PEFT model" in caplog.text and "export_peft" in caplog.text

@@ -26,6 +26,7 @@ from ..precision import dtype_from_name
 from . import directory as cdir
 from . import integrity as integrity
 from .hf_files import ShardWriter
+from .peft import PEFT_ENTRY
 
 # Where the model's tensors sit in a DCP checkpoint: `Checkpointer` ("model.") and
 # Lightning's sharded checkpoints ("state_dict."; also what our Lightning adapter writes).
@@ -215,6 +216,12 @@ def export_full(
     keys = model_tensor_keys(metadata)
     if not keys:
         raise ValueError(f"{ckpt_dir} holds no tensors to export.")
+    if any(k.startswith(PEFT_ENTRY + ".") for k in metadata.state_dict_metadata):
+        logger.warning(
+            "%s holds a PEFT model: its full weights under PEFT's names load in neither PeftModel nor AutoModel. "
+            "Use export_peft (fsdp2-strategy export) for the adapter or merged weights.",
+            ckpt_dir,
+        )
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"export_full: out_dir {out} is a file; pass a folder (it is created if missing).")
