@@ -29,10 +29,10 @@ from .config_checks import (
     _check_wrap_policy,
     _strategy_name,
     check_choice,
+    check_frozen_dtype,
     check_trainable_only,
     parse_bytes,
 )
-from .precision import dtype_from_name
 from .tensor_parallel import check_plan as _check_tensor_parallel_plan
 
 SHARDING_STRATEGIES = strategies.NAMES
@@ -226,7 +226,7 @@ class FSDP2Config:
         self._validate_mesh_shape()
         _check_wrap_policy(self.wrap_policy, "FSDP2Config.wrap_policy")
         _check_mixed_precision(self.mixed_precision, "FSDP2Config.mixed_precision")
-        self._validate_frozen_dtype()
+        check_frozen_dtype(self.frozen_dtype, "FSDP2Config.frozen_dtype")
         if not isinstance(self.cpu_offload, bool):
             raise ValueError(f"FSDP2Config.cpu_offload={self.cpu_offload!r} is invalid; use True or False.")
         _check_module_list(self.activation_checkpointing, "FSDP2Config.activation_checkpointing", allow_auto=True)
@@ -266,17 +266,6 @@ class FSDP2Config:
                     f"with tensor_parallel_size={size} every group shares one (data parallel x tensor parallel) mesh. "
                     "Drop those sharding_strategy overrides (reshard, precision and offload overrides are fine)."
                 )
-
-    def _validate_frozen_dtype(self) -> None:
-        if self.frozen_dtype == "auto":
-            return
-        try:
-            dtype_from_name(self.frozen_dtype, "FSDP2Config.frozen_dtype")
-        except ValueError:
-            raise ValueError(
-                f"FSDP2Config.frozen_dtype={self.frozen_dtype!r} is invalid; use 'auto' (the compute dtype), "
-                "None (keep), 'bf16', 'fp16', 'fp32' or a torch.dtype."
-            ) from None
 
     def _validate_mesh_shape(self) -> None:
         if self.mesh_shape is None:

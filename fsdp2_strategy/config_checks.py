@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from . import sharding_strategies as strategies
-from .precision import resolve_mixed_precision
+from .precision import dtype_from_name, resolve_mixed_precision
 
 PRECISION_NAMES = ("bf16", "fp16", "fp32")
 """Accepted strings for `FSDP2Config.mixed_precision`."""
@@ -133,3 +133,16 @@ def check_trainable_only(value: Any, field: str) -> None:
     """Raise ValueError naming `field` unless `value` is "auto", True or False (trainable-only checkpoints)."""
     if not (value == "auto" or isinstance(value, bool)):
         raise ValueError(f"{field}={value!r} is invalid; use 'auto' (trainable-only for PEFT models), True or False.")
+
+
+def check_frozen_dtype(value: Any, field: str) -> None:
+    """Raise ValueError naming `field` unless `value` is "auto", None or a dtype (`FSDP2Config.frozen_dtype`)."""
+    if value == "auto":
+        return
+    try:
+        dtype_from_name(value, field)
+    except ValueError:
+        raise ValueError(
+            f"{field}={value!r} is invalid; use 'auto' (the compute dtype), None (keep), 'bf16', 'fp16', 'fp32' "
+            "or a torch.dtype."
+        ) from None

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..groups import GroupSettings
@@ -22,15 +21,13 @@ from ..precision import frozen_storage_dtype
 
 def cast_frozen(
     model: nn.Module, specs: Iterable[tuple[str, GroupSettings, Any]], frozen_dtype: Any, skip: set
-) -> dict[str, torch.dtype]:
+) -> None:
     """Cast each frozen parameter of a group to `frozen_dtype` ("auto": the owning group's compute
-    dtype, if it has one) in place (ties kept: the same Parameter object changes); returns the
-    names cast and their new dtype. Parameters in `skip` (ignored, replicated, quantised) are left."""
+    dtype, if it has one) in place (ties kept: the same Parameter object changes). Parameters in
+    `skip` (ignored, replicated, quantised) are left."""
     if frozen_dtype is None:
-        return {}
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        return
     seen: set[int] = set()
-    cast: dict[str, torch.dtype] = {}
     for name, settings, _mesh in reversed(list(specs)):  # children first: a parameter's owner is its deepest group
         for p in model.get_submodule(name).parameters():
             if id(p) in seen or p in skip:
@@ -39,5 +36,3 @@ def cast_frozen(
             dtype = frozen_storage_dtype(frozen_dtype, settings.mp_policy.param_dtype, p)
             if not p.requires_grad and p.dtype != dtype:
                 p.data = p.data.to(dtype)
-                cast[names[id(p)]] = dtype
-    return cast
