@@ -17,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _coll
 
 from _collect import full_params, gather, write_json  # noqa: E402,F401
 
+import fsdp2_strategy as f2  # noqa: E402
+
 VOCAB, SEQ, LABELS = 100, 8, 3
 
 
@@ -148,3 +150,12 @@ def run_flows(flows: list, out_path: str, work: Path) -> None:
             dist.barrier()
         result[flow.__name__] = entry
     write_json(out_path, result)
+
+
+def main(flows: list) -> None:
+    """`python SCRIPT OUT.json WORKDIR [FLOW,FLOW...]` under accelerate launch: run the named flows (default: all)."""
+    out_path, work = sys.argv[1], Path(sys.argv[2])
+    by_name = {f.__name__: f for f in flows}
+    chosen = [by_name[n] for n in sys.argv[3].split(",")] if len(sys.argv) > 3 else flows
+    run_flows(chosen, out_path, work)
+    f2.shutdown()

@@ -8,7 +8,6 @@ Each flow measures and records numbers in OUT.json (rank 0); tests/test_transfor
 from __future__ import annotations
 
 import copy
-import sys
 from pathlib import Path
 
 import torch
@@ -22,12 +21,11 @@ from common import (
     bert,
     checkpoint_args,
     full_params,
+    main,
     reference_sgd,
-    run_flows,
     vector_rel_diff,
 )
 
-import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.transformers import FSDP2Trainer, committed_checkpoints, latest_checkpoint
 
 CLIP = 0.05  # below every step's gradient norm here: clipping happens on each step
@@ -174,13 +172,5 @@ def bf16(entry: dict, work: Path) -> None:
 FLOWS = [parity, checkpoints, bf16]
 
 
-def main() -> None:
-    out_path, work = sys.argv[1], Path(sys.argv[2])
-    by_name = {f.__name__: f for f in FLOWS}
-    flows = [by_name[n] for n in sys.argv[3].split(",")] if len(sys.argv) > 3 else FLOWS
-    run_flows(flows, out_path, work)
-    f2.shutdown()
-
-
 if __name__ == "__main__":
-    main()
+    main(FLOWS)

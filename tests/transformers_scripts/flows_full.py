@@ -6,15 +6,13 @@ Usage: accelerate launch --config_file fsdp2_full.yaml flows_full.py OUT.json WO
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import transformers
-from common import Snapshots, Tokens, args, bert, checkpoint_args, full_params, run_flows, vector_rel_diff
+from common import Snapshots, Tokens, args, bert, checkpoint_args, full_params, main, vector_rel_diff
 
-import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.transformers import (
     FSDP2Trainer,
     committed_checkpoints,
@@ -171,13 +169,5 @@ def resume_after_kill(entry: dict, work: Path) -> None:
 FLOWS = [full_state_dict, peft_lora, sft, resume_after_kill]
 
 
-def main() -> None:
-    out_path, work = sys.argv[1], Path(sys.argv[2])
-    by_name = {f.__name__: f for f in FLOWS}
-    flows = [by_name[n] for n in sys.argv[3].split(",")] if len(sys.argv) > 3 else FLOWS
-    run_flows(flows, out_path, work)
-    f2.shutdown()
-
-
 if __name__ == "__main__":
-    main()
+    main(FLOWS)
