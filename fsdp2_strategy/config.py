@@ -28,8 +28,10 @@ from .config_checks import (
     _check_reshard,
     _check_wrap_policy,
     _strategy_name,
+    check_async_save,
     check_choice,
     check_frozen_dtype,
+    check_objective,
     check_trainable_only,
     parse_bytes,
 )
@@ -43,6 +45,9 @@ ACCUMULATION_MODES = ("sync_each", "sync_last", "keep_gathered")
 
 COLLECTIVES = ("auto", "ring", "torch")
 """Accepted values for `FSDP2Config.collectives` (see `shard.ring_comms`)."""
+
+OBJECTIVES = ("memory", "throughput")
+"""Accepted values for `FSDP2Config.objective`."""
 
 HOST_ALLOCATORS = ("auto", "cache", "system")
 """Accepted values for `FSDP2Config.host_allocator` (see `shard.host_memory`)."""
@@ -211,6 +216,13 @@ class FSDP2Config:
     checked on load; False: everything; "auto" (default): True for PEFT models, so a LoRA
     checkpoint is adapter-sized. `f2.Checkpointer(trainable_only=...)` is the core's switch."""
 
+    checkpoint_async_save: bool | str = False
+    """How the adapters' sharded checkpoints are written: False (default: before the save returns),
+    True (a copy in CPU memory, then written in the background) or "overlap" (the copy too runs
+    behind the next forward and backward; the next optimizer step waits for it). Each save is
+    committed before the next save or load and when training ends. `f2.Checkpointer(async_save=...)`
+    is the core's switch; its docstring says which mode to use when."""
+
     log_plan: bool = True
     """Log the sharding plan table on rank 0 after `shard_model`."""
 
@@ -219,9 +231,17 @@ class FSDP2Config:
     None: the accelerator's total memory, or on CPU the available RAM divided by the local ranks,
     minus `estimate.compare.BUDGET_MARGIN` (10%)."""
 
+    objective: str = "memory"
+    """How `sharding_strategy="auto"` chooses among the settings that fit `memory_budget`: "memory"
+    (default: the least communication, from shapes alone) or "throughput" (`f2.tune` measures each
+    fitting setting on the process group with the example batch `shard_model` is given and picks
+    the fastest; strategy, wrapping, reshard and accumulation mode may change; the decision is
+    cached in a JSON file, `fsdp2_strategy.tune.cache_path()`, so a restarted run does not re-tune)."""
+
     def __post_init__(self) -> None:
         self.sharding_strategy = _strategy_name(self.sharding_strategy, allow_auto=True)
         self.memory_budget = parse_bytes(self.memory_budget, "FSDP2Config.memory_budget")
+        check_objective(self.objective, self.sharding_strategy, OBJECTIVES)
         _check_reshard(self.reshard_after_forward, "FSDP2Config.reshard_after_forward")
         self._validate_mesh_shape()
         _check_wrap_policy(self.wrap_policy, "FSDP2Config.wrap_policy")
@@ -243,6 +263,7 @@ class FSDP2Config:
         check_choice(self.host_allocator, HOST_ALLOCATORS, "FSDP2Config.host_allocator")
         self._validate_tensor_parallel()
         check_trainable_only(self.checkpoint_trainable_only, "FSDP2Config.checkpoint_trainable_only")
+        check_async_save(self.checkpoint_async_save, "FSDP2Config.checkpoint_async_save")
 
     def _validate_tensor_parallel(self) -> None:
         size = self.tensor_parallel_size

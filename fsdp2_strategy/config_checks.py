@@ -135,6 +135,19 @@ def check_trainable_only(value: Any, field: str) -> None:
         raise ValueError(f"{field}={value!r} is invalid; use 'auto' (trainable-only for PEFT models), True or False.")
 
 
+ASYNC_MODES = (False, True, "overlap")
+"""Accepted values of `Checkpointer(async_save=...)` and `FSDP2Config.checkpoint_async_save`."""
+
+
+def check_async_save(value: Any, field: str) -> None:
+    """Raise ValueError naming `field` unless `value` is False, True or "overlap"."""
+    if not isinstance(value, (bool, str)) or value not in ASYNC_MODES:
+        raise ValueError(
+            f"{field}={value!r} is invalid; use False (write before returning), True (copy, then write in "
+            "the background) or 'overlap' (copy and write behind the next steps)."
+        )
+
+
 def check_frozen_dtype(value: Any, field: str) -> None:
     """Raise ValueError naming `field` unless `value` is "auto", None or a dtype (`FSDP2Config.frozen_dtype`)."""
     if value == "auto":
@@ -146,3 +159,13 @@ def check_frozen_dtype(value: Any, field: str) -> None:
             f"{field}={value!r} is invalid; use 'auto' (the compute dtype), None (keep), 'bf16', 'fp16', 'fp32' "
             "or a torch.dtype."
         ) from None
+
+
+def check_objective(value: Any, strategy: str, choices: tuple) -> None:
+    """`FSDP2Config.objective` is one of `choices`, and anything but "memory" only with "auto"."""
+    check_choice(value, choices, "FSDP2Config.objective")
+    if value != "memory" and strategy != "auto":
+        raise ValueError(
+            f"FSDP2Config.objective={value!r} chooses the setting of sharding_strategy='auto', but "
+            f"sharding_strategy={strategy!r}; set sharding_strategy='auto' or leave objective='memory'."
+        )

@@ -16,6 +16,8 @@ import logging
 import os
 import socket
 import sys
+import weakref
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -108,15 +110,32 @@ def log_rank_zero(message: str, *args, level: int = logging.INFO) -> None:
         logger.log(level, message, *args)
 
 
+_BEFORE_SHUTDOWN: list[weakref.WeakMethod] = []
+
+
+def before_shutdown(method: Callable[[], None]) -> None:
+    """Have `shutdown()` call the bound `method` first (while its owner lives): collective work that
+    must end with the run, such as committing an asynchronous checkpoint still in flight."""
+    _BEFORE_SHUTDOWN.append(weakref.WeakMethod(method))
+
+
+def _run_before_shutdown() -> None:
+    while _BEFORE_SHUTDOWN:
+        method = _BEFORE_SHUTDOWN.pop(0)()
+        if method is not None:
+            method()
+
+
 def shutdown(exit_code: int = 0, *, barrier_timeout: timedelta | None = timedelta(seconds=60)) -> None:
     """End a distributed process without the exit-time abort described above; never returns.
 
-    Call it as the last line of a training script on every rank. It waits for all ranks
-    (a barrier, bounded by `barrier_timeout` when the backend supports it), destroys the
-    process group, runs the `atexit` hooks, flushes stdout, stderr and logging, and exits
-    with `exit_code`.
+    Call it as the last line of a training script on every rank. It commits checkpoints still
+    being written asynchronously (`before_shutdown`), waits for all ranks (a barrier, bounded by
+    `barrier_timeout` when the backend supports it), destroys the process group, runs the `atexit`
+    hooks, flushes stdout, stderr and logging, and exits with `exit_code`.
     """
     try:
+        _run_before_shutdown()
         if dist.is_available() and dist.is_initialized():
             if dist.get_backend() == "gloo" and barrier_timeout is not None:
                 dist.monitored_barrier(timeout=barrier_timeout)

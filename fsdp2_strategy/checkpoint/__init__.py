@@ -1,7 +1,8 @@
 """Checkpoints: models and optimizers to and from the sharded state dict (`state`), one atomic
-DCP directory with its commit marker and checksums (`directory`, `integrity`), one directory per
-step (`Checkpointer`), full weights in and out (`full_weights`, `export`), trainable-only checkpoints
-(`trainable`) and PEFT adapters and merged weights out (`peft`, `peft_export`).
+DCP directory with its commit marker and checksums (`directory`, `integrity`), asynchronous and
+overlapped saves (`async_save`), one directory per step (`Checkpointer`), full weights in and out
+(`full_weights`, `export`), trainable-only checkpoints (`trainable`) and PEFT adapters and merged
+weights out (`peft`, `peft_export`).
 
 Imports the base modules and `shard` (full-weight loading copies into shards). `__all__` is what
 other packages and the adapters use; `directory` is the atomic-directory API the adapters build
@@ -9,6 +10,7 @@ their own checkpoint layouts on.
 """
 
 from . import directory
+from .async_save import AsyncSaver, make_saver
 from .checkpointer import Checkpointer, load_step_dir, step_dir_name
 from .export import export_full, inspect_checkpoint, read_full_model_state, write_model_view
 from .full_weights import load_full_weights
@@ -27,6 +29,7 @@ from .state import (
 from .trainable import is_peft_model, saves_trainable_only
 
 __all__ = [
+    "AsyncSaver",
     "Checkpointer",
     "Models",
     "Optimizers",
@@ -37,6 +40,7 @@ __all__ = [
     "inspect_checkpoint",
     "load_full_weights",
     "load_step_dir",
+    "make_saver",
     "model_state",
     "optimizer_state_dict",
     "owning_models",

@@ -17,28 +17,23 @@ from __future__ import annotations
 
 import os
 import shutil
-from concurrent.futures import Future
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.distributed.checkpoint.staging import DefaultStager
 
-from ..config_checks import check_trainable_only
-from ..distributed import barrier, is_distributed, log_rank_zero, logger, rank
+from ..config_checks import check_async_save, check_trainable_only
+from ..distributed import barrier, log_rank_zero, logger, rank
 from . import directory as cdir
+from .async_save import AsyncSaver, default_stager
 from .directory import TMP_PREFIX
 from .state import Models, Optimizers, sharded_state
 
 EXTRA_FILE = "extra.pt"
-ASYNC_MODES = (False, True, "overlap")
-"""Accepted values of `Checkpointer(async_save=...)`."""
 MODEL_KEY, OPTIM_KEY = "model", "optim"  # top-level keys; DCP flattens them to "model.<name>"
 
 
@@ -80,21 +75,14 @@ class Checkpointer:
         trainable_only: bool | str = "auto",
     ):
         check_trainable_only(trainable_only, "Checkpointer trainable_only")
-        if async_save not in ASYNC_MODES or not isinstance(async_save, (bool, str)):
-            raise ValueError(
-                f"Checkpointer async_save={async_save!r} is invalid; use False, True or 'overlap' (see the docstring)."
-            )
+        check_async_save(async_save, "Checkpointer async_save")
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"Checkpointer keep_last must be None or an int >= 1, got {keep_last!r}.")
         self.root = Path(root)
         self.keep_last = keep_last
         self.async_save = async_save
         self.trainable_only = trainable_only
-        self._pending: tuple[int, Future] | None = None
-        self._staging: Future | None = None  # "overlap": the copy in flight
-        self._step_hook: Any = None
-        self._async_group: dist.ProcessGroup | None = None
-        self._stager: DefaultStager | None = None
+        self._saver = AsyncSaver(async_save, make_stager=self._make_stager) if async_save else None
 
     # ------------------------------------------------------------------ queries
     def latest_step(self) -> int | None:
@@ -114,12 +102,15 @@ class Checkpointer:
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         extra: Any = None,
+        on_commit: Callable[[Path], None] | None = None,
     ) -> None:
         """Save `model`/`optimizer` state (sharded) and `extra` as step `step`.
 
         `extra` is any picklable object (step counters, RNG states, data-loader position);
         rank 0's value is saved and `load()` returns it on every rank. Raises ValueError if
-        `step` is already committed. With `async_save=True` this returns before the write ends.
+        `step` is already committed. With `async_save` this returns before the write ends.
+        `on_commit(step_dir)` runs on every rank once the step is committed: before `save()`
+        returns, or for an asynchronous save in `wait()` (which the next `save()` calls).
         """
         self.wait()  # one save in flight at a time; commits the previous one first
         cdir.check_step(step)
@@ -133,48 +124,35 @@ class Checkpointer:
             *_named(model, optimizer), trainable_only=self.trainable_only
         )  # validates the arguments before touching the disk
         tmp = cdir.prepare_tmp(final, {EXTRA_FILE: extra} if extra is not None else None)
-        if self.async_save == "overlap":
-            _copy_buffers(state.get(MODEL_KEY, {}), model)
-        if self.async_save:
-            self._pending = (step, self._start_async(state, tmp))
+        writer = self._storage_writer(tmp)
+
+        def finish() -> None:
+            self._commit(step)
+            if on_commit is not None:
+                on_commit(final)
+
+        if self._saver is not None:
+            models = {MODEL_KEY: model} if model is not None else {}
+            self._saver.start(state, tmp, finish, writer=writer, models=models)
             return
-        cdir.write_dcp(state, tmp, self._storage_writer(tmp))
-        self._commit(step)
+        cdir.write_dcp(state, tmp, writer)
+        finish()
 
     def wait_staged(self) -> None:
         """Wait until an "overlap" save's copy of the state exists (then parameters may change).
         The next `optimizer.step()` calls it; not collective."""
-        staging, self._staging = self._staging, None
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
-        if staging is not None:
-            staging.result()  # an error surfaces again, with the step, from wait()
+        if self._saver is not None:
+            self._saver.wait_staged()
 
     def wait(self) -> None:
         """Wait for an asynchronous save to finish writing, then commit it (collective)."""
-        try:
-            self.wait_staged()
-        except Exception:  # reported below by the upload future, which depends on the copy
-            pass
-        if self._pending is None:
-            return
-        step, future = self._pending
-        self._pending = None
-        try:
-            future.result()
-        except (CheckpointException, Exception) as exc:
-            raise RuntimeError(
-                f"asynchronous DCP save of step {step} into {self._tmp_path(step)} failed: {exc}"
-            ) from exc
-        self._commit(step)
+        if self._saver is not None:
+            self._saver.wait()
 
     def close(self) -> None:
         """Finish a pending save and free the CPU staging buffers kept between async saves."""
-        self.wait()
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        if self._saver is not None:
+            self._saver.close()
 
     # ------------------------------------------------------------------ load
     def load(
@@ -206,52 +184,14 @@ class Checkpointer:
         )
 
     # ------------------------------------------------------------------ internals
-    def _tmp_path(self, step: int) -> Path:
-        return cdir.tmp_path_for(self.step_path(step))
-
     def _storage_writer(self, path: Path) -> FileSystemWriter:
         """The DCP writer for one save (a hook: tests override it to crash mid-write)."""
         return FileSystemWriter(str(path))
 
-    def _start_async(self, state: dict, tmp: Path) -> Future:
-        if self._async_group is None and is_distributed():
-            # DCP's collectives run in a background thread; on the default group they could
-            # interleave with the training step's all-gathers and deadlock or mix data.
-            self._async_group = dist.new_group(backend="gloo")
-        if self._stager is None:
-            self._stager = self._make_stager()
-        try:
-            response = dcp.async_save(
-                state,
-                storage_writer=self._storage_writer(tmp),
-                process_group=self._async_group,
-                async_stager=self._stager,
-                no_dist=not is_distributed(),
-            )
-        except CheckpointException as exc:
-            raise RuntimeError(f"DCP async save into {tmp} failed: {exc}") from exc
-        # A Future, or AsyncSaveResponse when staging itself is asynchronous ("overlap").
-        staging = getattr(response, "staging_completion", None)
-        if staging is not None and not staging.done():
-            self._staging = staging
-            # Parameters and optimizer state change in the next optimizer step, of whichever
-            # optimizer (the adapters' and the user's alike): it waits for the copy.
-            self._step_hook = register_optimizer_step_pre_hook(lambda *_: self.wait_staged())
-        return cast(Future, getattr(response, "upload_completion", response))
-
     def _make_stager(self) -> DefaultStager:
-        """DCP's stager: a copy to CPU memory, made before `save()` returns (True) or in a background
-        thread ("overlap"); pinned memory and non-blocking copies only with an accelerator (on a
-        CPU-only machine they fail). A hook: tests slow the copy down."""
-        accel = torch.accelerator.is_available()
-        return DefaultStager(
-            StagingOptions(
-                use_pinned_memory=accel,
-                use_shared_memory=False,
-                use_async_staging=self.async_save == "overlap",
-                use_non_blocking_copy=accel,
-            )
-        )
+        """DCP's stager for this Checkpointer's mode (see `async_save.default_stager`). A hook: tests
+        slow the copy down."""
+        return default_stager(self.async_save)
 
     def _commit(self, step: int) -> None:
         """Publish `.tmp-step-N` as `step-N` once every rank's shards and `.metadata` are written."""
@@ -320,13 +260,3 @@ def _read_extra(path: Path) -> Any:
     # Our own file holding arbitrary picklable state (not only tensors); mapped to CPU so a
     # checkpoint from an accelerator machine loads anywhere.
     return torch.load(file, map_location="cpu", weights_only=False)
-
-
-def _copy_buffers(state: dict[str, Any], model: nn.Module | None) -> None:
-    """Replace the model's buffers in its state by copies: a forward (BatchNorm's running statistics)
-    may change them while an "overlap" save copies the rest in the background."""
-    if model is None:
-        return
-    for name, _ in model.named_buffers():
-        if isinstance(state.get(name), torch.Tensor):
-            state[name] = state[name].detach().clone()

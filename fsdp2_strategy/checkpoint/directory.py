@@ -24,7 +24,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ..distributed import barrier, from_rank_zero, is_distributed, logger, rank
 from . import integrity as integrity
+from .async_save import AsyncSaver
 from .state import UNSTEPPED, Models, Optimizers, apply_state, model_state, sharded_state, without_markers
 from .trainable import base_mismatches, fingerprint_key
 
@@ -163,12 +164,37 @@ def publish(final: Path, *, replace: bool = False) -> None:
     fsync_dir(final.parent)
 
 
-def save_dir(final: Path, state: dict, *, files: Mapping[str, Any] | None = None, replace: bool = False) -> None:
-    """Collective: atomically write `state` (sharded, DCP) plus rank 0's `files` as directory `final`."""
+def save_dir(
+    final: Path,
+    state: dict,
+    *,
+    files: Mapping[str, Any] | None = None,
+    replace: bool = False,
+    saver: AsyncSaver | None = None,
+    models: Mapping[str, nn.Module] | None = None,
+    on_commit: Callable[[], None] | None = None,
+) -> None:
+    """Collective: atomically write `state` (sharded, DCP) plus rank 0's `files` as directory `final`,
+    then call `on_commit()` on every rank.
+
+    With `saver` the shards are written in the background and `final` appears when `saver.wait()`
+    commits it (the next save through the same saver does); `models` are those whose flat state is
+    `state[key]` (their buffers are copied first in "overlap" mode)."""
     final = Path(final)
+
+    def finish() -> None:
+        commit(final, replace=replace)
+        if on_commit is not None:
+            on_commit()
+
+    if saver is not None:
+        saver.wait()  # the save in flight may be writing into the same `.tmp-<name>`
     tmp = prepare_tmp(final, files)
+    if saver is not None:
+        saver.start(state, tmp, finish, models=models)
+        return
     write_dcp(state, tmp)
-    commit(final, replace=replace)
+    finish()
 
 
 # ---------------------------------------------------------------------- removal (rank 0 only)
