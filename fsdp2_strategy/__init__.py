@@ -21,6 +21,7 @@ from .estimate import MemoryEstimate, StrategyComparison, compare_strategies, es
 from .fsdp1 import fully_shard
 from .shard import ShardingPlan, replicate, shard_model, sharding_plan
 from .train import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, reshard, set_gradient_sync
+from .tune import TuneResult, measure_link, tune
 from .versions import warn_untested_versions
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "ModuleOverride",
     "ShardingPlan",
     "StrategyComparison",
+    "TuneResult",
     "check_optimizer",
     "clip_grad_norm_",
     "clip_grad_value_",
@@ -41,6 +43,7 @@ __all__ = [
     "init_distributed",
     "inspect_checkpoint",
     "load_full_weights",
+    "measure_link",
     "no_sync",
     "replicate",
     "reshard",
@@ -50,6 +53,7 @@ __all__ = [
     "shard_model",
     "sharding_plan",
     "shutdown",
+    "tune",
 ]
 __version__ = "0.1.0"
 

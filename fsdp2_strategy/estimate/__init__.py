@@ -8,8 +8,15 @@ Imports the base modules and `train`. `__all__` is what other packages and the a
 
 from .compare import StrategyComparison, compare_strategies, resolve_strategy
 from .memory import MemoryEstimate, estimate_memory, human_bytes
+from .step_time import CollectiveFit, ComputeProfile, Link, StepTimeModel, StepTimePrediction, predict_step_time
 
 __all__ = [
+    "CollectiveFit",
+    "ComputeProfile",
+    "Link",
+    "StepTimeModel",
+    "StepTimePrediction",
+    "predict_step_time",
     "MemoryEstimate",
     "StrategyComparison",
     "compare_strategies",

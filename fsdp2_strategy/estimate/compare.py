@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch import nn
 from ..config import SHARDING_STRATEGIES, FSDP2Config, parse_bytes
 from ..distributed import log_rank_zero
 from .memory import MemoryEstimate, estimate_memory, human_bytes
+from .step_time import StepTimeModel, StepTimePrediction, measured_time_model
 
 BUDGET_MARGIN = 0.10
 """Share of the device (or of this rank's part of the RAM) kept free when `memory_budget` is not
@@ -39,6 +41,8 @@ class PlanRow:
     """Per-rank memory and communication of this setting."""
     fits: bool | None
     """Whether the peak fits the budget (None when no budget was given)."""
+    predicted: StepTimePrediction | None = None
+    """Predicted step time (`compare_strategies(time=...)`; None without)."""
 
     @property
     def label(self) -> str:
@@ -61,7 +65,9 @@ class StrategyComparison:
 
     def __str__(self) -> str:
         gib = 2**30
-        header = ("setting", "peak GiB/rank", "host GiB", "comm GiB/step", "peak in", "fits")
+        header: tuple = ("setting", "peak GiB/rank", "host GiB", "comm GiB/step", "peak in", "fits")
+        timed = any(r.predicted is not None for r in self.rows)
+        header += ("predicted s/step",) if timed else ()
         lines = [header]
         for r in self.rows:
             e = r.estimate
@@ -76,6 +82,7 @@ class StrategyComparison:
                     e.peak_phase,
                     fits + mark,
                 )
+                + ((f"{r.predicted.total_s:.4f}" if r.predicted else "-",) if timed else ())
             )
         widths = [max(len(str(row[i])) for row in lines) for i in range(len(header))]
         text = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in lines]
@@ -117,6 +124,7 @@ def compare_strategies(
     strategies: tuple[str, ...] = SHARDING_STRATEGIES,
     offload: tuple[bool, ...] = (False, True),
     checkpointing: tuple[bool, ...] = (False, True),
+    time: bool | StepTimeModel | None = None,
     **estimate_kwargs: Any,
 ) -> StrategyComparison:
     """Estimate every strategy x CPU offload x activation checkpointing and recommend one.
@@ -125,9 +133,16 @@ def compare_strategies(
     Other keywords (`optimizer`, `example_batch`, `loss_fn`, `accumulation`, `micro_batches`)
     go to `estimate_memory`. Activation checkpointing rows need wrapped blocks; a model whose
     wrap policy selects none gets no such rows.
+
+    `time` adds a predicted step time per row (`PlanRow.predicted`, `estimate.step_time`): a
+    `StepTimeModel` (e.g. `f2.tune(...).time_model`), or True to measure one now on the
+    initialised process group (a collective sweep and one step of `model`, which must then hold
+    real weights and `example_batch` real tensors; every rank must call). The recommendation
+    stays the memory planner's; `f2.tune` picks by measured time.
     """
     base = FSDP2Config.coerce(config, log_plan=False)
     budget = parse_bytes(device_memory, "device_memory")
+    time_model = _time_model(time, model, base, estimate_kwargs)
     rows = []
     for strategy in strategies:
         for off in offload:
@@ -144,8 +159,24 @@ def compare_strategies(
                     if ac and "activation_checkpointing" in str(exc):
                         continue  # no blocks to checkpoint in this model
                     raise
-                rows.append(PlanRow(strategy, off, ac, est, None if budget is None else est.peak_bytes <= budget))
+                fits = None if budget is None else est.peak_bytes <= budget
+                predicted = time_model.predict(est) if time_model is not None else None
+                rows.append(PlanRow(strategy, off, ac, est, fits, predicted))
     return _recommend(StrategyComparison(rows=rows, budget=budget), world_size)
+
+
+def _time_model(time: Any, model: nn.Module, config: FSDP2Config, inputs: dict) -> StepTimeModel | None:
+    if time is None or time is False:
+        return None
+    if isinstance(time, StepTimeModel):
+        return time
+    if time is True:
+        keys = ("example_batch", "loss_fn", "optimizer", "device_type")
+        return measured_time_model(model, config, **{k: inputs[k] for k in keys if k in inputs})
+    raise ValueError(
+        f"compare_strategies: time={time!r} is invalid; use None/False, True (measure on the process group) "
+        "or a StepTimeModel (e.g. f2.tune(...).time_model)."
+    )
 
 
 def _cost(row: PlanRow) -> tuple:
@@ -205,9 +236,25 @@ def resolve_strategy(
     """
     if config.sharding_strategy != "auto":
         return config
+    if getattr(config, "objective", "memory") != "memory":
+        if config.objective not in _objective_resolvers:
+            raise RuntimeError(f"FSDP2Config.objective={config.objective!r} needs fsdp2_strategy.tune imported.")
+        return _objective_resolvers[config.objective](model, config, world_size, nodes, **planner_inputs)
     resolved, reason = resolve_auto(model, config, world_size, nodes, **planner_inputs)
     log_rank_zero("%s", reason)
     return resolved
+
+
+ObjectiveResolver = Callable[..., FSDP2Config]
+_objective_resolvers: dict[str, ObjectiveResolver] = {}
+
+
+def register_objective(name: str, resolver: ObjectiveResolver) -> None:
+    """Let `resolve_strategy` hand `FSDP2Config(sharding_strategy="auto", objective=name)` to
+    `resolver(model, config, world_size, nodes, **planner_inputs) -> config`. `fsdp2_strategy.tune`
+    registers "throughput" (it measures sharded models, so it sits above `shard`, which calls
+    `resolve_strategy`)."""
+    _objective_resolvers[name] = resolver
 
 
 def resolve_auto(

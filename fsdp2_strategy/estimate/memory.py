@@ -80,6 +80,12 @@ class MemoryEstimate:
     communication: dict = field(default_factory=dict)
     """Bytes each rank sends per optimizer step, by collective ("all_gather", "reduce_scatter",
     "all_reduce"), counted as ring algorithms move them."""
+    collective_calls: dict = field(default_factory=dict)
+    """Collective calls per optimizer step, by the same names (each costs one latency; groups
+    sharded over one rank make none)."""
+    gathering_groups: int = 0
+    """FSDP groups that all-gather (parameters sharded over more than one rank): the all-gathers
+    of one forward."""
 
     @property
     def communication_bytes(self) -> int:
@@ -271,6 +277,8 @@ def _result(
         peak_phase=phase,
         host_bytes=(shards + grads + opt_bytes + step_temp) if offload else 0,
         communication=communication_bytes(sizes, config, shard, replicate, accumulation, micro_batches),
+        collective_calls=collective_calls(sizes, accumulation, micro_batches),
+        gathering_groups=sum(1 for g in sizes.values() if g.params and g.shard_size > 1),
     )
 
 
@@ -296,3 +304,22 @@ def communication_bytes(
         if g.replicate_size > 1:
             ar += syncs * 2 * (g.replicate_size - 1) / g.replicate_size * g.reduce_bytes / s
     return {"all_gather": int(math.ceil(ag)), "reduce_scatter": int(math.ceil(rs)), "all_reduce": int(math.ceil(ar))}
+
+
+def collective_calls(sizes: dict[str, GroupSizes], accumulation: str, micro_batches: int) -> dict[str, int]:
+    """Collective calls per optimizer step, by collective, counted as `communication_bytes` counts
+    their bytes: per group with parameters, one all-gather per forward and one more per backward
+    unless it stays gathered; one reduce-scatter per gradient sync (sharded groups), one all-reduce
+    per sync across replicas."""
+    gathers = 1 if accumulation == "keep_gathered" else micro_batches
+    syncs = micro_batches if accumulation == "sync_each" else 1
+    ag = rs = ar = 0
+    for g in sizes.values():
+        if not g.params:
+            continue
+        if g.shard_size > 1:
+            ag += gathers * (1 if g.keep_after_forward else 2)
+            rs += syncs if g.reduce_bytes else 0
+        if g.replicate_size > 1 and g.reduce_bytes:
+            ar += syncs
+    return {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar}

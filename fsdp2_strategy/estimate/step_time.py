@@ -1,0 +1,224 @@
+"""Predicted step time of one FSDP2 setting: compute, communication and how much of it overlaps.
+
+The model, per optimizer step of `k` micro-batches on one rank:
+
+    compute       = k * (forward + backward + forward if activation checkpointing)
+    optimizer     = optimizer_full / shard_size       (each rank steps its shard only)
+    communication = sum over all_gather, reduce_scatter, all_reduce of
+                    calls * (latency + per_call) + bytes / bandwidth
+    exposed       = communication                     ("none": gloo's synchronous CPU path)
+                  | c1 + max(0, communication - c1 - compute)
+                                                      ("prefetch": accelerators; c1 = one
+                                                       all-gather, which nothing hides)
+    step          = compute + optimizer + exposed
+
+`calls` and `bytes` (what each rank sends, ring-counted) come from `estimate_memory`
+(`MemoryEstimate.collective_calls`, `.communication`); latency and bandwidth per collective from a
+sweep on the process group (`Link`, measured by `fsdp2_strategy.tune.measure_link`); forward,
+backward and the optimizer step from one measured step (`ComputeProfile.from_step`), and
+`per_call` - what a call costs inside a step beyond the sweep's latency (FSDP's buffer copies
+and hooks, ranks waiting for each other) - from a second measured step with another number of
+calls (`ComputeProfile.fit`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .memory import MemoryEstimate
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+"""The collectives the model times (the names of `MemoryEstimate.communication`)."""
+
+OVERLAP = {"cpu": "none"}
+"""Overlap of communication with compute by device type; every other device type: "prefetch"
+(FSDP's backward prefetch and asynchronous collectives on their own stream)."""
+
+
+@dataclass
+class CollectiveFit:
+    """Time of one collective: `latency_s` per call plus the bytes each rank sends / `bytes_per_s`."""
+
+    latency_s: float
+    """Seconds per call (the fit's intercept)."""
+    bytes_per_s: float
+    """Bytes each rank sends per second (the inverse of the fit's slope)."""
+
+    def seconds(self, calls: int, nbytes: float) -> float:
+        """Time of `calls` calls sending `nbytes` together."""
+        return calls * self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass
+class Link:
+    """Latency and bandwidth of each collective on one process group, as FSDP runs them there."""
+
+    fits: dict[str, CollectiveFit]
+    """Collective name ("all_gather", "reduce_scatter", "all_reduce") -> its fit."""
+    world_size: int = 1
+    """Ranks the sweep ran on."""
+
+    def seconds(self, calls: dict[str, int], nbytes: dict[str, int]) -> dict[str, float]:
+        """Seconds per collective for the given calls and bytes (collectives never called: 0)."""
+        out = {}
+        for name in COLLECTIVES:
+            n, b = calls.get(name, 0), nbytes.get(name, 0)
+            out[name] = self.fits[name].seconds(n, b) if (n or b) and name in self.fits else 0.0
+        return out
+
+
+@dataclass
+class ComputeProfile:
+    """One rank's compute per micro-batch and per optimizer step, communication excluded."""
+
+    forward_s: float
+    """Forward of one micro-batch (loss included)."""
+    backward_s: float
+    """Backward of one micro-batch."""
+    optimizer_s: float
+    """Optimizer step over the whole model's trainable parameters (a rank holding 1/N of them
+    takes 1/N of it)."""
+    per_call_s: float = 0.0
+    """What each collective call costs inside a training step beyond the sweep's latency: FSDP's
+    copies in and out of the communication buffers, its hooks, and ranks waiting for each other
+    at every call (`fit`)."""
+
+    @classmethod
+    def from_step(
+        cls,
+        forward_s: float,
+        backward_s: float,
+        optimizer_s: float,
+        estimate: MemoryEstimate,
+        link: Link,
+        per_call_s: float = 0.0,
+    ) -> ComputeProfile:
+        """The compute of a measured step (seconds per micro-batch in forward and backward, and of
+        the optimizer step) of the setting `estimate` describes, its communication taken out:
+        forward holds the first all-gather of every group, backward the rest and the reductions;
+        each call also costs `per_call_s`. Never below zero."""
+        k = estimate.micro_batches
+        calls, sent = estimate.collective_calls, estimate.communication
+        gathers = calls.get("all_gather", 0)
+        share = _forward_gathers(estimate) / gathers if gathers else 0.0
+        ag = link.seconds({"all_gather": gathers}, {"all_gather": sent.get("all_gather", 0)})["all_gather"]
+        ag += gathers * per_call_s
+        rest = link.seconds({**calls, "all_gather": 0}, {**sent, "all_gather": 0})
+        reduce_calls = calls.get("reduce_scatter", 0) + calls.get("all_reduce", 0)
+        reductions = rest["reduce_scatter"] + rest["all_reduce"] + reduce_calls * per_call_s
+        fwd_comm = ag * share / k
+        bwd_comm = (ag * (1 - share) + reductions) / k
+        recompute = 1 if estimate.activation_checkpointing else 0
+        fwd = max(forward_s - fwd_comm, 0.0)
+        bwd = max(backward_s - bwd_comm - recompute * fwd, 0.0)
+        return cls(fwd, bwd, optimizer_s * estimate.shard_size, per_call_s)
+
+    @classmethod
+    def fit(
+        cls,
+        phases: tuple[float, float, float],
+        estimate: MemoryEstimate,
+        other_step_s: float,
+        other: MemoryEstimate,
+        link: Link,
+        device_type: str = "cpu",
+    ) -> ComputeProfile:
+        """`from_step` of a step measured by phase (forward, backward per micro-batch; optimizer),
+        with `per_call_s` chosen so that a second setting with another number of collective calls
+        (`other`, measured at `other_step_s` per step) is predicted exactly. 0 when the two make
+        as many calls, or when the fit would make it negative."""
+        zero = cls.from_step(*phases, estimate, link)
+        delta = 1e-3
+        shifted = cls.from_step(*phases, estimate, link, per_call_s=delta)
+        p0 = predict_step_time(other, link, zero, device_type).total_s
+        slope = (predict_step_time(other, link, shifted, device_type).total_s - p0) / delta
+        per_call = (other_step_s - p0) / slope if abs(slope) > 1e-9 else 0.0
+        return cls.from_step(*phases, estimate, link, per_call_s=max(per_call, 0.0))
+
+
+def _calls(estimate: MemoryEstimate) -> list[int]:
+    return [estimate.collective_calls.get(name, 0) for name in COLLECTIVES]
+
+
+def _forward_gathers(estimate: MemoryEstimate) -> int:
+    """All-gather calls made in forward: every gathering group once per forward (once per step
+    under "keep_gathered"); the rest of `collective_calls["all_gather"]` happen in backward."""
+    gathers = estimate.collective_calls.get("all_gather", 0)
+    per_forward = 1 if estimate.accumulation == "keep_gathered" else estimate.micro_batches
+    return min(estimate.gathering_groups * per_forward, gathers)
+
+
+@dataclass
+class StepTimePrediction:
+    """Predicted seconds of one optimizer step, by part."""
+
+    compute_s: float
+    """Forward, backward and recomputation of every micro-batch."""
+    optimizer_s: float
+    """This rank's optimizer step."""
+    communication_s: float
+    """All collectives, as if none overlapped."""
+    exposed_s: float
+    """The part of `communication_s` the step waits for."""
+    by_collective: dict[str, float] = field(default_factory=dict)
+    """Seconds per collective."""
+
+    @property
+    def total_s(self) -> float:
+        """The predicted step time."""
+        return self.compute_s + self.optimizer_s + self.exposed_s
+
+
+@dataclass
+class StepTimeModel:
+    """What predicts step times on one machine and process group: the link and the compute."""
+
+    link: Link
+    """Latency and bandwidth per collective."""
+    compute: ComputeProfile
+    """Forward, backward and optimizer seconds."""
+    device_type: str = "cpu"
+    """The device the job trains on: decides the overlap (`OVERLAP`)."""
+
+    def predict(self, estimate: MemoryEstimate) -> StepTimePrediction:
+        """Predicted step time of the setting `estimate_memory` described."""
+        return predict_step_time(estimate, self.link, self.compute, self.device_type)
+
+
+def predict_step_time(
+    estimate: MemoryEstimate, link: Link, compute: ComputeProfile, device_type: str = "cpu"
+) -> StepTimePrediction:
+    """The module docstring's formula for one setting."""
+    k = estimate.micro_batches
+    recompute = compute.forward_s if estimate.activation_checkpointing else 0.0
+    compute_s = k * (compute.forward_s + compute.backward_s + recompute)
+    optimizer_s = compute.optimizer_s / max(estimate.shard_size, 1)
+    by = link.seconds(estimate.collective_calls, estimate.communication)
+    comm = sum(by.values()) + compute.per_call_s * sum(_calls(estimate))
+    if OVERLAP.get(device_type, "prefetch") == "none":
+        exposed = comm
+    else:
+        calls = estimate.collective_calls.get("all_gather", 0)
+        first = by["all_gather"] / calls if calls else 0.0
+        exposed = first + max(0.0, comm - first - compute_s)
+    return StepTimePrediction(compute_s, optimizer_s, comm, exposed, by)
+
+
+TimeModelSource = Callable[..., StepTimeModel]
+_measure_time_model: list[TimeModelSource] = []
+
+
+def register_time_model_source(source: TimeModelSource) -> None:
+    """Installed by `fsdp2_strategy.tune` (a layer above this one: it shards models to measure):
+    `source(model, config, example_batch=, loss_fn=, optimizer=, device_type=)` measures a
+    `StepTimeModel` on the current process group, for `compare_strategies(time=True)`."""
+    _measure_time_model[:] = [source]
+
+
+def measured_time_model(model: Any, config: Any, **inputs: Any) -> StepTimeModel:
+    """A `StepTimeModel` measured now on the process group (see `register_time_model_source`)."""
+    if not _measure_time_model:
+        raise RuntimeError("compare_strategies(time=True) needs fsdp2_strategy.tune; import fsdp2_strategy first.")
+    return _measure_time_model[0](model, config, **inputs)

@@ -1,0 +1,36 @@
+"""Measured throughput: `tune` runs candidate settings on the process group and picks the fastest
+that fits (`tuner`, `measure`, `candidates`, `result`); `measure_link` sweeps the collectives
+(`link`); decisions are cached by model, world and device (`cache`); `resolve` serves
+`FSDP2Config(sharding_strategy="auto", objective="throughput")` and `compare_strategies(time=True)`.
+
+Imports the base modules, `train`, `estimate` and `shard` (it shards copies of the model). On
+import it registers the "throughput" objective and the time-model source with `estimate`.
+`__all__` is what other packages and the adapters use.
+"""
+
+from ..estimate.compare import register_objective
+from ..estimate.step_time import register_time_model_source
+from .cache import CACHE_ENV, cache_path
+from .candidates import TUNABLE_FIELDS, Candidate, default_candidates
+from .link import measure_link
+from .measure import Measurement
+from .resolve import measure_time_model, resolve_throughput
+from .result import TuneResult, TuneRow
+from .tuner import tune
+
+register_objective("throughput", resolve_throughput)
+register_time_model_source(measure_time_model)
+
+__all__ = [
+    "CACHE_ENV",
+    "TUNABLE_FIELDS",
+    "Candidate",
+    "Measurement",
+    "TuneResult",
+    "TuneRow",
+    "cache_path",
+    "default_candidates",
+    "measure_link",
+    "resolve_throughput",
+    "tune",
+]

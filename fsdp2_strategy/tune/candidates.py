@@ -1,0 +1,122 @@
+"""The settings the tuner measures: `Candidate` (FSDP2Config fields over a base config, and a
+label) and `default_candidates`, the ones worth trying on a given world."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import ACCUMULATION_MODES, FSDP2Config
+
+TUNABLE_FIELDS = (
+    "sharding_strategy",
+    "reshard_after_forward",
+    "wrap_policy",
+    "accumulation",
+    "activation_checkpointing",
+    "cpu_offload",
+    "forward_prefetch",
+    "backward_prefetch",
+    "mixed_precision",
+    "mesh_shape",
+    "collectives",
+)
+"""FSDP2Config fields a candidate may set (the rest comes from the base config)."""
+
+
+@dataclass
+class Candidate:
+    """One setting to measure: `changes` (FSDP2Config fields) applied to the base config."""
+
+    label: str
+    """Name in the table, e.g. "FULL_SHARD/blocks"."""
+    changes: dict[str, Any] = field(default_factory=dict)
+    """FSDP2Config fields this setting sets (`TUNABLE_FIELDS`)."""
+
+    def config(self, base: FSDP2Config) -> FSDP2Config:
+        """The base config with this setting's fields (validated by `FSDP2Config`)."""
+        return FSDP2Config.coerce(base, **self.changes, log_plan=False)
+
+
+def _label(changes: Mapping[str, Any]) -> str:
+    parts = [str(changes.get("sharding_strategy", "base"))]
+    if "wrap_policy" in changes:
+        parts.append("one group" if changes["wrap_policy"] is None else f"wrap={changes['wrap_policy']!r}")
+    else:
+        parts.append("blocks")
+    for key in ("accumulation", "reshard_after_forward"):
+        if key in changes:
+            parts.append(f"{changes[key]}" if key == "accumulation" else f"reshard={changes[key]}")
+    if changes.get("activation_checkpointing"):
+        parts.append("AC")
+    if changes.get("cpu_offload"):
+        parts.append("offload")
+    return "/".join(parts)
+
+
+def coerce_candidates(values: Iterable[Any]) -> list[Candidate]:
+    """Candidates from `Candidate`s or dicts of FSDP2Config fields (an optional "label" key)."""
+    out = []
+    for i, value in enumerate(values):
+        if isinstance(value, Candidate):
+            out.append(value)
+            continue
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"tune: candidates[{i}]={value!r} is invalid; use a dict of FSDP2Config fields "
+                f"({', '.join(TUNABLE_FIELDS)}; optional 'label') or a Candidate."
+            )
+        changes = {k: v for k, v in value.items() if k != "label"}
+        unknown = sorted(set(changes) - set(TUNABLE_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"tune: candidates[{i}] sets {unknown}, which the tuner does not vary; use {', '.join(TUNABLE_FIELDS)}."
+            )
+        out.append(Candidate(str(value.get("label") or _label(changes)), changes))
+    labels = [c.label for c in out]
+    if not out or len(set(labels)) != len(labels):
+        raise ValueError(f"tune: candidates must be a non-empty list with distinct labels; got {labels}.")
+    return out
+
+
+def default_candidates(base: FSDP2Config, nodes: int, micro_batches: int) -> list[Candidate]:
+    """Strategies (hybrid ones only on several nodes) x wrapping (the base's policy, "blocks", or
+    one group for the whole model), and with several micro-batches the accumulation modes that
+    communicate differently. The base's offload, checkpointing and precision are kept. One group
+    is the same under FULL_SHARD and SHARD_GRAD_OP (torch keeps the root gathered), so it is tried
+    once; NO_SHARD gathers nothing, so "keep_gathered" is "sync_last" there."""
+    strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+    if nodes > 1:
+        strategies[2:2] = ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
+    changes: list[dict[str, Any]] = []
+    for strategy in strategies:
+        changes.append({"sharding_strategy": strategy})
+        if strategy in ("FULL_SHARD", "NO_SHARD", "HYBRID_SHARD"):
+            changes.append({"sharding_strategy": strategy, "wrap_policy": None})
+    if micro_batches > 1:
+        mode = base.accumulation
+        for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+            for other in ACCUMULATION_MODES:
+                if other != mode and (strategy == "FULL_SHARD" or other == "keep_gathered"):
+                    changes.append({"sharding_strategy": strategy, "accumulation": other})
+        if mode != "keep_gathered":
+            changes.append({"sharding_strategy": "FULL_SHARD", "wrap_policy": None, "accumulation": "keep_gathered"})
+    return [Candidate(_label(c), c) for c in changes]
+
+
+def with_memory_savers(candidates: list[Candidate]) -> list[Candidate]:
+    """The same settings with activation checkpointing, then with CPU offload as well: tried only
+    when none of `candidates` fits the budget."""
+    out = []
+    for extra in ({"activation_checkpointing": "auto"}, {"activation_checkpointing": "auto", "cpu_offload": True}):
+        for c in candidates:
+            changes = {**c.changes, **extra}
+            out.append(Candidate(_label(changes), changes))
+    return out
+
+
+def summary(config: FSDP2Config) -> dict[str, Any]:
+    """The tunable fields of `config` (for the table's "chosen" line and the cache)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name in TUNABLE_FIELDS}

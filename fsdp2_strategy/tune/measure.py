@@ -1,0 +1,202 @@
+"""Run one candidate for real: shard a copy of the model, take warm-up and timed optimizer steps,
+then one probe step for the peak memory and the collectives.
+
+Times are per rank with a barrier before each step; every step's time is the slowest rank's (one
+all-reduce at the end). The peak is the device allocator's on accelerators and the live tensor
+bytes on CPU (torch's `MemTracker`, in the untimed probe step); collectives are counted in the
+probe step by the c10d operations dispatched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..config import FSDP2Config
+from ..mesh import collective_device
+from ..shard import shard_model
+from ..train import no_sync
+
+C10D_NAMES = {
+    "allgather_": "all_gather",
+    "_allgather_base_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "send": "p2p_send",
+}
+"""c10d operations counted, by the name shown ("p2p_send": one step of a gloo ring)."""
+
+
+@dataclass
+class Measurement:
+    """What one candidate's timed steps measured (every rank holds the same numbers)."""
+
+    step_s: float
+    """Median seconds per optimizer step (each step the slowest rank's)."""
+    forward_s: float
+    """Median seconds of forward per micro-batch (loss included)."""
+    backward_s: float
+    """Median seconds of backward per micro-batch."""
+    optimizer_s: float
+    """Median seconds of the optimizer step (and zeroing the gradients)."""
+    peak_bytes: int
+    """Measured peak on the device (highest rank)."""
+    collectives: dict[str, int] = field(default_factory=dict)
+    """Collective operations per optimizer step (`C10D_NAMES`)."""
+    cost_s: float = 0.0
+    """Seconds this candidate took to tune: build, warm-up, timed and probe steps."""
+    steps: list[float] = field(default_factory=list)
+    """Every timed step (seconds)."""
+
+
+class _CountCollectives(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            name = C10D_NAMES.get(func.__name__.split(".")[0])
+            if name:
+                self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _sync() -> None:
+    if torch.accelerator.is_available() and collective_device().type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def train_step(
+    model: nn.Module,
+    opt: Any,
+    batch: Any,
+    loss_fn: Callable,
+    micro_batches: int,
+    accumulation: str,
+    between: Callable[[], Any] | None = None,
+) -> tuple[float, float, float]:
+    """One optimizer step of `micro_batches` micro-batches; seconds of forward, backward (both
+    summed over the micro-batches) and the optimizer step. `between` runs between micro-batches."""
+    fwd = bwd = 0.0
+    for i in range(micro_batches):
+        if between is not None and i:
+            between()
+        skip_sync = i < micro_batches - 1 and accumulation != "sync_each"
+        with no_sync(model) if skip_sync else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            loss = loss_fn(model, batch)
+            if micro_batches > 1:
+                loss = loss / micro_batches
+            _sync()
+            t1 = time.perf_counter()
+            loss.backward()
+            _sync()
+            fwd, bwd = fwd + t1 - t0, bwd + time.perf_counter() - t1
+    t2 = time.perf_counter()
+    if opt is not None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    _sync()
+    return fwd, bwd, time.perf_counter() - t2
+
+
+def _peak_tracker(model: nn.Module, opt: Any) -> Any:
+    """torch's MemTracker for a CPU step (None if this torch lacks it)."""
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except ImportError:  # a private tool: the peak is then not measured
+        return None
+
+    class FrozenAware(MemTracker):
+        # MemTracker hooks every parameter's gradient, which a frozen one refuses; those hooks only
+        # label storages the dispatch mode counts anyway.
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            frozen = any(not p.requires_grad for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks and not frozen)
+
+    tracker = FrozenAware()
+    tracker.track_external(model, *([opt] if opt is not None else []))
+    return tracker
+
+
+def _probe(model, opt, batch, loss_fn, micro_batches, accumulation) -> tuple[int, dict[str, int]]:
+    """Peak bytes (CPU: live tensors; accelerators: the allocator since the timed steps began)
+    and collective counts of one more step."""
+    counter = _CountCollectives()
+    on_cpu = collective_device().type == "cpu"
+    tracker = _peak_tracker(model, opt) if on_cpu else None
+    # MemTracker refuses a module's second forward unless its module statistics are reset between
+    # micro-batches (the totals are kept).
+    between = tracker.reset_mod_stats if tracker is not None else None
+    with tracker if tracker is not None else contextlib.nullcontext(), counter:
+        train_step(model, opt, batch, loss_fn, micro_batches, accumulation, between)
+    if tracker is not None:
+        peak = max(s["Total"] for s in tracker.get_tracker_snapshot("peak").values())
+    elif not on_cpu:
+        peak = torch.accelerator.max_memory_allocated()
+    else:
+        peak = 0
+    return int(peak), dict(counter.counts)
+
+
+def measure_candidate(
+    model: nn.Module,
+    config: FSDP2Config,
+    batch: Any,
+    loss_fn: Callable,
+    make_optimizer: Callable | None,
+    *,
+    micro_batches: int,
+    warmup: int,
+    steps: int,
+) -> Measurement:
+    """Shard a copy of `model` with `config`, step it, and free it again; `model` is untouched."""
+    start = time.perf_counter()
+    sharded = shard_model(copy.deepcopy(model), config, log_plan=False)
+    sharded.train()
+    opt = make_optimizer(list(sharded.parameters())) if make_optimizer is not None else None
+    acc = config.accumulation
+    for _ in range(warmup):
+        train_step(sharded, opt, batch, loss_fn, micro_batches, acc)
+    if collective_device().type != "cpu":
+        torch.accelerator.reset_peak_memory_stats()
+    rows = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        phases = train_step(sharded, opt, batch, loss_fn, micro_batches, acc)
+        rows.append([time.perf_counter() - t0, *phases])
+    peak, counts = _probe(sharded, opt, batch, loss_fn, micro_batches, acc)
+    slowest = torch.tensor(rows + [[float(peak), 0.0, 0.0, 0.0]], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    del sharded, opt
+    gc.collect()
+    cols = list(zip(*slowest[:-1].tolist()))
+    k = micro_batches
+    return Measurement(
+        step_s=statistics.median(cols[0]),
+        forward_s=statistics.median(cols[1]) / k,
+        backward_s=statistics.median(cols[2]) / k,
+        optimizer_s=statistics.median(cols[3]),
+        peak_bytes=int(slowest[-1, 0].item()),
+        collectives=counts,
+        cost_s=time.perf_counter() - start,
+        steps=list(cols[0]),
+    )

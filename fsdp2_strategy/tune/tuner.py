@@ -1,0 +1,251 @@
+"""`tune`: measure every fitting candidate on the process group and pick the fastest.
+
+Order: every candidate is estimated (`estimate_memory`: those over the budget are not run); the
+collectives are swept once (`measure_link`); the fitting candidates run one after another on a
+fresh copy of the model (`measure_candidate`), the first one measured also giving the compute
+profile (`ComputeProfile.from_step`) from which every row's step time is predicted. A candidate
+that fails on any rank (out of memory, an error while sharding) is skipped on every rank, with
+the reason. The pick is made on rank 0 and broadcast; every rank returns the same result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from .. import _torch_compat as tc
+from ..config import FSDP2Config, parse_bytes
+from ..distributed import log_rank_zero
+from ..estimate import estimate_memory
+from ..estimate.compare import default_budget, nothing_fits_message
+from ..estimate.sim_model import default_loss
+from ..estimate.sim_optimizer import optimizer_factory
+from ..estimate.step_time import ComputeProfile, StepTimeModel
+from ..mesh import collective_device, detect_num_nodes, mesh_device_type
+from .candidates import Candidate, coerce_candidates, default_candidates, with_memory_savers
+from .link import measure_link
+from .measure import measure_candidate
+from .result import TuneResult, TuneRow
+
+SKIPPABLE = (RuntimeError, ValueError, torch.OutOfMemoryError)
+"""Errors that skip a candidate (on every rank) instead of ending the tuning."""
+
+
+def tune(
+    model: nn.Module,
+    example_batch: Any,
+    *,
+    config: FSDP2Config | dict | str | None = None,
+    candidates: Sequence[Candidate | dict] | None = None,
+    optimizer: Any = "adamw",
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    micro_batches: int = 1,
+    warmup: int = 2,
+    steps: int = 5,
+    memory_budget: int | str | None = None,
+) -> TuneResult:
+    """Measure candidate settings of `model` on the initialised process group; return the table
+    and the fastest (`TuneResult.best_config`, for `shard_model`). Every rank must call it with
+    the same arguments (each rank's own micro-batch).
+
+    `example_batch`: one rank's micro-batch (a tensor, a tuple of positional inputs or a dict of
+    keyword inputs, real tensors). `config`: the base settings kept by every candidate (precision,
+    offload, checkpointing, ...). `candidates`: dicts of FSDP2Config fields (`TUNABLE_FIELDS`, an
+    optional "label") or `Candidate`s; default `default_candidates`. `optimizer`: a name ("adamw",
+    "sgd", ...), an optimizer class or `params -> optimizer`, built fresh per candidate.
+    `loss_fn(model, batch)`: default the output's `.loss`, else its first tensor's mean.
+    `micro_batches`: per optimizer step (gradient accumulation under the candidate's
+    `accumulation` mode). `warmup` / `steps`: untimed and timed optimizer steps per candidate.
+    `memory_budget`: bytes per rank (default `config.memory_budget`, else the device's or this
+    rank's share of RAM, less 10 %). `model` is copied per candidate, never changed; nor is the
+    random number generator state.
+    """
+    start = time.perf_counter()
+    _check_inputs(model, example_batch, micro_batches, warmup, steps)
+    base = FSDP2Config.coerce(config, log_plan=False)
+    if base.sharding_strategy == "auto":
+        base = dataclasses.replace(base, sharding_strategy="FULL_SHARD", objective="memory")
+    world, device_type = dist.get_world_size(), mesh_device_type()
+    nodes = detect_num_nodes(world)
+    given = candidates is not None
+    cands = coerce_candidates(candidates) if candidates is not None else default_candidates(base, nodes, micro_batches)
+    batch = tc.tree_map_only(torch.Tensor, lambda t: t.to(collective_device()), example_batch)
+    _check_agreement(cands, batch, model, micro_batches, warmup, steps)
+    budget = parse_bytes(memory_budget, "tune: memory_budget") or base.memory_budget or default_budget(world // nodes)
+    loss = loss_fn or default_loss
+    inputs = dict(
+        world_size=world,
+        nodes=nodes,
+        optimizer=optimizer,
+        example_batch=batch,
+        loss_fn=loss,
+        micro_batches=micro_batches,
+        device_type=device_type,
+    )
+    rows = _plan(model, base, cands, budget, inputs)
+    if not any(r.fits for r in rows) and not given:
+        rows += _plan(model, base, with_memory_savers(cands), budget, inputs)
+    if not any(r.fits for r in rows):
+        estimated = [r for r in rows if r.estimate is not None]
+        raise ValueError("tune: " + (_nothing_fits(estimated, budget, world) if estimated else rows[0].skipped))
+    sweep_start = time.perf_counter()
+    link = measure_link(collectives=base.collectives)
+    sweep_s = time.perf_counter() - sweep_start
+    run = dict(micro_batches=micro_batches, warmup=warmup, steps=steps)
+    time_model, reference = _measure_rows(model, base, rows, batch, loss, optimizer_factory(optimizer), link, run)
+    best = _pick(rows)
+    samples, tokens = _per_step(batch, micro_batches, world)
+    result = TuneResult(
+        rows=rows,
+        best=best,
+        best_config=best.candidate.config(base),
+        time_model=time_model,
+        reference=reference,
+        world_size=world,
+        device_type=device_type,
+        budget=budget,
+        samples_per_step=samples,
+        tokens_per_step=tokens,
+        sweep_s=sweep_s,
+        cost_s=time.perf_counter() - start,
+    )
+    log_rank_zero("f2.tune: %d candidate(s), %d run:\n%s", len(rows), sum(r.measured is not None for r in rows), result)
+    return result
+
+
+def _check_inputs(model: nn.Module, batch: Any, micro_batches: Any, warmup: Any, steps: Any) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("tune needs an initialised process group: call f2.init_distributed() on every rank first.")
+    if batch is None:
+        raise ValueError("tune: example_batch is None; pass one rank's micro-batch (a tensor, tuple or dict).")
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError("tune: the model is sharded already; tune the model before f2.shard_model (it shards copies).")
+    for name, value, low in (("micro_batches", micro_batches, 1), ("warmup", warmup, 0), ("steps", steps, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"tune: {name}={value!r} is invalid; use an int >= {low}.")
+
+
+def _signature(cands: list[Candidate], batch: Any, model: nn.Module, *numbers: int) -> dict[str, Any]:
+    leaves = [t for t in tc.tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    return {
+        "candidates": [c.label for c in cands],
+        "example_batch shapes": [(tuple(t.shape), str(t.dtype)) for t in leaves],
+        "model parameters": sum(p.numel() for p in model.parameters()),
+        "micro_batches, warmup, steps": list(numbers),
+    }
+
+
+def _check_agreement(cands: list[Candidate], batch: Any, model: nn.Module, *numbers: int) -> None:
+    """Every rank must tune the same things; a difference is an error on every rank (no rank is
+    left waiting in a collective the others never start)."""
+    mine = _signature(cands, batch, model, *numbers)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for rank, theirs in enumerate(every):
+        for key in mine:
+            if theirs[key] != every[0][key]:
+                raise ValueError(
+                    f"tune: ranks disagree on {key}: rank 0 has {every[0][key]!r}, rank {rank} has {theirs[key]!r}; "
+                    "every rank must pass the same model, candidates and counts (and same-shaped batches)."
+                )
+
+
+def _plan(model: nn.Module, base: FSDP2Config, cands: list[Candidate], budget: int, inputs: dict) -> list[TuneRow]:
+    rows = []
+    for cand in cands:
+        try:
+            cfg = cand.config(base)
+            est = estimate_memory(model, cfg, accumulation=cfg.accumulation, **inputs)
+        except ValueError as exc:
+            rows.append(TuneRow(cand, skipped=f"not estimated: {exc}"))
+            continue
+        fits = est.peak_bytes <= budget
+        skipped = "" if fits else f"estimated peak {est.peak_bytes:,} B is over the budget of {budget:,} B per rank"
+        rows.append(TuneRow(cand, est, fits, skipped=skipped))
+    return rows
+
+
+def _nothing_fits(rows: list[TuneRow], budget: int, world: int) -> str:
+    from ..estimate.compare import PlanRow
+
+    plan_rows = [
+        PlanRow(r.label, r.estimate.cpu_offload, r.estimate.activation_checkpointing, r.estimate, False)
+        for r in rows
+        if r.estimate
+    ]
+    return nothing_fits_message(plan_rows, budget, world)
+
+
+def _agreed(fn: Callable[[], Any]) -> tuple[Any, str]:
+    """`fn()` on every rank; (its value, "") when it succeeded everywhere, else (None, the reasons)."""
+    error, value = None, None
+    try:
+        value = fn()
+    except SKIPPABLE as exc:
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if torch.accelerator.is_available():
+            torch.accelerator.empty_cache()
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    return (None, "failed: " + "; ".join(failed)) if failed else (value, "")
+
+
+def _measure_rows(model, base, rows, batch, loss, make_opt, link, run) -> tuple[StepTimeModel | None, str]:
+    """Run every fitting row, then predict every estimated row from the first one measured and
+    the measured one whose collective calls differ most from it (`ComputeProfile.fit`)."""
+    rng = torch.get_rng_state()
+    for row in rows:
+        if row.fits:
+            cfg = row.candidate.config(base)
+            run_it = lambda cfg=cfg: measure_candidate(model, cfg, batch, loss, make_opt, **run)  # noqa: E731
+            row.measured, row.skipped = _agreed(run_it)
+    torch.set_rng_state(rng)
+    measured = [r for r in rows if r.measured is not None and r.estimate is not None]
+    if not measured:
+        return None, ""
+    ref = measured[0]
+    other = max(measured, key=lambda r: abs(_call_count(r) - _call_count(ref)))
+    m = ref.measured
+    assert m is not None and ref.estimate is not None and other.measured is not None and other.estimate is not None
+    phases = (m.forward_s, m.backward_s, m.optimizer_s)
+    device_type = mesh_device_type()
+    compute = ComputeProfile.fit(phases, ref.estimate, other.measured.step_s, other.estimate, link, device_type)
+    time_model = StepTimeModel(link, compute, device_type)
+    for row in rows:
+        if row.estimate is not None:
+            row.predicted = time_model.predict(row.estimate)
+    names = [ref.label] + ([other.label] if other is not ref and _call_count(other) != _call_count(ref) else [])
+    return time_model, " + ".join(names)
+
+
+def _call_count(row: TuneRow) -> int:
+    return sum(row.estimate.collective_calls.values()) if row.estimate is not None else 0
+
+
+def _pick(rows: list[TuneRow]) -> TuneRow:
+    measured = [r for r in rows if r.measured is not None]
+    if not measured:
+        raise RuntimeError(
+            "tune: every fitting candidate failed:\n" + "\n".join(f"  {r.label}: {r.skipped}" for r in rows)
+        )
+    label = min(measured, key=lambda r: r.measured.step_s).label if dist.get_rank() == 0 else None  # type: ignore[union-attr]
+    box = [label]
+    dist.broadcast_object_list(box, src=0)
+    return next(r for r in rows if r.label == box[0])
+
+
+def _per_step(batch: Any, micro_batches: int, world: int) -> tuple[int, int]:
+    leaves = [t for t in tc.tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    if not leaves or leaves[0].ndim == 0:
+        return micro_batches * world, 0
+    first = leaves[0]
+    tokens = first.numel() if not first.is_floating_point() and first.ndim >= 2 else 0
+    return first.shape[0] * micro_batches * world, tokens * micro_batches * world
