@@ -21,7 +21,7 @@ from .estimate import MemoryEstimate, StrategyComparison, compare_strategies, es
 from .fsdp1 import fully_shard
 from .shard import ShardingPlan, replicate, shard_model, sharding_plan
 from .train import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, reshard, set_gradient_sync
-from .tune import TuneResult, measure_link, tune
+from .tuning import TuneResult, measure_link, tune
 from .versions import warn_untested_versions
 
 __all__ = [

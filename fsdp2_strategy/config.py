@@ -236,7 +236,7 @@ class FSDP2Config:
     (default: the least communication, from shapes alone) or "throughput" (`f2.tune` measures each
     fitting setting on the process group with the example batch `shard_model` is given and picks
     the fastest; strategy, wrapping, reshard and accumulation mode may change; the decision is
-    cached in a JSON file, `fsdp2_strategy.tune.cache_path()`, so a restarted run does not re-tune)."""
+    cached in a JSON file, `fsdp2_strategy.tuning.cache_path()`, so a restarted run does not re-tune)."""
 
     def __post_init__(self) -> None:
         self.sharding_strategy = _strategy_name(self.sharding_strategy, allow_auto=True)

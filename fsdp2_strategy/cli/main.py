@@ -1,4 +1,5 @@
-"""`fsdp2-strategy` command line: consolidate, export (PEFT) and inspect sharded checkpoints; plan memory."""
+"""`fsdp2-strategy` command line: consolidate, export (PEFT) and inspect sharded checkpoints; plan memory;
+tune throughput."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 
 from ..checkpoint import export_full, export_peft, inspect_checkpoint
 from . import plan as plan_command
+from . import tune as tune_command
 
 
 def _size(text: str) -> int:
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("checkpoint")
     insp.add_argument("--step", type=int, default=None)
     plan_command.add_parser(sub)
+    tune_command.add_parser(sub)
     return parser
 
 
@@ -66,6 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return plan_command.run(args)
+        if args.command == "tune":
+            return tune_command.run(args)
         if args.command == "consolidate":
             out = export_full(
                 args.checkpoint,

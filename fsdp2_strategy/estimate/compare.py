@@ -238,7 +238,7 @@ def resolve_strategy(
         return config
     if getattr(config, "objective", "memory") != "memory":
         if config.objective not in _objective_resolvers:
-            raise RuntimeError(f"FSDP2Config.objective={config.objective!r} needs fsdp2_strategy.tune imported.")
+            raise RuntimeError(f"FSDP2Config.objective={config.objective!r} needs fsdp2_strategy.tuning imported.")
         return _objective_resolvers[config.objective](model, config, world_size, nodes, **planner_inputs)
     resolved, reason = resolve_auto(model, config, world_size, nodes, **planner_inputs)
     log_rank_zero("%s", reason)
@@ -251,7 +251,7 @@ _objective_resolvers: dict[str, ObjectiveResolver] = {}
 
 def register_objective(name: str, resolver: ObjectiveResolver) -> None:
     """Let `resolve_strategy` hand `FSDP2Config(sharding_strategy="auto", objective=name)` to
-    `resolver(model, config, world_size, nodes, **planner_inputs) -> config`. `fsdp2_strategy.tune`
+    `resolver(model, config, world_size, nodes, **planner_inputs) -> config`. `fsdp2_strategy.tuning`
     registers "throughput" (it measures sharded models, so it sits above `shard`, which calls
     `resolve_strategy`)."""
     _objective_resolvers[name] = resolver

@@ -14,7 +14,7 @@ The model, per optimizer step of `k` micro-batches on one rank:
 
 `calls` and `bytes` (what each rank sends, ring-counted) come from `estimate_memory`
 (`MemoryEstimate.collective_calls`, `.communication`); latency and bandwidth per collective from a
-sweep on the process group (`Link`, measured by `fsdp2_strategy.tune.measure_link`); forward,
+sweep on the process group (`Link`, measured by `fsdp2_strategy.tuning.measure_link`); forward,
 backward and the optimizer step from one measured step (`ComputeProfile.from_step`), and
 `per_call` - what a call costs inside a step beyond the sweep's latency (FSDP's buffer copies
 and hooks, ranks waiting for each other) - from a second measured step with another number of
@@ -201,7 +201,7 @@ def predict_step_time(
         exposed = comm
     else:
         calls = estimate.collective_calls.get("all_gather", 0)
-        first = by["all_gather"] / calls if calls else 0.0
+        first = by["all_gather"] / calls + compute.per_call_s if calls else 0.0
         exposed = first + max(0.0, comm - first - compute_s)
     return StepTimePrediction(compute_s, optimizer_s, comm, exposed, by)
 
@@ -211,7 +211,7 @@ _measure_time_model: list[TimeModelSource] = []
 
 
 def register_time_model_source(source: TimeModelSource) -> None:
-    """Installed by `fsdp2_strategy.tune` (a layer above this one: it shards models to measure):
+    """Installed by `fsdp2_strategy.tuning` (a layer above this one: it shards models to measure):
     `source(model, config, example_batch=, loss_fn=, optimizer=, device_type=)` measures a
     `StepTimeModel` on the current process group, for `compare_strategies(time=True)`."""
     _measure_time_model[:] = [source]
@@ -220,5 +220,5 @@ def register_time_model_source(source: TimeModelSource) -> None:
 def measured_time_model(model: Any, config: Any, **inputs: Any) -> StepTimeModel:
     """A `StepTimeModel` measured now on the process group (see `register_time_model_source`)."""
     if not _measure_time_model:
-        raise RuntimeError("compare_strategies(time=True) needs fsdp2_strategy.tune; import fsdp2_strategy first.")
+        raise RuntimeError("compare_strategies(time=True) needs fsdp2_strategy.tuning; import fsdp2_strategy first.")
     return _measure_time_model[0](model, config, **inputs)

@@ -60,7 +60,7 @@ class Measurement:
     collectives: dict[str, int] = field(default_factory=dict)
     """Collective operations per optimizer step (`C10D_NAMES`)."""
     cost_s: float = 0.0
-    """Seconds this candidate took to tune: build, warm-up, timed and probe steps."""
+    """Seconds this candidate took to tune: build, warm-up, timed and probe steps (slowest rank)."""
     steps: list[float] = field(default_factory=list)
     """Every timed step (seconds)."""
 
@@ -184,10 +184,12 @@ def measure_candidate(
         phases = train_step(sharded, opt, batch, loss_fn, micro_batches, acc)
         rows.append([time.perf_counter() - t0, *phases])
     peak, counts = _probe(sharded, opt, batch, loss_fn, micro_batches, acc)
-    slowest = torch.tensor(rows + [[float(peak), 0.0, 0.0, 0.0]], dtype=torch.float64, device=collective_device())
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     del sharded, opt
     gc.collect()
+    cost = time.perf_counter() - start
+    extra = [float(peak), cost, 0.0, 0.0]
+    slowest = torch.tensor(rows + [extra], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank now holds the same numbers
     cols = list(zip(*slowest[:-1].tolist()))
     k = micro_batches
     return Measurement(
@@ -197,6 +199,6 @@ def measure_candidate(
         optimizer_s=statistics.median(cols[3]),
         peak_bytes=int(slowest[-1, 0].item()),
         collectives=counts,
-        cost_s=time.perf_counter() - start,
+        cost_s=slowest[-1, 1].item(),
         steps=list(cols[0]),
     )

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from .. import _torch_compat as tc
 from ..config import FSDP2Config, parse_bytes
-from ..distributed import log_rank_zero
+from ..distributed import from_rank_zero, log_rank_zero
 from ..estimate import estimate_memory
 from ..estimate.compare import default_budget, nothing_fits_message
 from ..estimate.sim_model import default_loss
@@ -102,6 +102,7 @@ def tune(
     time_model, reference = _measure_rows(model, base, rows, batch, loss, optimizer_factory(optimizer), link, run)
     best = _pick(rows)
     samples, tokens = _per_step(batch, micro_batches, world)
+    sweep_s, cost_s = from_rank_zero((sweep_s, time.perf_counter() - start))  # one table on every rank
     result = TuneResult(
         rows=rows,
         best=best,
@@ -114,7 +115,7 @@ def tune(
         samples_per_step=samples,
         tokens_per_step=tokens,
         sweep_s=sweep_s,
-        cost_s=time.perf_counter() - start,
+        cost_s=cost_s,
     )
     log_rank_zero("f2.tune: %d candidate(s), %d run:\n%s", len(rows), sum(r.measured is not None for r in rows), result)
     return result

@@ -68,7 +68,8 @@ def resolve_throughput(
 
 
 def _chosen(config: FSDP2Config, changes: dict) -> FSDP2Config:
-    return FSDP2Config.coerce(config, **{"sharding_strategy": "FULL_SHARD", **changes})
+    # The resolved config names a concrete strategy, which objective="throughput" may not accompany.
+    return FSDP2Config.coerce(config, **{"sharding_strategy": "FULL_SHARD", **changes, "objective": "memory"})
 
 
 def measure_time_model(

@@ -3,7 +3,6 @@ label) and `default_candidates`, the ones worth trying on a given world."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,7 +115,3 @@ def with_memory_savers(candidates: list[Candidate]) -> list[Candidate]:
             out.append(Candidate(_label(changes), changes))
     return out
 
-
-def summary(config: FSDP2Config) -> dict[str, Any]:
-    """The tunable fields of `config` (for the table's "chosen" line and the cache)."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name in TUNABLE_FIELDS}

@@ -1,0 +1,331 @@
+"""`f2.tune`, `fsdp2-strategy tune`, the step-time model and `FSDP2Config(objective="throughput")`.
+
+One 2-rank world runs every distributed check on a tiny model (few candidates, 1-2 steps each);
+the formula tests need no world. No assertion here depends on how fast anything ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _harness import run_agreeing
+from torch import nn
+
+import fsdp2_strategy as f2
+from fsdp2_strategy.cli.main import main
+from fsdp2_strategy.estimate import CollectiveFit, ComputeProfile, Link, MemoryEstimate, predict_step_time
+from fsdp2_strategy.tuning.cache import cache_key, read_decision, write_decision
+from fsdp2_strategy.tuning.link import fit_line
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class Tiny(nn.Module):
+    def __init__(self, dim: int = 64, layers: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, 2)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def tiny_with_batch():
+    """A `tune` CLI factory: the model, one rank's batch and the loss."""
+    torch.manual_seed(0)
+    return Tiny(), torch.randn(8, 64), lambda model, batch: model(batch).square().mean()
+
+
+FEW = [
+    {"sharding_strategy": "FULL_SHARD"},
+    {"sharding_strategy": "FULL_SHARD", "wrap_policy": None},
+    {"sharding_strategy": "NO_SHARD", "wrap_policy": None},
+]
+
+
+def _fails_without_block_groups(model, batch):
+    from torch.distributed.fsdp import FSDPModule
+
+    if batch.device.type != "meta" and not isinstance(model.blocks[0], FSDPModule):  # one group, when run
+        raise torch.OutOfMemoryError("simulated: out of memory in forward")
+    return model(batch).square().mean()
+
+
+def _tune_world(cache: str) -> dict:
+    torch.manual_seed(0)
+    model, batch = Tiny(), torch.randn(8, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(batch).sum().backward()
+    opt.step()
+    grads = [p.grad.clone() for p in model.parameters()]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_before = {k: v.clone() for k, v in opt.state[model.head.weight].items()}
+    rng = torch.get_rng_state()
+    out: dict = {}
+
+    # Budget between FULL_SHARD's estimate and NO_SHARD's: NO_SHARD is reported, not run.
+    peaks = {
+        c["sharding_strategy"] + str("wrap_policy" in c): f2.estimate_memory(
+            model, c, world_size=2, example_batch=batch
+        ).peak_bytes
+        for c in FEW
+    }
+    budget = (peaks["NO_SHARDTrue"] + max(peaks["FULL_SHARDFalse"], peaks["FULL_SHARDTrue"])) // 2
+    result = f2.tune(model, batch, candidates=FEW, steps=2, warmup=1, memory_budget=budget)
+    out["rows"] = [(r.label, r.fits, r.measured is not None, r.skipped) for r in result.rows]
+    out["best"] = result.best.label
+    out["predicted"] = [r.predicted is not None and r.predicted.total_s > 0 for r in result.rows]
+    out["table"] = str(result)
+    out["unchanged"] = all(torch.equal(before[k], v) for k, v in model.state_dict().items()) and all(
+        torch.equal(opt_before[k], v) for k, v in opt.state[model.head.weight].items()
+    )
+    out["rng_unchanged"] = torch.equal(rng, torch.get_rng_state())
+    out["grads_unchanged"] = all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+    # A candidate failing on every rank is skipped with its reason; the tuning goes on.
+    failing = f2.tune(model, batch, candidates=FEW[:2], loss_fn=_fails_without_block_groups, steps=1, warmup=0)
+    out["failing"] = [(r.label, r.measured is not None, r.skipped.split(":")[0]) for r in failing.rows]
+    out["failing_reason"] = failing.rows[1].skipped
+
+    # Ranks that disagree get one error each, not a hang.
+    mine = FEW[:1] if torch.distributed.get_rank() == 0 else FEW[1:2]
+    try:
+        f2.tune(model, batch, candidates=mine, steps=1, warmup=0)
+    except ValueError as exc:
+        out["disagree"] = str(exc)
+
+    # compare_strategies(time=True): a predicted column from a sweep and one measured step.
+    timed = f2.compare_strategies(
+        model,
+        world_size=2,
+        example_batch=batch,
+        strategies=("FULL_SHARD", "NO_SHARD"),
+        offload=(False,),
+        checkpointing=(False,),
+        time=True,
+    )
+    out["timed_rows"] = [r.predicted is not None and r.predicted.total_s > 0 for r in timed.rows]
+    out["timed_header"] = "predicted s/step" in str(timed)
+
+    # objective="throughput": tuned and cached once, reused on the next call without tuning.
+    os.environ["FSDP2_TUNE_CACHE"] = cache
+    cfg = {"sharding_strategy": "auto", "objective": "throughput", "log_plan": False}
+    first = f2.shard_model(Tiny(), cfg, example_batch=batch)
+    with open(cache) as f:
+        (entry,) = json.load(f).values()
+    out["cached"] = sorted(entry)
+    import fsdp2_strategy.tuning.resolve as resolve
+
+    def no_tuning(*args, **kwargs):
+        raise AssertionError("tuned again although the decision was cached")
+
+    resolve.tune, original = no_tuning, resolve.tune
+    try:
+        second = f2.shard_model(Tiny(), cfg, example_batch=batch)
+    finally:
+        resolve.tune = original
+    out["same_choice"] = str(f2.sharding_plan(first)) == str(f2.sharding_plan(second))
+
+    # The command line, on the same world.
+    out["cli"] = main(
+        [
+            "tune",
+            "test_tune:tiny_with_batch",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--candidates",
+            json.dumps(FEW[:2]),
+            "--json",
+            cache + ".cli.json",
+        ]
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("tune") / "fsdp2_tune.json")
+    return run_agreeing(_tune_world, 2, cache, timeout=240), cache
+
+
+def test_candidates_over_the_budget_are_reported_not_run(world):
+    out, _ = world
+    rows = {label: (fits, ran, why) for label, fits, ran, why in out["rows"]}
+    assert rows["NO_SHARD/one group"][:2] == (False, False) and "over the budget" in rows["NO_SHARD/one group"][2]
+    assert rows["FULL_SHARD/blocks"][:2] == (True, True) and rows["FULL_SHARD/one group"][:2] == (True, True)
+    assert out["best"] in ("FULL_SHARD/blocks", "FULL_SHARD/one group")
+    assert all(out["predicted"]), "every estimated row gets a prediction"
+    assert "<-" in out["table"] and "NO_SHARD/one group: estimated peak" in out["table"]
+
+
+def test_tuning_leaves_the_model_the_optimizer_and_the_rng_as_they_were(world):
+    out, _ = world
+    assert out["unchanged"] and out["rng_unchanged"] and out["grads_unchanged"]
+
+
+def test_a_failing_candidate_is_skipped_with_its_reason_and_disagreeing_ranks_get_an_error(world):
+    out, _ = world
+    assert out["failing"] == [("FULL_SHARD/blocks", True, ""), ("FULL_SHARD/one group", False, "failed")]
+    assert "rank 0: OutOfMemoryError" in out["failing_reason"] and "rank 1: OutOfMemoryError" in out["failing_reason"]
+    assert out["disagree"].startswith("tune: ranks disagree on candidates: rank 0 has ['FULL_SHARD/blocks'], rank 1")
+
+
+def test_compare_strategies_time_true_adds_predictions(world):
+    out, _ = world
+    assert out["timed_rows"] == [True, True] and out["timed_header"]
+
+
+def test_throughput_objective_caches_and_reuses_the_decision(world):
+    out, cache = world
+    assert out["cached"] == ["changes", "label", "step_s", "table"]
+    assert out["same_choice"]
+    assert out["cli"] == 0
+    written = json.load(open(cache + ".cli.json"))
+    assert [r["label"] for r in written["rows"]] == ["FULL_SHARD/blocks", "FULL_SHARD/one group"]
+    assert written["best"] in ("FULL_SHARD/blocks", "FULL_SHARD/one group")
+
+
+# --------------------------------------------------------------------------- no world needed
+def _estimate(**fields) -> MemoryEstimate:
+    base = dict.fromkeys(
+        (
+            "param_bytes",
+            "gathered_param_bytes",
+            "grad_bytes",
+            "optimizer_bytes",
+            "mixed_precision_bytes",
+            "buffer_bytes",
+            "activation_bytes",
+            "activation_peak_bytes",
+            "communication_buffer_bytes",
+            "peak_bytes",
+        ),
+        0,
+    )
+    defaults = dict(strategy="FULL_SHARD", world_size=2, shard_size=2, cpu_offload=False, accumulation="sync_last")
+    return MemoryEstimate(**{**base, **defaults, "peak_phase": "forward", **fields})
+
+
+LINK = Link(
+    {
+        "all_gather": CollectiveFit(latency_s=1e-3, bytes_per_s=1e9),
+        "reduce_scatter": CollectiveFit(latency_s=2e-3, bytes_per_s=5e8),
+        "all_reduce": CollectiveFit(latency_s=3e-3, bytes_per_s=2e9),
+    },
+    world_size=2,
+)
+
+
+def test_the_step_time_formula():
+    est = _estimate(
+        activation_checkpointing=True,
+        micro_batches=2,
+        collective_calls={"all_gather": 6, "reduce_scatter": 2, "all_reduce": 0},
+        communication={"all_gather": 4_000_000, "reduce_scatter": 1_000_000, "all_reduce": 0},
+        gathering_groups=2,
+    )
+    compute = ComputeProfile(forward_s=0.1, backward_s=0.2, optimizer_s=0.4, per_call_s=0.01)
+    p = predict_step_time(est, LINK, compute, "cpu")
+    # 2 x (0.1 + 0.2 + 0.1 recomputed); 0.4 / 2 ranks; 6 x (1 ms + 10 ms) + 4 MB / 1 GB/s;
+    # 2 x (2 ms + 10 ms) + 1 MB / 0.5 GB/s; nothing overlaps on CPU.
+    assert p.compute_s == pytest.approx(0.8) and p.optimizer_s == pytest.approx(0.2)
+    assert p.communication_s == pytest.approx(0.066 + 0.004 + 0.024 + 0.002)
+    assert p.exposed_s == p.communication_s and p.total_s == pytest.approx(0.8 + 0.2 + 0.096)
+    # On an accelerator only one all-gather is exposed when compute covers the rest.
+    cuda = predict_step_time(est, LINK, compute, "cuda")
+    assert cuda.exposed_s == pytest.approx(0.001 + 0.004 / 6 + 0.01)
+
+
+def test_compute_and_per_call_cost_are_recovered_from_two_measured_steps():
+    many = _estimate(
+        activation_checkpointing=False,
+        micro_batches=1,
+        collective_calls={"all_gather": 7, "reduce_scatter": 4, "all_reduce": 0},
+        communication={"all_gather": 3_000_000, "reduce_scatter": 2_000_000, "all_reduce": 0},
+        gathering_groups=4,
+    )
+    one = _estimate(
+        activation_checkpointing=False,
+        micro_batches=1,
+        collective_calls={"all_gather": 1, "reduce_scatter": 1, "all_reduce": 0},
+        communication={"all_gather": 1_500_000, "reduce_scatter": 2_000_000, "all_reduce": 0},
+        gathering_groups=1,
+    )
+    truth = ComputeProfile(forward_s=0.05, backward_s=0.1, optimizer_s=0.08, per_call_s=0.004)
+    # The phases a step of `many` would show: forward holds 4 of the 7 all-gathers.
+    ag = 7 * (1e-3 + 0.004) + 3_000_000 / 1e9
+    rs = 4 * (2e-3 + 0.004) + 2_000_000 / 5e8
+    phases = (0.05 + ag * 4 / 7, 0.1 + ag * 3 / 7 + rs, 0.08 / 2)
+    measured_one = predict_step_time(one, LINK, truth).total_s
+    fitted = ComputeProfile.fit(phases, many, measured_one, one, LINK)
+    assert fitted.per_call_s == pytest.approx(0.004, rel=1e-6)
+    assert (fitted.forward_s, fitted.backward_s, fitted.optimizer_s) == pytest.approx((0.05, 0.1, 0.08))
+
+
+def test_fit_line_recovers_latency_and_bandwidth():
+    points = [(x, 2e-4 + x / 3e8) for x in (1e4, 1e6, 8e6)]
+    fit = fit_line(points)
+    assert fit.latency_s == pytest.approx(2e-4) and fit.bytes_per_s == pytest.approx(3e8)
+
+
+def test_collective_calls_follow_the_accumulation_mode():
+    model, batch = Tiny(layers=3), torch.randn(8, 64)
+    calls = {
+        mode: f2.estimate_memory(
+            model, {"accumulation": mode}, world_size=2, example_batch=batch, accumulation=mode, micro_batches=4
+        ).collective_calls
+        for mode in ("sync_each", "sync_last", "keep_gathered")
+    }
+    assert calls["sync_each"]["reduce_scatter"] == 4 * calls["sync_last"]["reduce_scatter"]
+    assert calls["keep_gathered"]["all_gather"] < calls["sync_last"]["all_gather"] == calls["sync_each"]["all_gather"]
+
+
+def test_objective_is_validated():
+    with pytest.raises(ValueError, match=r"FSDP2Config.objective='fast'.*memory, throughput"):
+        f2.FSDP2Config(sharding_strategy="auto", objective="fast")
+    with pytest.raises(ValueError, match=r"FSDP2Config.objective='throughput'.*sharding_strategy='auto'"):
+        f2.FSDP2Config(sharding_strategy="FULL_SHARD", objective="throughput")
+
+
+def test_bad_input_is_refused_before_anything_runs():
+    with pytest.raises(RuntimeError, match="initialised process group"):
+        f2.tune(Tiny(), torch.randn(2, 64))
+    with pytest.raises(ValueError, match="needs one rank's micro-batch"):
+        from fsdp2_strategy.tuning import resolve_throughput
+
+        resolve_throughput(Tiny(), f2.FSDP2Config(sharding_strategy="auto", objective="throughput"), 2, 1)
+    with pytest.raises(ValueError, match="does not vary"):
+        from fsdp2_strategy.tuning.candidates import coerce_candidates
+
+        coerce_candidates([{"memory_budget": "1GiB"}])
+
+
+def test_cache_key_depends_on_model_world_and_device(tmp_path):
+    cfg = f2.FSDP2Config()
+    key = cache_key(Tiny(), torch.randn(8, 64), cfg, 2, 1, "cpu")
+    assert key == cache_key(Tiny(), torch.randn(8, 64), cfg, 2, 1, "cpu")
+    assert key != cache_key(Tiny(layers=4), torch.randn(8, 64), cfg, 2, 1, "cpu")
+    assert key != cache_key(Tiny(), torch.randn(8, 64), cfg, 4, 1, "cpu")
+    assert key != cache_key(Tiny(), torch.randn(8, 64), cfg, 2, 1, "cuda")
+    path = tmp_path / "c.json"
+    assert read_decision(path, key) is None
+    write_decision(path, key, {"label": "x", "changes": {"sharding_strategy": "NO_SHARD"}, "step_s": 0.1})
+    write_decision(path, "other", {"label": "y", "changes": {}, "step_s": 0.2})
+    assert read_decision(path, key)["changes"] == {"sharding_strategy": "NO_SHARD"}
+    path.write_text("not json")
+    assert read_decision(path, key) is None
