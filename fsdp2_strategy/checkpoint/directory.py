@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ..distributed import barrier, from_rank_zero, is_distributed, logger, rank
 from . import integrity as integrity
 from .async_save import AsyncSaver
+from .layout import check_param_groups, layouts_named, saved_group_keys
 from .state import UNSTEPPED, Models, Optimizers, apply_state, model_state, sharded_state, without_markers
 from .trainable import base_mismatches, fingerprint_key
 
@@ -292,21 +293,26 @@ def load_dir(
     # A trainable-only checkpoint (its frozen base's fingerprint saved beside it) holds no frozen weights.
     partial = {key for key in models if fingerprint_key(key) in metadata.state_dict_metadata}
     model_states = {key: model_state(model, trainable_only=key in partial) for key, model in models.items()}
-    for i, (key, current) in enumerate(model_states.items()):
-        check_compatible(metadata, current, key + ".", path, absent if i == 0 else None, strict=strict)
-        if not strict:
-            saved = saved_keys(metadata, key + ".")
-            model_states[key] = {k: v for k, v in current.items() if k in saved}
-    if absent and not models:
-        raise ValueError(f"Checkpoint {path} does not match:\n  " + "\n  ".join(absent))
-    fingerprints = {fingerprint_key(key): "" for key in partial}
-    state = {**model_states, **fingerprints, **without_markers(sharded_state({}, optimizers), optimizers)}
-    if state:
-        load_dcp(state, path)
-    for key in sorted(partial):
-        check_same_base(path, key, state[fingerprint_key(key)], models[key])
-    unstepped = frozenset(k for k in optimizers if f"{k}.{UNSTEPPED}" in metadata.state_dict_metadata)
-    apply_state(state, models, optimizers, strict=strict, unstepped=unstepped)
+    with layouts_named(metadata, model_states):  # every error below names both layouts
+        for i, (key, current) in enumerate(model_states.items()):
+            check_compatible(metadata, current, key + ".", path, absent if i == 0 else None, strict=strict)
+            if not strict:
+                saved = saved_keys(metadata, key + ".")
+                model_states[key] = {k: v for k, v in current.items() if k in saved}
+        if absent and not models:
+            raise ValueError(f"Checkpoint {path} does not match:\n  " + "\n  ".join(absent))
+        fingerprints = {fingerprint_key(key): "" for key in partial}
+        state = {**model_states, **fingerprints, **without_markers(sharded_state({}, optimizers), optimizers)}
+        saved_groups = {k: None for key in optimizers for k in saved_group_keys(metadata.state_dict_metadata, key)}
+        if saved_groups:  # the parameter names of each saved group: a few small entries
+            load_dcp(saved_groups, path)
+            check_param_groups(path, saved_groups, {key: state[key] for key in optimizers})
+        if state:
+            load_dcp(state, path)
+        for key in sorted(partial):
+            check_same_base(path, key, state[fingerprint_key(key)], models[key])
+        unstepped = frozenset(k for k in optimizers if f"{k}.{UNSTEPPED}" in metadata.state_dict_metadata)
+        apply_state(state, models, optimizers, strict=strict, unstepped=unstepped)
 
 
 def check_same_base(path: Path, key: str, saved: str, model: nn.Module) -> None:

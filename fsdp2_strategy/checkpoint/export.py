@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from ..precision import dtype_from_name
 from . import directory as cdir
 from . import integrity as integrity
 from .hf_files import ShardWriter
+from .layout import saved_world_size
 from .peft import PEFT_ENTRY
 
 # Where the model's tensors sit in a DCP checkpoint: `Checkpointer` ("model.") and
@@ -126,16 +126,6 @@ def write_model_view(checkpoint_dir: str | Path, key: str, view: str, *, as_key:
         f.flush()
         os.fsync(f.fileno())
     return out
-
-
-def saved_world_size(metadata: Metadata) -> int:
-    """Number of ranks that wrote the checkpoint (from the `__<rank>_<n>.distcp` file names)."""
-    ranks = set()
-    for info in (metadata.storage_data or {}).values():
-        match = re.match(r"__(\d+)_", getattr(info, "relative_path", ""))
-        if match:
-            ranks.add(int(match.group(1)))
-    return len(ranks) or 1
 
 
 def _nbytes(meta: Any, dtype: torch.dtype | None) -> int:
