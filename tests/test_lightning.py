@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("lightning")
 
-from _collect import close_lists  # noqa: E402
+from _collect import close_lists, max_rel_diff  # noqa: E402
 from _harness import assert_no_flow_failed, free_port  # noqa: E402
 
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy  # noqa: E402
@@ -253,6 +253,45 @@ def test_resume_across_world_sizes(runs):
     c = runs["flows"]["checkpoints"]
     assert _close(c["from_single_losses"], ref[4:]) and c["from_single_diff"] < TOL  # 1 -> 2
     assert _close(runs["resume"]["losses"], ref[4:])  # 2 -> 1
+
+
+def _state_rel(a: dict, b: dict) -> float:
+    """Largest relative difference of parameters and momentum between two `resume_flows.record`s."""
+    return max(
+        max_rel_diff({k: torch.tensor(v) for k, v in a[part].items()}, {k: torch.tensor(v) for k, v in b[part].items()})
+        for part in ("params", "momentum")
+    )
+
+
+def test_mid_epoch_resume_on_another_number_of_processes(runs):
+    """2 -> 1 and 1 -> 2 from a checkpoint in the middle of epoch 1 (step 6 of 8), global batch 8 on
+    either: Lightning restores the global step, the scheduler and, with a resumable loader, the data
+    position; the resumed steps see the same learning rates and samples as the uninterrupted run on
+    that number of processes, and end at the same parameters and momentum."""
+    one = runs["single"]["other_world_sizes"]["one"]
+    two, from_one = (
+        runs["flows"]["resume_other_world_sizes"]["two"],
+        runs["flows"]["resume_other_world_sizes"]["from_one"],
+    )
+    from_two = runs["resume"]["from_two"]
+    assert one["samples"] == two["samples"] and one["lrs"] == two["lrs"]  # 1 and 2 processes: same global batches
+    assert len({tuple(s) for s in one["samples"]}) == 8  # 8 different global batches over the 2 epochs
+    for resumed, uninterrupted in ((from_one, two), (from_two, one)):
+        assert resumed["global_steps"] == uninterrupted["global_steps"][6:] == [6, 7]
+        assert resumed["lrs"] == uninterrupted["lrs"][6:]  # StepLR(gamma=0.8), stepped every optimizer step
+        assert resumed["samples"] == uninterrupted["samples"][6:]
+        assert resumed["final_global_step"] == uninterrupted["final_global_step"] == 8
+        assert _state_rel(resumed, uninterrupted) < TOL
+
+
+def test_mid_epoch_resume_with_a_plain_loader_repeats_the_epoch_start(runs):
+    """What the docs warn about: a plain DataLoader has no position to restore, so Lightning (with a
+    warning) starts epoch 1's data again: global step and learning rate are right, the samples are
+    those of the epoch's first batches, and its last two batches are never seen."""
+    r = runs["single"]["other_world_sizes"]
+    plain, resumed = r["plain"], r["plain_resumed"]
+    assert resumed["global_steps"] == [6, 7] and resumed["lrs"] == plain["lrs"][6:]
+    assert resumed["samples"] == plain["samples"][4:6] != plain["samples"][6:]
 
 
 def test_load_from_checkpoint_reads_sharded_dir_in_one_process(runs):

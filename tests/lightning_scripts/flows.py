@@ -37,6 +37,7 @@ from common import (
     write_json,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
+from resume_flows import resume_other_world_sizes
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -572,6 +573,7 @@ FLOWS = [
     checkpoints,
     peft_checkpoints,
     auto_strategy,
+    resume_other_world_sizes,
 ]
 
 

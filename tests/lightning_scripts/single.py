@@ -1,7 +1,9 @@
 """One-process Lightning runs (devices=1, global batch 8 = 2 ranks x 4) for the resharding tests.
 
-single.py train  OUT.json WORKDIR           reference run of 2 epochs + a 1-epoch checkpoint
-single.py resume OUT.json CKPT FLOWS.json   load_from_checkpoint(CKPT), then resume fit from it
+single.py train  OUT.json WORKDIR           reference run of 2 epochs + a 1-epoch checkpoint; the
+                                            1-process runs of resume_flows (mid-epoch checkpoints)
+single.py resume OUT.json CKPT FLOWS.json   load_from_checkpoint(CKPT), then resume fit from it; the
+                                            2-rank mid-epoch checkpoint continued (2 -> 1)
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 import torch
 from common import LitMLP, full_params, loader, max_rel_diff, trainer, write_json
 from lightning.pytorch.callbacks import ModelCheckpoint
+from resume_flows import checkpoint, one_process_runs, record
 
 import fsdp2_strategy as f2
 
@@ -26,7 +29,14 @@ def train(out_path: str, work: str) -> None:
     first = LitMLP(optimizer="adam")
     callback = ModelCheckpoint(dirpath=Path(work) / "single_ckpts", save_top_k=-1)
     trainer(devices=1, max_epochs=1, enable_checkpointing=True, callbacks=[callback]).fit(first, loader(BATCH))
-    write_json(out_path, {"ref_losses": ref.losses, "params": {k: v.tolist() for k, v in full_params(ref).items()}})
+    write_json(
+        out_path,
+        {
+            "ref_losses": ref.losses,
+            "params": {k: v.tolist() for k, v in full_params(ref).items()},
+            "other_world_sizes": one_process_runs(Path(work)),
+        },
+    )
 
 
 def resume(out_path: str, ckpt: str, flows_json: str) -> None:
@@ -55,6 +65,8 @@ def resume(out_path: str, ckpt: str, flows_json: str) -> None:
             "loaded_hparams": dict(loaded.hparams),
             "losses": model.losses,
             "params": {k: v.tolist() for k, v in full_params(model).items()},
+            # 2 -> 1: the mid-epoch checkpoint of flows.py's 2-rank run, continued on one process.
+            "from_two": record(Path(flows_json).parent, "", 1, checkpoint(Path(flows_json).parent, "lit_two")),
         },
     )
 
