@@ -114,4 +114,3 @@ def with_memory_savers(candidates: list[Candidate]) -> list[Candidate]:
             changes = {**c.changes, **extra}
             out.append(Candidate(_label(changes), changes))
     return out
-

@@ -34,6 +34,10 @@ from .link import measure_link
 from .measure import measure_candidate
 from .result import TuneResult, TuneRow
 
+FIRST_EXTRA_WARMUP = 3
+"""Warm-up steps the first measured candidate takes beyond `warmup`: the process's first steps
+run slower (measured: a first candidate's 5 timed steps 50 % above the same setting's later)."""
+
 SKIPPABLE = (RuntimeError, ValueError, torch.OutOfMemoryError)
 """Errors that skip a candidate (on every rank) instead of ending the tuning."""
 
@@ -206,7 +210,9 @@ def _measure_rows(model, base, rows, batch, loss, make_opt, link, run) -> tuple[
     for row in rows:
         if row.fits:
             cfg = row.candidate.config(base)
-            run_it = lambda cfg=cfg: measure_candidate(model, cfg, batch, loss, make_opt, **run)  # noqa: E731
+            # The first candidate also warms the process (allocator, thread pools): more warm-up steps.
+            first = {"warmup": run["warmup"] + FIRST_EXTRA_WARMUP} if not any(r.measured for r in rows) else {}
+            run_it = lambda cfg=cfg, w=first: measure_candidate(model, cfg, batch, loss, make_opt, **{**run, **w})  # noqa: E731
             row.measured, row.skipped = _agreed(run_it)
     torch.set_rng_state(rng)
     measured = [r for r in rows if r.measured is not None and r.estimate is not None]

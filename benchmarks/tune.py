@@ -1,0 +1,154 @@
+"""Does `f2.tune` pick the fastest setting, and does its step-time model predict each one?
+
+For each model x world size x micro-batch count, one spawned gloo world:
+1. runs `f2.tune` (default candidates, AdamW) and keeps its table: predicted and measured s/step;
+2. builds every candidate the tuner measured and times them again, interleaved (A B C, C B A, ...;
+   the first round is warm-up), a run separate from the tuner's;
+3. judges: the pick's median step in (2) within 5 % of the fastest candidate's; each prediction
+   against (2)'s median; the tuner's cost against 1,000 steps of the pick.
+
+    OMP_NUM_THREADS=1 python benchmarks/tune.py --models mlp8 gpt minilm --worlds 2 --ks 1 4
+
+Models: `mlp8` the 8-block benchmark model (dim 512, batch 16, `_bench.Net`), `gpt` TinyGPT and
+`minilm` all-MiniLM-L6-v2 (batch 8, as `tests/_memtrack.py` builds them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks"), str(ROOT)]
+
+from _harness import run_distributed  # noqa: E402
+
+
+def _model(name: str):
+    """(model, one rank's batch, loss_fn)."""
+    import torch
+    import torch.nn.functional as F
+
+    if name == "mlp8":
+        import _bench
+
+        x, y = _bench.batches(1, 16)[0]
+        return _bench.make_net(512, 8), (x, y), lambda m, b: F.mse_loss(m(b[0]), b[1])
+    from _memtrack import MODELS
+
+    make_model, make_batch, loss_fn = MODELS[name]
+    torch.manual_seed(0)
+    return make_model(), make_batch(8), loss_fn
+
+
+def _interleaved(model, batch, loss_fn, result, k: int, rounds: int, steps: int) -> dict[str, list[float]]:
+    import copy
+
+    import _bench
+    import torch
+
+    import fsdp2_strategy as f2
+    from fsdp2_strategy.tuning.measure import train_step
+
+    variants = {}
+    for row in result.rows:
+        if row.measured is None:
+            continue
+        cfg = row.candidate.config(result.best_config)
+        sharded = f2.shard_model(copy.deepcopy(model), cfg, log_plan=False)
+        opt = torch.optim.AdamW(sharded.parameters())
+
+        def step(_: int, m=sharded, o=opt, acc=cfg.accumulation) -> None:
+            train_step(m, o, batch, loss_fn, k, acc)
+
+        variants[row.label] = lambda step=step: _bench.timed_steps(step, steps)
+    times = _bench.interleave(variants, rounds)
+    slowest = torch.tensor([times[name] for name in variants], dtype=torch.float64)
+    torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+    return {name: slowest[i].tolist() for i, name in enumerate(variants)}
+
+
+def _case(name: str, k: int, rounds: int, steps: int) -> dict:
+    import fsdp2_strategy as f2
+
+    model, batch, loss_fn = _model(name)
+    result = f2.tune(model, batch, loss_fn=loss_fn, micro_batches=k)
+    bench = _interleaved(model, batch, loss_fn, result, k, rounds, steps)
+    return {"table": str(result), "result": result.to_dict(), "bench": bench}
+
+
+def judge(name: str, world: int, k: int, out: dict) -> dict:
+    medians = {label: statistics.median(t) for label, t in out["bench"].items()}
+    fastest = min(medians, key=medians.__getitem__)
+    pick = out["result"]["best"]
+    rows = []
+    for r in out["result"]["rows"]:
+        bench = medians.get(r["label"])
+        pred = r["predicted_s"]
+        rows.append(
+            {
+                "setting": r["label"],
+                "predicted_s": pred,
+                "tuner_s": r["measured_s"],
+                "interleaved_s": bench,
+                "error": (pred - bench) / bench if pred and bench else None,
+                "skipped": r["skipped"],
+            }
+        )
+    cost = out["result"]["cost_s"]
+    return {
+        "model": name,
+        "world": world,
+        "k": k,
+        "pick": pick,
+        "fastest": fastest,
+        "pick_vs_fastest": medians[pick] / medians[fastest],
+        "tuner_cost_s": cost,
+        "cost_vs_1000_steps": cost / (1000 * medians[pick]),
+        "rows": rows,
+    }
+
+
+def report(v: dict) -> str:
+    lines = [
+        f"## {v['model']}, {v['world']} ranks, k={v['k']}: picked {v['pick']}, fastest interleaved {v['fastest']} "
+        f"(pick/fastest {v['pick_vs_fastest']:.3f}); tuning {v['tuner_cost_s']:.1f} s = "
+        f"{v['cost_vs_1000_steps']:.1%} of 1,000 steps",
+        f"{'setting':<34} {'predicted':>10} {'tuner':>8} {'interleaved':>12} {'pred err':>9}",
+    ]
+    for r in v["rows"]:
+        fmt = lambda x, w: f"{x:>{w}.4f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
+        err = f"{r['error']:>+9.0%}" if r["error"] is not None else f"{'-':>9}"
+        mark = " <-" if r["setting"] == v["pick"] else ""
+        lines.append(
+            f"{r['setting'] + mark:<34} {fmt(r['predicted_s'], 10)} {fmt(r['tuner_s'], 8)} "
+            f"{fmt(r['interleaved_s'], 12)} {err}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["mlp8"], choices=["mlp8", "gpt", "minilm"])
+    parser.add_argument("--worlds", nargs="+", type=int, default=[2])
+    parser.add_argument("--ks", nargs="+", type=int, default=[1])
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds after one warm-up round")
+    parser.add_argument("--steps", type=int, default=5, help="steps per variant per round")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tune.json"))
+    args = parser.parse_args()
+    verdicts = []
+    for name in args.models:
+        for world in args.worlds:
+            for k in args.ks:
+                out = run_distributed(_case, world, name, k, args.rounds, args.steps, timeout=1800)[0]
+                print(out["table"])
+                verdicts.append(judge(name, world, k, out))
+                print(report(verdicts[-1]), flush=True)
+    Path(args.out).write_text(json.dumps(verdicts, indent=1))
+
+
+if __name__ == "__main__":
+    main()
