@@ -6,9 +6,27 @@ device (`simulate`, with what the device and optimizer change: `sim_device`, `si
 Imports the base modules and `train`. `__all__` is what other packages and the adapters use.
 """
 
-from .compare import StrategyComparison, compare_strategies, resolve_strategy
+from .compare import (
+    PlanRow,
+    StrategyComparison,
+    compare_strategies,
+    default_budget,
+    nothing_fits_message,
+    register_objective,
+    resolve_strategy,
+)
 from .memory import MemoryEstimate, estimate_memory, human_bytes
-from .step_time import CollectiveFit, ComputeProfile, Link, StepTimeModel, StepTimePrediction, predict_step_time
+from .sim_model import default_loss
+from .sim_optimizer import optimizer_factory
+from .step_time import (
+    CollectiveFit,
+    ComputeProfile,
+    Link,
+    StepTimeModel,
+    StepTimePrediction,
+    predict_step_time,
+    register_time_model_source,
+)
 
 __all__ = [
     "CollectiveFit",
@@ -16,7 +34,14 @@ __all__ = [
     "Link",
     "StepTimeModel",
     "StepTimePrediction",
+    "PlanRow",
+    "default_budget",
+    "default_loss",
+    "nothing_fits_message",
+    "optimizer_factory",
     "predict_step_time",
+    "register_objective",
+    "register_time_model_source",
     "MemoryEstimate",
     "StrategyComparison",
     "compare_strategies",

@@ -11,9 +11,12 @@ from .quantised import quantised_param_names
 from .rank0_weights import shard_with_rank0_weights
 from .replicate import replicate
 from .report import ShardingPlan, sharding_plan
+from .ring_comms import RingAllGather, RingReduceScatter
 from .sharding import shard_model
 
 __all__ = [
+    "RingAllGather",
+    "RingReduceScatter",
     "ShardingPlan",
     "copy_from_full",
     "has_meta_tensors",

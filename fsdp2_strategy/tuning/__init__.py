@@ -8,8 +8,7 @@ import it registers the "throughput" objective and the time-model source with `e
 `__all__` is what other packages and the adapters use.
 """
 
-from ..estimate.compare import register_objective
-from ..estimate.step_time import register_time_model_source
+from ..estimate import register_objective, register_time_model_source
 from .cache import CACHE_ENV, cache_path
 from .candidates import TUNABLE_FIELDS, Candidate, default_candidates
 from .link import measure_link

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 from ..config import COLLECTIVES
 from ..config_checks import check_choice
-from ..estimate.step_time import CollectiveFit, Link
+from ..estimate import CollectiveFit, Link
 from ..mesh import collective_device
-from ..shard.ring_comms import RingAllGather, RingReduceScatter
+from ..shard import RingAllGather, RingReduceScatter
 
 SWEEP_BYTES = (1 << 16, 1 << 20, 1 << 23)
 """Full-buffer sizes the sweep times (64 KiB, 1 MiB, 8 MiB of fp32)."""

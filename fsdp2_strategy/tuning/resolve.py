@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config import FSDP2Config
 from ..distributed import from_rank_zero, log_rank_zero
-from ..estimate.step_time import StepTimeModel
+from ..estimate import StepTimeModel
 from .cache import cache_key, cache_path, read_decision, write_decision
 from .tuner import tune
 

@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import FSDP2Config
-from ..estimate import MemoryEstimate, human_bytes
-from ..estimate.step_time import StepTimeModel, StepTimePrediction
+from ..estimate import MemoryEstimate, StepTimeModel, StepTimePrediction, human_bytes
 from .candidates import Candidate
 from .measure import Measurement
 

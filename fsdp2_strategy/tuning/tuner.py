@@ -23,11 +23,16 @@ from torch.distributed.fsdp import FSDPModule
 from .. import _torch_compat as tc
 from ..config import FSDP2Config, parse_bytes
 from ..distributed import from_rank_zero, log_rank_zero
-from ..estimate import estimate_memory
-from ..estimate.compare import default_budget, nothing_fits_message
-from ..estimate.sim_model import default_loss
-from ..estimate.sim_optimizer import optimizer_factory
-from ..estimate.step_time import ComputeProfile, StepTimeModel
+from ..estimate import (
+    ComputeProfile,
+    PlanRow,
+    StepTimeModel,
+    default_budget,
+    default_loss,
+    estimate_memory,
+    nothing_fits_message,
+    optimizer_factory,
+)
 from ..mesh import collective_device, detect_num_nodes, mesh_device_type
 from .candidates import Candidate, coerce_candidates, default_candidates, with_memory_savers
 from .link import measure_link
@@ -178,8 +183,6 @@ def _plan(model: nn.Module, base: FSDP2Config, cands: list[Candidate], budget: i
 
 
 def _nothing_fits(rows: list[TuneRow], budget: int, world: int) -> str:
-    from ..estimate.compare import PlanRow
-
     plan_rows = [
         PlanRow(r.label, r.estimate.cpu_offload, r.estimate.activation_checkpointing, r.estimate, False)
         for r in rows
