@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("accelerate")
 
-from _collect import close_lists  # noqa: E402
+from _collect import close_lists, max_rel_diff  # noqa: E402
 from _harness import assert_no_flow_failed, free_port  # noqa: E402
 from _precision import TIED_TOL  # noqa: E402
 
@@ -76,10 +77,11 @@ def _load(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """fsdp2.yaml (every flow) -> one process resuming its checkpoint -> fsdp2_variant.yaml."""
+    """fsdp2.yaml (every flow) -> one process resuming its checkpoints (and saving one) -> fsdp2_variant.yaml
+    (which also resumes that one on 2 processes)."""
     work = tmp_path_factory.mktemp("accelerate")
     accelerate_launch(SCRIPTS / "fsdp2.yaml", "flows.py", str(work / "flows.json"), str(work))
-    _run(["resume.py", str(work / "resume.json"), str(work / "state_step2")], timeout=120)
+    _run(["resume.py", str(work / "resume.json"), str(work / "state_step2"), str(work)], timeout=120)
     # The same resume as a 1-process `accelerate launch` (torchrun's agent store: env://).
     _run(
         [
@@ -102,7 +104,7 @@ def runs(tmp_path_factory) -> dict:
         "flows.py",
         str(work / "variant.json"),
         str(work / "variant"),
-        "config_from_launch,launch_variant",
+        "config_from_launch,launch_variant,resume_from_one",
     )
     return {
         "flows": _load(work / "flows.json"),
@@ -303,6 +305,48 @@ def test_auto_strategy_with_parallelism_config_is_refused_by_name():
         apply_parallelism_config(plugin.fsdp2_config, ParallelismConfig(dp_shard_size=2), 2)
 
 
+def _state_rel(a: dict, b: dict) -> float:
+    """Largest relative difference of parameters and momentum between two `resume_flows.record`s."""
+    return max(
+        max_rel_diff({k: torch.tensor(v) for k, v in a[part].items()}, {k: torch.tensor(v) for k, v in b[part].items()})
+        for part in ("params", "momentum")
+    )
+
+
+def test_resume_on_another_number_of_processes_with_split_batches(runs):
+    """2 -> 1 and 1 -> 2 (onto the variant config's layout) from a save_state in the middle of epoch 1,
+    with split_batches=True (the global batch is the loader's batch on any number of processes): the
+    restored scheduler and Progress, set_epoch and skip_first_batches give the resumed steps the step
+    numbers, learning rates and samples of the uninterrupted run, and the same parameters and momentum."""
+    one, from_two = runs["resume"]["other_world_sizes"]["one"], runs["resume"]["other_world_sizes"]["from_two"]
+    two, from_one = runs["flows"]["resume_on_two"]["two"], runs["variant"]["resume_from_one"]["from_one"]
+    assert (one["processes"], two["processes"], from_one["processes"], from_two["processes"]) == (1, 2, 2, 1)
+    assert one["samples"] == two["samples"] and one["lrs"] == two["lrs"]  # the same global batches anywhere
+    assert len({tuple(s) for s in one["samples"]}) == 8 and one["steps"] == list(range(8))
+    for resumed, uninterrupted in ((from_one, two), (from_two, one)):
+        assert resumed["steps"] == uninterrupted["steps"][6:] == [6, 7]
+        assert resumed["lrs"] == uninterrupted["lrs"][6:]
+        assert resumed["samples"] == uninterrupted["samples"][6:]
+        assert _state_rel(resumed, uninterrupted) < TOL
+
+
+def test_resume_on_one_process_with_per_process_batches_continues_at_the_same_sample(runs):
+    """Accelerate's default (split_batches=False): a batch of 4 per process, so 8 per step on 2 and 4
+    on 1, and the scheduler steps once per process per optimizer step. 2 -> 1 from sample 48 continues
+    at sample 48 with the learning rate and samples the uninterrupted 1-process run had at each sample
+    position (it trains with the smaller global batch, so its parameters follow neither run)."""
+    r = runs["resume"]["other_world_sizes"]
+    one, resumed = r["one_default"], r["from_two_default"]
+    two = runs["flows"]["resume_on_two"]["two_default"]
+    assert two["positions"] == list(range(0, 64, 8)) and one["positions"] == list(range(0, 64, 4))
+    assert resumed["positions"] == [48, 52, 56, 60]
+    at = {pos: (lr, samples) for pos, lr, samples in zip(one["positions"], one["lrs"], one["samples"])}
+    assert [(lr, samples) for lr, samples in zip(resumed["lrs"], resumed["samples"])] == [
+        at[pos] for pos in resumed["positions"]
+    ]
+    assert two["lrs"][6] == one["lrs"][12]  # the 2-process run's scheduler had stepped twice per step
+
+
 @pytest.mark.parametrize("how", ["resume", "resume_launched"])
 def test_two_rank_state_resumes_in_one_process(runs, how):
     """DCP reshards the 2-rank shards onto 1 process (plain `python`, or `accelerate launch` with one
@@ -499,3 +543,10 @@ def test_peft_state_holds_the_adapter_and_every_save_path_loads(flows):
     assert r["reloaded_rel"] == 0.0  # load_state of the adapter-only directory
     for key in ("peft_recipe_rel", "peft_save_model_rel", "merged_rel"):  # Accelerate's recipe; save_model; merged
         assert r[key] < TOL, (key, r[key])
+
+
+def test_overlap_save_state_holds_the_saved_state_and_resumes_exactly(flows):
+    r = flows["overlap_save"]
+    assert r["returned"] < 0.25 and r["waited"] >= 0.45, r  # save_state returned before the copy; a step waited
+    assert r["changed_by_next_step"] and not r["committed_before_end"] and r["committed_after_wait"], r
+    assert r["differs"] == [] and r["resumed"] == r["continued"], r

@@ -10,31 +10,24 @@ Killed during the copy, the save leaves no committed step: the previous one stay
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 from _harness import DistributedTestError, run_distributed
+from _slow_staging import differing, full_state, slow
 from torch import nn
-from torch.distributed.checkpoint.staging import DefaultStager
-from torch.distributed.tensor import DTensor
 
 import fsdp2_strategy as f2
 
 DELAY = 0.6  # seconds the copy is held back
 
 
-class SlowStager(DefaultStager):
-    def _stage(self, state_dict, **kwargs):
-        time.sleep(DELAY)
-        return super()._stage(state_dict, **kwargs)
-
-
 class SlowCheckpointer(f2.Checkpointer):
     def _make_stager(self):
-        stager = super()._make_stager()
-        stager.__class__ = SlowStager
-        return stager
+        return slow(super()._make_stager(), DELAY)
 
 
 def _model() -> nn.Module:
@@ -52,42 +45,34 @@ def _step(model, opt, seed: int) -> None:
     opt.zero_grad()
 
 
-def _snapshot(model, opt) -> dict[str, torch.Tensor]:
-    """Every parameter, buffer and optimizer state tensor, whole (collective)."""
-    out = {}
-    for name, t in [*model.state_dict().items()]:
-        out[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-    for i, state in enumerate(opt.state.values()):
-        for k, t in state.items():
-            if torch.is_tensor(t):
-                out[f"opt{i}.{k}"] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-    return out
-
-
 def _overlap_world(root: str) -> dict:
     model = f2.shard_model(_model(), wrap_policy=[nn.Linear], log_plan=False)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     _step(model, opt, 0)
     ckpt = SlowCheckpointer(root, async_save="overlap")
-    at_save = _snapshot(model, opt)
+    at_save = full_state(model, opt)
+    committed: list = []
     start = time.perf_counter()
-    ckpt.save(1, model=model, optimizer=opt)
+    ckpt.save(1, model=model, optimizer=opt, on_commit=committed.append)
     returned = time.perf_counter() - start
+    committed_at_return = list(committed)
     in_flight = ckpt._saver._staging is not None and not ckpt._saver._staging.done()
     _step(model, opt, 1)  # forward (BatchNorm statistics change), backward, then a step that must wait
     waited = time.perf_counter() - start
-    after = _snapshot(model, opt)
+    after = full_state(model, opt)
     ckpt.wait()
+    committed_after_wait = [p.name for p in committed]
     fresh = f2.shard_model(_model(), wrap_policy=[nn.Linear], log_plan=False)
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.9)
     _step(fresh, fresh_opt, 5)  # other values everywhere, the same state keys
     ckpt.load(model=fresh, optimizer=fresh_opt)
-    loaded = _snapshot(fresh, fresh_opt)
+    loaded = full_state(fresh, fresh_opt)
     return {
         "returned": returned,
         "waited": waited,
         "in_flight": in_flight,
-        "differs": sorted(k for k in at_save if not torch.equal(loaded[k], at_save[k])),
+        "on_commit": (committed_at_return, committed_after_wait),
+        "differs": differing(loaded, at_save),
         "changed_by_next_step": sorted(k for k in at_save if not torch.equal(after[k], at_save[k])),
         "keys": sorted(at_save),
     }
@@ -98,6 +83,7 @@ def test_overlap_save_returns_at_once_and_holds_the_state_of_the_call(tmp_path):
         assert r["in_flight"] and r["returned"] < DELAY / 2, r  # save() did not wait for the copy
         assert r["waited"] >= DELAY * 0.9, r  # the optimizer step waited for it
         assert r["differs"] == []  # bit for bit the state at save()
+        assert r["on_commit"] == ([], ["step-000001"])  # on_commit ran in wait(), with the committed directory
         # ... although the next step changed every tensor (parameters, running statistics, momentum).
         assert r["changed_by_next_step"] == r["keys"], set(r["keys"]) - set(r["changed_by_next_step"])
 
@@ -121,3 +107,27 @@ def test_killed_during_the_copy_the_previous_step_stays_the_latest(tmp_path):
 def test_overlap_is_a_named_mode(tmp_path):
     with pytest.raises(ValueError, match="async_save='later' is invalid; use False .* True .* or 'overlap'"):
         f2.Checkpointer(tmp_path, async_save="later")
+
+
+_EXIT_SCRIPT = """
+import sys, torch, fsdp2_strategy as f2
+ckpt = f2.Checkpointer(sys.argv[1], async_save=True)
+ckpt.save(1, model=torch.nn.Linear(4, 4))
+if sys.argv[2] == "shutdown":
+    f2.shutdown()
+"""
+
+
+@pytest.mark.parametrize("ending", ["shutdown", "plain exit"])
+def test_shutdown_commits_the_save_in_flight_and_a_plain_exit_warns(tmp_path, ending):
+    """A script ending with `f2.shutdown()` keeps its last asynchronous save; one that just ends
+    loses it (the write thread dies with the process) and is told so."""
+    run = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path), ending], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    if ending == "shutdown":
+        assert f2.Checkpointer(tmp_path).latest_step() == 1
+    else:
+        assert f2.Checkpointer(tmp_path).latest_step() is None
+        assert "was not committed before the process ended" in run.stderr

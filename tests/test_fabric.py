@@ -282,3 +282,10 @@ def test_trainable_only_checkpoints_resume_exactly_and_refuse_another_base(flows
     assert r["saved_model_keys"] == ["model.out.bias", "model.out.weight"], r["saved_model_keys"]
     assert r["resume_diff"] < 1e-6, r["resume_diff"]
     assert "another frozen base" in r["other_base_error"] and "inp.weight" in r["other_base_error"]
+
+
+def test_overlap_save_holds_the_state_of_the_call_and_load_commits_it(flows):
+    r = flows["overlap_save"]
+    assert r["returned"] < 0.25 and r["waited"] >= 0.45, r  # save returned before the copy; the step waited
+    assert r["changed_by_next_step"] == r["keys"] and not r["committed_before_load"], r
+    assert r["differs"] == [] and r["step"] == 1, r

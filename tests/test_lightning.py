@@ -485,3 +485,12 @@ def test_peft_checkpoints_hold_the_adapters_and_resume_on_the_same_base(flows):
     assert r["frozen_base_entry"]
     assert r["resumed_diff"] < TOL, r["resumed_diff"]
     assert "another frozen base" in r["other_base_error"] and "blocks.0.fc" in r["other_base_error"]
+
+
+def test_overlap_checkpoints_hold_the_saved_state_and_resume_exactly(flows):
+    r = flows["async_checkpoints"]
+    assert r["listing"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]  # both committed by the end of fit
+    assert r["pending_at_next_step"] and r["mode"] == "overlap", r  # epoch 1 began while the save was written
+    assert r["saved_differs"] == [], r  # bit for bit the state at the save, although epoch 1 changed it
+    assert r["trained_diff"] == 0.0 and r["resumed_diff"] < 1e-6, r
+    assert r["checkpoint_io_mode"] is True  # Trainer(plugins=[AsyncCheckpointIO()])

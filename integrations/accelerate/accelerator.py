@@ -322,6 +322,16 @@ class FSDP2Accelerator(Accelerator):
             )
         return checkpoint.save_state(self, output_dir, safe_serialization)
 
+    def wait_for_checkpoint(self) -> None:
+        """Commit a `save_state` still being written with `FSDP2Config.checkpoint_async_save`
+        (collective). The next `save_state`/`load_state`, `end_training()` and `f2.shutdown()` call it."""
+        checkpoint.wait_for_checkpoint(self)
+
+    def end_training(self) -> None:
+        """Commit the last asynchronous `save_state`, then Accelerate's `end_training` (trackers)."""
+        self.wait_for_checkpoint()
+        super().end_training()
+
     def load_state(
         self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs: Any
     ) -> None:

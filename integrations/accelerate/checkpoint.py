@@ -16,8 +16,10 @@ Every function here is collective: all ranks call it.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,15 @@ from accelerate.utils.constants import FSDP_MODEL_NAME
 from torch import nn
 
 import fsdp2_strategy as f2
-from fsdp2_strategy.checkpoint import Models, Optimizers, owning_models, sharded_state, write_model_view
+from fsdp2_strategy.checkpoint import (
+    AsyncSaver,
+    Models,
+    Optimizers,
+    make_saver,
+    owning_models,
+    sharded_state,
+    write_model_view,
+)
 from fsdp2_strategy.checkpoint import directory as cdir
 from fsdp2_strategy.distributed import barrier, from_rank_zero, log_rank_zero, rank
 
@@ -83,8 +93,14 @@ def _prune(acc: Accelerator, root: Path) -> None:
         cdir.prune(root, limit, _AUTO_NAME)
 
 
-def save_state(acc: Accelerator, output_dir: str | os.PathLike | None, safe_serialization: bool) -> str:
-    """Write the full training state atomically to `output_dir` (or the next automatic name)."""
+def save_state(
+    acc: Accelerator,
+    output_dir: str | os.PathLike | None,
+    safe_serialization: bool,
+    on_commit: Callable[[Path], None] | None = None,
+) -> str:
+    """Write the full training state atomically to `output_dir` (or the next automatic name);
+    `on_commit(path)` runs on every rank once it is committed."""
     automatic = acc.project_configuration.automatic_checkpoint_naming
     if automatic:
         path = _auto_root(acc) / f"checkpoint_{acc.save_iteration}"
@@ -98,7 +114,11 @@ def save_state(acc: Accelerator, output_dir: str | os.PathLike | None, safe_seri
     else:
         path = Path(output_dir)
     path = Path(from_rank_zero(str(path.resolve())))  # one directory, rank 0's spelling
-    state = sharded_state(*_named(acc), trainable_only=acc.fsdp_plugin.fsdp2_config.checkpoint_trainable_only)
+    models, optimizers = _named(acc)
+    state = sharded_state(models, optimizers, trainable_only=acc.fsdp_plugin.fsdp2_config.checkpoint_trainable_only)
+    saver = checkpoint_saver(acc)
+    if saver is not None:
+        saver.wait()  # the save in flight may be writing into the same `.tmp-<name>`
     tmp = cdir.prepare_tmp(path)
     prepared = compat.registries(acc)
     compat.save_accelerator_state(
@@ -117,22 +137,51 @@ def save_state(acc: Accelerator, output_dir: str | os.PathLike | None, safe_seri
         compat.save_custom_state(obj, str(tmp), i)
     for hook in prepared.save_hooks.values():
         hook(prepared.models, [], str(tmp))  # before the commit, so hook files are covered by it
+    acc.project_configuration.iteration += 1
+    finish = functools.partial(_finish_save, acc, path, len(models), automatic, on_commit)
+    if saver is not None:  # committed by the next save_state/load_state, end_training or f2.shutdown()
+        saver.start(state, tmp, finish, models=models)
+        return str(path)
     cdir.write_dcp(state, tmp)
+    finish()
+    return str(path)
+
+
+def _finish_save(
+    acc: Accelerator, path: Path, n_models: int, automatic: bool, on_commit: Callable[[Path], None] | None
+) -> None:
+    """Collective, once every rank's shards are written: Accelerate's views, the full weights when
+    asked, the commit, then the pruning of automatic checkpoints."""
+    tmp = cdir.tmp_path_for(path)
     if rank() == 0:
         # Accelerate's `merge-weights` reads one model per directory, `pytorch_model_fsdp_<i>/` in
         # its own layout: a view onto the shards above (no tensor written twice) keeps it working.
-        for i in range(len(prepared.models)):
+        for i in range(n_models):
             write_model_view(tmp, _key("model", i), f"{FSDP_MODEL_NAME}_{i}")
-    if acc.fsdp_plugin.full_state_dict and rank() == 0:
-        # Read back from the shards just written, one file at a time: no rank gathers the model.
-        f2.export_full(tmp, tmp)
+        if acc.fsdp_plugin.full_state_dict:
+            # Read back from the shards just written, one file at a time: no rank gathers the model.
+            f2.export_full(tmp, tmp)
     cdir.commit(path, replace=not automatic)  # an explicit directory is replaced whole, never mixed
     if automatic:
         _prune(acc, path.parent)
         barrier()
-    acc.project_configuration.iteration += 1
     log_rank_zero("Saved accelerator state to %s", path)
-    return str(path)
+    if on_commit is not None:
+        on_commit(path)
+
+
+def checkpoint_saver(acc: Accelerator) -> AsyncSaver | None:
+    """The accelerator's background writer for `FSDP2Config.checkpoint_async_save` (None: synchronous)."""
+    if not hasattr(acc, "_fsdp2_saver"):
+        acc._fsdp2_saver = make_saver(acc.fsdp_plugin.fsdp2_config.checkpoint_async_save)
+    return acc._fsdp2_saver
+
+
+def wait_for_checkpoint(acc: Accelerator) -> None:
+    """Collective: commit a `save_state` still being written in the background."""
+    saver = getattr(acc, "_fsdp2_saver", None)
+    if saver is not None:
+        saver.wait()
 
 
 def resolve_load_dir(acc: Accelerator, input_dir: str | os.PathLike | None) -> Path:
@@ -158,6 +207,7 @@ def resolve_load_dir(acc: Accelerator, input_dir: str | os.PathLike | None) -> P
 
 def load_state(acc: Accelerator, input_dir: str | os.PathLike | None, load_kwargs: dict | None) -> None:
     """Restore everything `save_state` wrote; DCP reshards when the world size changed."""
+    wait_for_checkpoint(acc)
     path = resolve_load_dir(acc, input_dir)
     cdir.load_dir(path, *_named(acc))
     prepared = compat.registries(acc)

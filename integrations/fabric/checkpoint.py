@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from fsdp2_strategy.checkpoint import AsyncSaver, owning_models, sharded_state
 from fsdp2_strategy.checkpoint import directory as cdir
-from fsdp2_strategy.checkpoint import owning_models, sharded_state
 
 from .._lightning_shared import META_FILE, is_sharded_checkpoint, not_committed_error
 
@@ -54,16 +54,20 @@ def split_state(state: dict[str, Any], action: str) -> tuple[dict, dict, dict]:
     return models, optimizers, rest
 
 
-def save(path: Path, state: dict[str, Any], *, trainable_only: bool | str = "auto") -> None:
+def save(
+    path: Path, state: dict[str, Any], *, trainable_only: bool | str = "auto", saver: AsyncSaver | None = None
+) -> None:
     """Collective: models and optimizers as DCP shards, the rest in `meta.pt`, committed atomically.
-    `trainable_only`: `FSDP2Config.checkpoint_trainable_only`.
+    `trainable_only`: `FSDP2Config.checkpoint_trainable_only`; `saver`: writes in the background
+    (`FSDP2Config.checkpoint_async_save`), committed by its `wait()`.
 
     A name saved again is replaced whole (the old directory stays loadable until the new one is
     committed), so a crash mid-save loses at most that save.
     """
     models, optimizers, rest = split_state(state, "save")
     files = {META_FILE: {k: v.state_dict() if _is_stateful(v) else v for k, v in rest.items()}}
-    cdir.save_dir(path, sharded_state(models, optimizers, trainable_only=trainable_only), files=files, replace=True)
+    shards = sharded_state(models, optimizers, trainable_only=trainable_only)
+    cdir.save_dir(path, shards, files=files, replace=True, saver=saver, models=models)
 
 
 def load(path: Path, state: dict[str, Any], *, strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 
 import fsdp2_strategy as f2
+from fsdp2_strategy.checkpoint import make_saver
 from fsdp2_strategy.train import parameters_by_name, rebind_optimizer
 
 from .._lightning_shared import (
@@ -76,6 +77,7 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self._backward_sync_control = _CoreNoSync()
+        self._saver = make_saver(self.fsdp2_config.checkpoint_async_save)
 
     # ------------------------------------------------------------------ plugins and launch
     precision = plugin_property("_precision", FSDP2FabricPrecision, to_fsdp2_precision)
@@ -161,13 +163,31 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
                 "sharded checkpoint could not be loaded back. Save without filter; take a subset of the "
                 "full weights later with fsdp2_strategy.export_full."
             )
-        ckpt.save(Path(self.broadcast(path)), state, trainable_only=self.fsdp2_config.checkpoint_trainable_only)
+        ckpt.save(
+            Path(self.broadcast(path)),
+            state,
+            trainable_only=self.fsdp2_config.checkpoint_trainable_only,
+            saver=self._saver,
+        )
+
+    def wait_for_checkpoint(self) -> None:
+        """Commit a `fabric.save` still being written with `checkpoint_async_save` (collective).
+        `fabric.load`, the next `fabric.save`, `teardown()` and `f2.shutdown()` call it; call it
+        yourself before reading the checkpoint from another process."""
+        if self._saver is not None:
+            self._saver.wait()
+
+    def teardown(self) -> None:
+        """Commit the last asynchronous save, then Fabric's teardown."""
+        self.wait_for_checkpoint()
+        super().teardown()
 
     def load_checkpoint(
         self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """`fabric.load(path, state)` (a committed directory, any world size: DCP reshards) and
         `fabric.load_raw(path, model)` (full weights: `f2.load_full_weights`)."""
+        self.wait_for_checkpoint()
         if isinstance(state, nn.Module):  # fabric.load_raw
             f2.load_full_weights(state, Path(self.broadcast(path)), strict=strict)
             return {}

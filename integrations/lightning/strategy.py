@@ -10,7 +10,7 @@ norm, and checkpoints committed atomically with checksums.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -18,22 +18,25 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.optim import Optimizer
 
 import fsdp2_strategy as f2
-from fsdp2_strategy.checkpoint import directory as cdir
 from fsdp2_strategy.checkpoint import (
+    AsyncSaver,
+    make_saver,
     model_state,
     optimizer_state_dict,
     saves_trainable_only,
     side_entries,
     unstepped_kept,
 )
+from fsdp2_strategy.checkpoint import directory as cdir
 from fsdp2_strategy.train import register_step_method
 
 from .._lightning_shared import (
@@ -128,6 +131,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.fsdp2_config = f2.FSDP2Config(**fields) if config is None else f2.FSDP2Config.coerce(config, **fields)
         self._start_method = start_method
         self._auto_tensor_parallel = auto_tp
+        self._saver: AsyncSaver | None = None
         sharded = save_distributed_checkpoint if save_distributed_checkpoint is not None else state_dict_type != "full"
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -258,7 +262,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         without state (torch's state-dict call would step it once; see core `checkpoint.state`)."""
         raw = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if self._save_distributed_checkpoint:
-            return optimizer_state_dict(self.model, raw, StateDictOptions(cpu_offload=True))
+            # An asynchronous save copies to CPU memory itself ("overlap": behind the next steps).
+            offload = self._checkpoint_saver() is None
+            return optimizer_state_dict(self.model, raw, StateDictOptions(cpu_offload=offload))
         with unstepped_kept(raw):  # full state: Lightning's own re-keyed format
             return super().optimizer_state(optimizer)
 
@@ -277,10 +283,44 @@ class FSDP2Strategy(ModelParallelStrategy):
         state.update(side_entries(_MODEL_KEY, self.model, self._trainable_only()))
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         # Names Lightning rewrites (`last.ckpt`, `save_top_k` slots) are replaced, never mixed.
-        cdir.save_dir(path, state, files={META_FILE: checkpoint}, replace=True)
+        saver, models, on_commit = self._checkpoint_saver(), {_MODEL_KEY: self.model}, self._on_commit(path)
+        cdir.save_dir(
+            path, state, files={META_FILE: checkpoint}, replace=True, saver=saver, models=models, on_commit=on_commit
+        )
+
+    def _on_commit(self, path: Path) -> Callable[[], None] | None:
+        """What runs on every rank once the sharded checkpoint at `path` is committed (a hook: the Ray
+        strategy reports it then)."""
+        return None
+
+    def _checkpoint_saver(self) -> AsyncSaver | None:
+        """The background writer of `FSDP2Config.checkpoint_async_save` (Lightning's own switch,
+        `Trainer(plugins=[AsyncCheckpointIO()])`, means True) while `fit` runs, or None: outside
+        `fit` (`trainer.save_checkpoint` after it) nothing would commit a save later."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None or (trainer.state.fn, trainer.state.status) != (TrainerFn.FITTING, TrainerStatus.RUNNING):
+            return None
+        if self._saver is None:
+            mode = self.fsdp2_config.checkpoint_async_save or isinstance(self.checkpoint_io, AsyncCheckpointIO)
+            self._saver = make_saver(mode)
+        return self._saver
+
+    def wait_for_checkpoint(self) -> None:
+        """Commit an asynchronous save still being written (collective). Loading, the next save and
+        the end of `fit` call it."""
+        if self._saver is not None:
+            self._saver.wait()
+
+    def teardown(self) -> None:
+        """Commit the last asynchronous save, then Lightning's teardown."""
+        if self._saver is not None:
+            self._saver.close()
+            self._saver = None
+        super().teardown()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded directory (any world size: DCP reshards) or a full file; return the rest."""
+        self.wait_for_checkpoint()
         path = Path(self.broadcast(checkpoint_path))
         if not is_sharded_checkpoint(path):
             if path.is_dir():

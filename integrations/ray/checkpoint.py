@@ -24,7 +24,7 @@ from fsdp2_strategy.checkpoint import Checkpointer, load_step_dir, step_dir_name
 from fsdp2_strategy.checkpoint import directory as cdir
 from fsdp2_strategy.distributed import barrier, from_rank_zero, rank
 
-__all__ = ["report_step", "save_and_report", "resume"]
+__all__ = ["report_dir", "report_step", "resume", "save_and_report"]
 
 METRICS_DIR = ".ray-metrics"  # not a step-N/ name: Checkpointer and retention ignore it
 
@@ -42,10 +42,7 @@ def report_step(checkpointer: Checkpointer, step: int, metrics: Mapping[str, Any
             f"report_step(step={step}): {path} is not a committed checkpoint (no .metadata); save the step with "
             "checkpointer.save(step, ...) on every rank before reporting it."
         )
-    # One uploader: the directory already holds every rank's shards, and Ray merges what
-    # several workers report into one folder anyway.
-    checkpoint = ray.train.Checkpoint.from_directory(str(path)) if rank() == 0 else None
-    ray.train.report(dict(metrics or {}), checkpoint=checkpoint, checkpoint_dir_name=path.name)
+    report_dir(path, metrics)
 
 
 def save_and_report(
@@ -57,16 +54,30 @@ def save_and_report(
     optimizer: torch.optim.Optimizer | None = None,
     extra: Any = None,
 ) -> None:
-    """Collective: `checkpointer.save(step, ...)`, then `report_step(checkpointer, step, metrics)`.
+    """Collective: `checkpointer.save(step, ...)`, and step `step` reported to Ray with `metrics` once
+    committed: before this returns, or with an asynchronous Checkpointer (`async_save=True` or
+    "overlap") when `checkpointer.wait()` commits it - the next save does; call
+    `checkpointer.close()` at the end of the train function for the last one.
 
-    The metrics are also kept beside the step (`<root>/.ray-metrics/step-N.json`), so that
-    `resume` can report the step again with them if Ray lost the report (see `resume`).
+    The metrics are also kept beside the step (`<root>/.ray-metrics/step-N.json`, removed with the
+    step by `keep_last`), so that `resume` can report the step again with them if Ray lost the
+    report (see `resume`).
     """
-    checkpointer.save(step, model=model, optimizer=optimizer, extra=extra)
-    checkpointer.wait()
-    if rank() == 0:
-        _write_metrics(checkpointer.root, step, metrics)
-    report_step(checkpointer, step, metrics)
+
+    def report(path: Path) -> None:
+        if rank() == 0:
+            _write_metrics(checkpointer.root, step, metrics)
+            _prune_metrics(checkpointer.root)
+        report_dir(path, metrics)
+
+    checkpointer.save(step, model=model, optimizer=optimizer, extra=extra, on_commit=report)
+
+
+def report_dir(path: Path, metrics: Mapping[str, Any] | None) -> None:
+    """Collective: report the committed checkpoint directory `path` to Ray with `metrics`. One uploader: the directory already holds
+    every rank's shards, and Ray merges what several workers report into one folder anyway."""
+    checkpoint = ray.train.Checkpoint.from_directory(str(path)) if rank() == 0 else None
+    ray.train.report(dict(metrics or {}), checkpoint=checkpoint, checkpoint_dir_name=path.name)
 
 
 def resume(
@@ -124,6 +135,14 @@ def _write_metrics(root: Path, step: int, metrics: Mapping[str, Any] | None) -> 
     path = _metrics_path(root, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(metrics or {}), default=repr))
+
+
+def _prune_metrics(root: Path) -> None:
+    """Rank 0: drop the kept metrics of steps no longer committed (removed by `keep_last`)."""
+    committed = {path.name for path in cdir.committed_steps(Path(root)).values()}
+    for sidecar in (Path(root) / METRICS_DIR).glob("*.json"):
+        if sidecar.stem not in committed:
+            sidecar.unlink(missing_ok=True)
 
 
 def _read_metrics(root: Path, step: int) -> dict[str, Any]:

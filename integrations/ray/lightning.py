@@ -18,8 +18,10 @@ Ray's `ray.train.lightning.prepare_trainer` accepts only Ray's own strategy clas
 
 from __future__ import annotations
 
+import functools
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ from ray.train.lightning import RayFSDPStrategy, RayLightningEnvironment
 from fsdp2_strategy.distributed import barrier, rank
 from fsdp2_strategy.integrations._lightning_shared import META_FILE, is_sharded_checkpoint
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy
+
+from .checkpoint import report_dir
 
 __all__ = ["RayFSDP2Strategy", "checkpoint_path"]
 
@@ -78,10 +82,15 @@ class RayFSDP2Strategy(FSDP2Strategy):
         super().setup_environment()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Save as `FSDP2Strategy` does (committed when this returns), then report it to Ray."""
+        """Save as `FSDP2Strategy` does and report the checkpoint to Ray once committed: a sharded one
+        at its commit (later, with `checkpoint_async_save`), a full file when this returns."""
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if self.report_checkpoints:
-            _report(Path(filepath), _metrics(self.lightning_module))
+        if self.report_checkpoints and not self._save_distributed_checkpoint:
+            _report_file(Path(filepath), _metrics(self.lightning_module))
+
+    def _on_commit(self, path: Path) -> Callable[[], None] | None:
+        # The metrics of the moment of the save, reported when the directory is committed.
+        return functools.partial(report_dir, path, _metrics(self.lightning_module)) if self.report_checkpoints else None
 
 
 def checkpoint_path(dirpath: str | Path | None = None) -> str | None:
@@ -137,16 +146,11 @@ def _metrics(module: Any) -> dict[str, Any]:
     return {k: (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v) for k, v in metrics.items()}
 
 
-def _report(path: Path, metrics: dict[str, Any]) -> None:
-    """Collective: rank 0 hands Ray the saved directory (or a folder holding the saved file)."""
-    barrier()  # every rank's part of the save is on disk
+def _report_file(path: Path, metrics: dict[str, Any]) -> None:
+    """Collective: rank 0 hands Ray a folder holding the full checkpoint file just saved."""
+    barrier()  # rank 0 wrote the file
     if rank() != 0:
         ray.train.report(metrics, checkpoint=None)
-        return
-    if path.is_dir():
-        ray.train.report(
-            metrics, checkpoint=ray.train.Checkpoint.from_directory(str(path)), checkpoint_dir_name=path.name
-        )
         return
     with tempfile.TemporaryDirectory() as folder:  # Ray stores directories; a full save is one file
         shutil.copy2(path, Path(folder) / path.name)

@@ -153,6 +153,7 @@ def save_checkpoint(trainer: Any, trial: Any) -> str:
     with _trainer_files(trainer):
         trainer.accelerator.save_state(str(path))
     if trainer.args.push_to_hub:
+        trainer.accelerator.wait_for_checkpoint()  # push what is committed
         trainer._push_from_checkpoint(str(path))
     removed = rotate(run_dir, trainer.args.save_total_limit, trainer.state.best_model_checkpoint)
     if removed:

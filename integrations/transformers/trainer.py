@@ -149,7 +149,9 @@ class FSDP2TrainerMixin:
             resume_from_checkpoint = checkpoint.latest_checkpoint(self.args.output_dir)
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             resume_from_checkpoint = checkpoint.check_resumable(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        self.accelerator.wait_for_checkpoint()  # the last asynchronous save is committed with the run
+        return output
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         checkpoint.save_checkpoint(self, trial)
@@ -163,6 +165,7 @@ class FSDP2TrainerMixin:
             checkpoint.load_scheduler(self, checkpoint_dir)
 
     def _load_best_model(self) -> None:
+        self.accelerator.wait_for_checkpoint()  # the best may be the save still being written
         checkpoint.load_model_weights(self, self.state.best_model_checkpoint)
 
     # ------------------------------------------------------------------ weights out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import shutil
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _
 import torch
 from _comm import collective_dtypes, count_collectives
 from _precision import policy_grads, true_precision_update
+from _slow_staging import differing, full_state, slow_staging
 from common import (
     LR,
     MLP,
@@ -42,6 +44,7 @@ import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.fabric import FSDP2FabricMixedPrecision, FSDP2FabricStrategy
 
 BATCHES = [slice(0, 8), slice(8, 16)]  # two global batches of 8 (4 per rank)
+DELAY = 0.5  # seconds an "overlap" save's copy is held back
 
 
 def _train(fabric: Fabric, model, optimizer, batches=BATCHES, clip: tuple | None = None) -> list[float]:
@@ -338,7 +341,35 @@ def trainable_only(out: dict, work: Path) -> None:
     out["other_base_error"] = _expect_error(lambda: fabric.load(ck, {"model": setup(other)[0]}))
 
 
-FLOWS = [parity, accumulation, clipping, precision, meta_init, checkpoints, trainable_only]
+def overlap_save(out: dict, work: Path) -> None:
+    """checkpoint_async_save="overlap": fabric.save returns before the (held back) copy, the next step
+    waits for it, the checkpoint holds the state of the save bit for bit, and fabric.load commits it."""
+    fabric = Fabric(strategy=FSDP2FabricStrategy(checkpoint_async_save="overlap"))
+    ck = work / "fabric_overlap"
+
+    def setup(seed: int):
+        raw, _ = fresh(seed)
+        return fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR, momentum=0.9))
+
+    model, optimizer = setup(21)
+    _train(fabric, model, optimizer, batches=BATCHES[:1])
+    at_save = full_state(model, optimizer)
+    with slow_staging(DELAY):
+        start = time.perf_counter()
+        fabric.save(ck, {"model": model, "optimizer": optimizer, "step": 1})
+        out["returned"] = time.perf_counter() - start
+        _train(fabric, model, optimizer, batches=BATCHES[1:])
+        out["waited"] = time.perf_counter() - start
+    out["changed_by_next_step"] = len(differing(full_state(model, optimizer), at_save))
+    out["committed_before_load"] = ck.exists()
+    model2, optimizer2 = setup(22)
+    _train(fabric, model2, optimizer2, batches=BATCHES[1:])  # momentum state to overwrite
+    state = {"model": model2, "optimizer": optimizer2, "step": 0}
+    fabric.load(ck, state)
+    out.update(differs=differing(full_state(model2, optimizer2), at_save), keys=len(at_save), step=state["step"])
+
+
+FLOWS = [parity, accumulation, clipping, precision, meta_init, checkpoints, trainable_only, overlap_save]
 
 
 def main(out_path: str, work: str, *names: str) -> None:

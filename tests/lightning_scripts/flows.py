@@ -24,6 +24,7 @@ from _collect import full
 from _comm import collective_dtypes, count_collectives
 from _models import ResidualBlock
 from _precision import policy_grads, true_precision_update
+from _slow_staging import differing, full_state, slow_staging
 from common import (
     LR,
     LitMLP,
@@ -37,6 +38,7 @@ from common import (
     write_json,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from resume_flows import resume_other_world_sizes
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -46,6 +48,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2_strategy as f2
 from fsdp2_strategy import _torch_compat as tc
+from fsdp2_strategy.checkpoint import read_full_model_state
 from fsdp2_strategy.integrations.lightning import FSDP2MixedPrecision, FSDP2Strategy
 
 BATCH = 4  # per rank
@@ -559,6 +562,61 @@ def auto_strategy(out: dict, work: Path) -> None:
         out["too_small_error"] = str(exc)
 
 
+class _AtEpochEnd(pl.Callback):
+    """Records the whole training state when epoch 0 ends (before ModelCheckpoint saves it: Lightning
+    runs checkpoint callbacks last), whether that save was still uncommitted when the next step began,
+    and the mode of the strategy's background writer."""
+
+    def __init__(self, path: Path):
+        self.path, self.state, self.pending_next_step, self.mode = path, None, None, None
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == 0:
+            self.state = full_state(pl_module, trainer.optimizers[0])
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *_) -> None:
+        if trainer.current_epoch == 1 and self.pending_next_step is None:
+            self.pending_next_step = not self.path.exists()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.mode = getattr(trainer.strategy._saver, "mode", None)
+
+
+def async_checkpoints(out: dict, work: Path) -> None:
+    """checkpoint_async_save="overlap" through ModelCheckpoint: the epoch-0 save (its copy held back)
+    is committed later (at teardown), holds the state of the save bit for bit although epoch 1 ran
+    meanwhile, training is unchanged and a resume continues exactly. AsyncCheckpointIO (Lightning's
+    own switch) means async_save=True."""
+    ck = work / "async_ckpts"
+    ref, _ = _fresh(optimizer="momentum")
+    trainer(max_epochs=2).fit(ref, loader(BATCH, shuffle=False))
+    probe = _AtEpochEnd(ck / "epoch=0-step=4.ckpt")
+    model, _ = _fresh(optimizer="momentum")
+    with slow_staging(0.5):
+        trainer(
+            FSDP2Strategy(checkpoint_async_save="overlap"),
+            max_epochs=2,
+            enable_checkpointing=True,
+            callbacks=[probe, ModelCheckpoint(dirpath=ck, save_top_k=-1)],
+        ).fit(model, loader(BATCH, shuffle=False))
+    out["listing"] = sorted(p.name for p in ck.iterdir())
+    out["pending_at_next_step"], out["mode"] = probe.pending_next_step, probe.mode
+    saved = read_full_model_state(ck / "epoch=0-step=4.ckpt")
+    params = {k: v for k, v in probe.state.items() if not k.startswith("optim.")}
+    out["saved_differs"] = differing(saved, params)
+    out["trained_diff"] = max_rel_diff(full_params(model), full_params(ref))
+    resumed, _ = _fresh(seed=7, optimizer="momentum")
+    probe = _AtEpochEnd(work / "none")
+    trainer(
+        max_epochs=2,
+        plugins=[AsyncCheckpointIO()],
+        enable_checkpointing=True,
+        callbacks=[probe, ModelCheckpoint(dirpath=work / "asyncio_ckpts")],
+    ).fit(resumed, loader(BATCH, shuffle=False), ckpt_path=ck / "epoch=0-step=4.ckpt")
+    out["resumed_diff"] = max_rel_diff(full_params(resumed), full_params(ref))
+    out["checkpoint_io_mode"] = probe.mode
+
+
 FLOWS = [
     one_step_parity,
     registry_variants,
@@ -572,6 +630,7 @@ FLOWS = [
     meta_init,
     checkpoints,
     peft_checkpoints,
+    async_checkpoints,
     auto_strategy,
     resume_other_world_sizes,
 ]
