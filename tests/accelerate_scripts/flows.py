@@ -15,6 +15,7 @@ import dataclasses
 import os
 import shutil
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from _comm import collective_dtypes, count_collectives
 from _precision import policy_grads, tied_names
+from _slow_staging import differing, full_state, slow_staging
 from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 from common import (
@@ -495,6 +497,31 @@ def checkpoints(out: dict, work: Path) -> None:
         out["merged_equal"] = all(torch.equal(merged[k], exported[k]) for k in exported)
 
 
+def overlap_save(out: dict, work: Path) -> None:
+    """checkpoint_async_save="overlap": save_state returns before its (held back) copy, the next step
+    waits for it, wait_for_checkpoint() commits the directory (end_training() calls it, then destroys
+    the process group), which holds the state of the save bit for bit, and training from it continues
+    exactly."""
+    acc, model, opt, sched = setup_resumable(9, checkpoint_async_save="overlap")
+    train(acc, model, opt, sched, range(0, 2))
+    at_save = full_state(model, opt)
+    with slow_staging(0.5):
+        start = time.perf_counter()
+        path = Path(acc.save_state(work / "overlap_state"))
+        out["returned"] = time.perf_counter() - start
+        continued = train(acc, model, opt, sched, range(2, 4))
+        out["waited"] = time.perf_counter() - start
+    out["changed_by_next_step"] = len(differing(full_state(model, opt), at_save)) == len(at_save)
+    out["committed_before_end"] = path.exists()
+    acc.wait_for_checkpoint()
+    out["committed_after_wait"] = path.exists()
+    acc2, model2, opt2, sched2 = setup_resumable(99)
+    train(acc2, model2, opt2, sched2, range(0, 1))  # optimizer state to overwrite
+    acc2.load_state(path)
+    out["differs"] = differing(full_state(model2, opt2), at_save)
+    out["resumed"], out["continued"] = train(acc2, model2, opt2, sched2, range(2, 4)), continued
+
+
 def hf_export(out: dict, work: Path) -> None:
     """A transformers GPT-2: save_model -> from_pretrained; get_state_dict full on rank 0 only."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -699,6 +726,7 @@ FLOWS = [
     multi_model,
     evaluation,
     checkpoints,
+    overlap_save,
     hf_export,
     peft_lora,
     rank0_loading,
