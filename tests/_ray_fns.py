@@ -99,7 +99,7 @@ def core_train(config: dict) -> None:
 
     model = f2.shard_model(make_model(), f2.FSDP2Config(wrap_policy=[nn.Linear]))
     opt = _optimizer(model, "adam")
-    checkpointer = KillInSave(config["root"])
+    checkpointer = KillInSave(config["root"], keep_last=3)
     extra = resume(checkpointer, model=model, optimizer=opt)
     start = extra["step"] if extra else 0
     if rank == 0:
@@ -209,7 +209,7 @@ def accelerate_train(config: dict) -> None:
 
     from fsdp2_strategy.integrations.ray.accelerate import accelerator_from_config
 
-    accelerator = accelerator_from_config(config["config_file"])
+    accelerator = accelerator_from_config(config["config_file"], plugin={"checkpoint_async_save": "overlap"})
     model = make_model()
     opt = _optimizer(model, "sgd")
     model, opt = accelerator.prepare(model, opt)
@@ -222,4 +222,7 @@ def accelerate_train(config: dict) -> None:
         opt.zero_grad()
         accelerator.backward(loss)
         opt.step()
+        if step % 2 == 0:  # reported once committed: by the next save, and the last by wait_for_checkpoint
+            accelerator.save_state(f"{config['root']}/state-{step}", metrics={"step": step, "loss": loss.item()})
+    accelerator.wait_for_checkpoint()
     _write_full_weights(model, config["out"])

@@ -97,7 +97,13 @@ def test_core_resumes_after_sigkill_in_training_and_in_save(cluster, tmp_path):
     assert [s["start"] for s in starts] == [0, 4, 4]
     assert all(s["world"] == 2 and s["backend"] == "gloo" for s in starts)  # Ray's group, not a new 1-rank one
     assert (marks / "killed-in-train").exists() and (marks / "killed-in-save").exists()
-    assert sorted(committed_steps(Path(config["root"]))) == [2, 4, 6, 8]
+    assert sorted(committed_steps(Path(config["root"]))) == [4, 6, 8]  # keep_last=3
+    # The metrics kept for re-reporting go with their steps.
+    assert sorted(p.name for p in (Path(config["root"]) / ".ray-metrics").iterdir()) == [
+        "step-000004.json",
+        "step-000006.json",
+        "step-000008.json",
+    ]
     reported = [Path(c.path).name for c, _ in result.best_checkpoints]
     assert len(reported) == len(set(reported)) and {"step-000004", "step-000006", "step-000008"} <= set(reported)
     assert set(reported) <= {"step-000002", "step-000004", "step-000006", "step-000008"}
@@ -130,10 +136,14 @@ def test_accelerate_from_config_file(cluster, tmp_path):
         "  fsdp_transformer_layer_cls_to_wrap: Linear\n  fsdp_reshard_after_forward: true\n"
         "  fsdp_state_dict_type: SHARDED_STATE_DICT\n"
     )
-    config = {"config_file": str(config_file), "out": str(tmp_path / "final.pt"), "steps": 4}
+    config = {"config_file": str(config_file), "out": str(tmp_path / "final.pt"), "steps": 4, "root": str(tmp_path)}
     result = _fit(fns.accelerate_train, config, tmp_path)
     assert result.error is None
     _assert_close(torch.load(config["out"]), fns.reference_weights(4, "sgd"))
+    # RayFSDP2Accelerator.save_state ("overlap" saves) reported each directory once committed, with its metrics.
+    reported = {Path(c.path).name: m["step"] for c, m in result.best_checkpoints}
+    assert reported == {"state-2": 2, "state-4": 4}
+    assert all(is_committed(Path(c.path)) for c, _ in result.best_checkpoints)
 
 
 def test_accelerate_config_env_maps_yaml_as_accelerate_launch_does(tmp_path):

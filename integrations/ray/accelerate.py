@@ -54,10 +54,14 @@ class RayFSDP2Accelerator(FSDP2Accelerator):
         return accelerate_checkpoint.save_state(self, output_dir, safe_serialization, on_commit=report)
 
 
-def accelerator_from_config(config_file: str | os.PathLike, **kwargs: Any) -> RayFSDP2Accelerator:
+def accelerator_from_config(
+    config_file: str | os.PathLike, *, plugin: Mapping[str, Any] | None = None, **kwargs: Any
+) -> RayFSDP2Accelerator:
     """A `RayFSDP2Accelerator` configured as `accelerate launch --config_file config_file` would configure it.
 
-    `kwargs` go to `RayFSDP2Accelerator` (e.g. `gradient_accumulation_steps`, `report_checkpoints`).
+    `plugin`: `FSDP2Plugin` keywords on top of the file's (`FSDP2Config` fields such as
+    `checkpoint_async_save`, `keep_last`); `kwargs` go to `RayFSDP2Accelerator` (e.g.
+    `gradient_accumulation_steps`, `project_config`, `report_checkpoints`).
     """
     apply_accelerate_config(config_file)
-    return RayFSDP2Accelerator(fsdp_plugin=FSDP2Plugin(), **kwargs)
+    return RayFSDP2Accelerator(fsdp_plugin=FSDP2Plugin(**dict(plugin or {})), **kwargs)
