@@ -19,6 +19,7 @@ from .config import FSDP2Config, ModuleOverride
 from .distributed import init_distributed, shutdown
 from .estimate import MemoryEstimate, StrategyComparison, compare_strategies, estimate_memory
 from .fsdp1 import fully_shard
+from .preemption import PREEMPTION_EXIT_CODE, PreemptionWatch
 from .shard import ShardingPlan, replicate, shard_model, sharding_plan
 from .train import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, reshard, set_gradient_sync
 from .tuning import TuneResult, measure_link, tune
@@ -26,6 +27,8 @@ from .versions import warn_untested_versions
 
 __all__ = [
     "Checkpointer",
+    "PREEMPTION_EXIT_CODE",
+    "PreemptionWatch",
     "FSDP2Config",
     "MemoryEstimate",
     "ModuleOverride",

@@ -10,6 +10,7 @@ Killed during the copy, the save leaves no committed step: the previous one stay
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -131,3 +132,48 @@ def test_shutdown_commits_the_save_in_flight_and_a_plain_exit_warns(tmp_path, en
     else:
         assert f2.Checkpointer(tmp_path).latest_step() is None
         assert "was not committed before the process ended" in run.stderr
+
+
+def _mlp() -> nn.Module:
+    # No BatchNorm: the bias before it has a zero gradient in exact arithmetic, only float noise.
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 1))
+
+
+def _preempted_world(root: str) -> None:
+    """Rank 1 receives SIGTERM in the middle of step 3 (between forward and backward); saves are
+    asynchronous every 2 steps. Every rank must stop after step 3 with step 3 committed."""
+    model = f2.shard_model(_mlp(), wrap_policy=[nn.Linear], log_plan=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ckpt = f2.Checkpointer(root, async_save=True, save_on_preemption=True)
+    for step in range(1, 9):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+        loss = nn.functional.mse_loss(model(x), y)
+        if step == 3 and torch.distributed.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the default action would kill this rank here
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 2 == 0:
+            ckpt.save(step, model=model, optimizer=opt, extra={"step": step})
+        ckpt.exit_if_preempted(step, model=model, optimizer=opt, extra={"step": step})
+
+
+def test_sigterm_to_one_rank_mid_step_saves_that_step_and_every_rank_exits_143(tmp_path):
+    start = time.perf_counter()
+    with pytest.raises(DistributedTestError, match=rf"exited with codes? \[?{f2.PREEMPTION_EXIT_CODE}\b"):
+        run_distributed(_preempted_world, 2, str(tmp_path), timeout=120)
+    assert time.perf_counter() - start < 90  # no rank waited for a timeout
+    ckpt = f2.Checkpointer(tmp_path)
+    assert ckpt.latest_step() == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000003"]
+    # The state after three steps of one process on the same batches (every rank saw the whole batch).
+    ref = _mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(1, 4):
+        _step(ref, ref_opt, step)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert ckpt.load(model=model, optimizer=opt) == {"step": 3}
+    for (name, got), want in zip(full_state(model, opt).items(), full_state(ref, ref_opt).values()):
+        assert ((got - want).norm() / want.norm().clamp_min(1e-12)).item() < 1e-5, name

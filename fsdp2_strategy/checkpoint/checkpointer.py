@@ -27,7 +27,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager
 
 from ..config_checks import check_async_save, check_trainable_only
-from ..distributed import barrier, log_rank_zero, logger, rank
+from ..distributed import barrier, log_rank_zero, logger, rank, shutdown
+from ..preemption import PREEMPTION_EXIT_CODE, PreemptionWatch
 from . import directory as cdir
 from .async_save import AsyncSaver, default_stager
 from .directory import TMP_PREFIX
@@ -57,6 +58,9 @@ class Checkpointer:
             `save()` returns). Asynchronous steps are committed by `wait()` or the next
             `save()`/`load()`. In "overlap" mode change no parameter or optimizer state in place
             outside `optimizer.step()` until `wait_staged()` (an EMA update written by hand, say).
+        save_on_preemption: catch SIGTERM (`PreemptionWatch`) and, at the next
+            `exit_if_preempted(step, ...)` (call it once per step, on every rank), finish the save in
+            flight, save that step, and exit with `PREEMPTION_EXIT_CODE` (143).
         trainable_only: store only what training changes: parameters that require gradients,
             buffers and the optimizer state, with a fingerprint of the frozen parameters that
             `load()` checks (another base is refused by name). "auto" (default): for PEFT models
@@ -73,6 +77,7 @@ class Checkpointer:
         keep_last: int | None = None,
         async_save: bool | str = False,
         trainable_only: bool | str = "auto",
+        save_on_preemption: bool = False,
     ):
         check_trainable_only(trainable_only, "Checkpointer trainable_only")
         check_async_save(async_save, "Checkpointer async_save")
@@ -83,6 +88,7 @@ class Checkpointer:
         self.async_save = async_save
         self.trainable_only = trainable_only
         self._saver = AsyncSaver(async_save, make_stager=self._make_stager) if async_save else None
+        self._watch = PreemptionWatch() if save_on_preemption else None
 
     # ------------------------------------------------------------------ queries
     def latest_step(self) -> int | None:
@@ -148,6 +154,29 @@ class Checkpointer:
         """Wait for an asynchronous save to finish writing, then commit it (collective)."""
         if self._saver is not None:
             self._saver.wait()
+
+    def exit_if_preempted(
+        self,
+        step: int,
+        *,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: Any = None,
+    ) -> None:
+        """Collective, once per step with `save_on_preemption=True`: if any rank received SIGTERM,
+        finish the save in flight, save `step` (unless it is saved already), commit it and end the
+        process with `PREEMPTION_EXIT_CODE` via `f2.shutdown` (never returns then). Costs one
+        all-reduce of one number; returns at once without `save_on_preemption`."""
+        if self._watch is None or not self._watch.requested():
+            return
+        self.wait()
+        if not cdir.is_committed(self.step_path(step)):
+            self.save(step, model=model, optimizer=optimizer, extra=extra)
+        self.close()
+        log_rank_zero(
+            "Preempted: step %d is committed under %s; exiting with %d", step, self.root, PREEMPTION_EXIT_CODE
+        )
+        shutdown(PREEMPTION_EXIT_CODE)
 
     def close(self) -> None:
         """Finish a pending save and free the CPU staging buffers kept between async saves."""
