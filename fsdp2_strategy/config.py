@@ -223,6 +223,12 @@ class FSDP2Config:
     committed before the next save or load and when training ends. `f2.Checkpointer(async_save=...)`
     is the core's switch; its docstring says which mode to use when."""
 
+    checkpoint_on_preemption: bool = False
+    """On SIGTERM (Kubernetes, SLURM, spot instances), save a checkpoint after the current step and
+    stop: Lightning's Trainer writes `hpc_ckpt_<N>.ckpt` (resume with `ckpt_path="hpc"`) and exits
+    with 143; Accelerate sets `accelerator.set_trigger()` for the loop's `check_trigger()`; the
+    Hugging Face Trainer saves and stops. `f2.Checkpointer(save_on_preemption=True)` is the core's."""
+
     log_plan: bool = True
     """Log the sharding plan table on rank 0 after `shard_model`."""
 
@@ -264,6 +270,10 @@ class FSDP2Config:
         self._validate_tensor_parallel()
         check_trainable_only(self.checkpoint_trainable_only, "FSDP2Config.checkpoint_trainable_only")
         check_async_save(self.checkpoint_async_save, "FSDP2Config.checkpoint_async_save")
+        if not isinstance(self.checkpoint_on_preemption, bool):
+            raise ValueError(
+                f"FSDP2Config.checkpoint_on_preemption={self.checkpoint_on_preemption!r} is invalid; use True or False."
+            )
 
     def _validate_tensor_parallel(self) -> None:
         size = self.tensor_parallel_size
