@@ -55,6 +55,11 @@ class PreemptionWatch:
             self._agreed = bool(flag.item())
         return self._agreed
 
+    @property
+    def agreed(self) -> bool:
+        """Whether `requested()` returned True already (read without communicating)."""
+        return self._agreed
+
     def close(self) -> None:
         """Restore the handlers that were installed before this watch."""
         for signum, handler in self._previous.items():

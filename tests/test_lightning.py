@@ -329,6 +329,23 @@ def test_auto_strategy_picks_what_the_planner_picks_for_the_budget(flows):
     assert "smallest peak" in r["too_small_error"] and "memory_budget" in r["too_small_error"]
 
 
+def test_throughput_objective_tunes_on_the_train_loader_and_caches_the_pick(flows):
+    """FSDP2Strategy(sharding_strategy="auto", objective="throughput"): the core tunes on the train
+    loader's first batch with training_step's loss, caches the pick, and the model is sharded with it
+    on both ranks; training then matches one process and sees the same data and random state as an
+    untuned run; a second fit takes the cached pick without tuning."""
+    r = flows["auto_strategy"]
+    t = r["throughput"]
+    assert t["rows"][:2] == ["FULL_SHARD/blocks", "FULL_SHARD/one group"]  # the default candidates, measured
+    picked = t["entry"]["changes"]
+    assert t["strategies"] == [picked["sharding_strategy"]] and t["mesh_shapes"] == ["(2,)"]
+    assert (t["groups"] == 1) == ("wrap_policy" in picked and picked["wrap_policy"] is None)  # one group or blocks
+    assert t["every_rank"][0] == t["every_rank"][1]
+    assert t["max_rel_diff"] < TOL
+    assert t["rng_after"] == r["FULL_SHARD"]["rng_after"]
+    assert t["reused_same_plan"]
+
+
 def test_spawn_start_method_returns_full_weights(tmp_path):
     out = tmp_path / "spawn.json"
     _run(["spawn.py", str(out)], timeout=180)
@@ -494,3 +511,24 @@ def test_overlap_checkpoints_hold_the_saved_state_and_resume_exactly(flows):
     assert r["saved_differs"] == [], r  # bit for bit the state at the save, although epoch 1 changed it
     assert r["trained_diff"] == 0.0 and r["resumed_diff"] < 1e-6, r
     assert r["checkpoint_io_mode"] is True  # Trainer(plugins=[AsyncCheckpointIO()])
+
+
+def test_sigterm_to_one_rank_saves_an_hpc_checkpoint_exits_143_and_resumes_exactly(tmp_path):
+    """FSDP2Strategy(checkpoint_on_preemption=True): rank 1 receives SIGTERM inside step 4; both ranks
+    save hpc_ckpt_1.ckpt after that step and exit 143 (no hang); fit(ckpt_path="hpc") continues from
+    step 4 to the parameters of the uninterrupted run."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + ["preempt.py", "preempt", str(tmp_path)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        cwd=SCRIPTS,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode != 0 and proc.stderr.count("exitcode  : 143") == 2, proc.stderr[-3000:]
+    saved = tmp_path / "hpc_ckpt_1.ckpt"
+    assert (saved / ".metadata").is_file() and torch.load(saved / "meta.pt", weights_only=False)["global_step"] == 4
+    _torchrun("preempt.py", "resume", str(tmp_path / "resume.json"), str(tmp_path), timeout=180)
+    r = json.loads((tmp_path / "resume.json").read_text())
+    assert r["start_step"] == 4 and r["diff"] < TOL, r

@@ -21,6 +21,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -132,6 +133,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._start_method = start_method
         self._auto_tensor_parallel = auto_tp
         self._saver: AsyncSaver | None = None
+        self._preemption: f2.PreemptionWatch | None = None
+        self._failed = False  # an exception other than a preemption: no collective at teardown
         sharded = save_distributed_checkpoint if save_distributed_checkpoint is not None else state_dict_type != "full"
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -312,11 +315,44 @@ class FSDP2Strategy(ModelParallelStrategy):
             self._saver.wait()
 
     def teardown(self) -> None:
-        """Commit the last asynchronous save, then Lightning's teardown."""
-        if self._saver is not None:
+        """Commit the last asynchronous save (not after a failure: the other ranks may be gone), then
+        Lightning's teardown; after a preemption save, end the process with 143 (`f2.shutdown`)."""
+        if self._saver is not None and not self._failed:
             self._saver.close()
-            self._saver = None
+        self._saver = None
+        preempted = self._preemption is not None and self._preemption.agreed
+        if self._preemption is not None:
+            self._preemption.close()
+            self._preemption = None
         super().teardown()
+        if preempted and not self._failed:
+            f2.shutdown(f2.PREEMPTION_EXIT_CODE)
+
+    # ------------------------------------------------------------------ preemption
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.fsdp2_config.checkpoint_on_preemption:
+            # Replaces the SIGTERM handler Lightning installed just before: it broadcasts from inside the
+            # handler (on the signalled rank only) and each rank stops on its own flag, so a SIGTERM to one
+            # rank can hang the others. The watch's ranks agree in `on_train_batch_start`.
+            self._preemption = f2.PreemptionWatch()
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """With `checkpoint_on_preemption`: if any rank received SIGTERM, save `hpc_ckpt_<N>.ckpt` in the
+        Trainer's `default_root_dir` (Lightning's name; `fit(ckpt_path="hpc")` resumes from it) and stop
+        as Lightning stops on SIGTERM (`SIGTERMException`, here with exit status 143)."""
+        super().on_train_batch_start(batch, batch_idx)
+        if self._preemption is None or not self._preemption.requested():
+            return
+        trainer = self.lightning_module.trainer
+        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        trainer.save_checkpoint(path)
+        self.wait_for_checkpoint()
+        raise SIGTERMException(f2.PREEMPTION_EXIT_CODE)
+
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._failed = not isinstance(exception, SIGTERMException)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded directory (any world size: DCP reshards) or a full file; return the rest."""
