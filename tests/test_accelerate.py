@@ -550,3 +550,8 @@ def test_overlap_save_state_holds_the_saved_state_and_resumes_exactly(flows):
     assert r["returned"] < 0.25 and r["waited"] >= 0.45, r  # save_state returned before the copy; a step waited
     assert r["changed_by_next_step"] and not r["committed_before_end"] and r["committed_after_wait"], r
     assert r["differs"] == [] and r["resumed"] == r["continued"], r
+
+
+def test_sigterm_to_one_rank_sets_the_trigger_on_every_rank(flows):
+    r = flows["preemption"]
+    assert r["triggers"] == [[False, False, True]] * 2 and r["committed"], r  # both ranks stop after step 3

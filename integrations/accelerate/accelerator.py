@@ -125,6 +125,8 @@ class FSDP2Accelerator(Accelerator):
         self._fsdp2_mesh = parallelism_mesh(fsdp_plugin.fsdp2_config)
         self.state.device_mesh = self._fsdp2_mesh  # also None: the state is shared by later accelerators
         fsdp_plugin.claim()
+        # SIGTERM on any process becomes Accelerate's own cross-process flag (`check_trigger`).
+        self._preemption = f2.PreemptionWatch() if fsdp_plugin.fsdp2_config.checkpoint_on_preemption else None
         compat.claim_fsdp_state(self.state, fsdp_plugin, fsdp_plugin.accelerate_precision)
         if fsdp_plugin.accelerate_precision == "fp16":
             # fp16 gradients overflow: a scaler that agrees on inf/NaN across ranks (the sharded
@@ -326,6 +328,15 @@ class FSDP2Accelerator(Accelerator):
         """Commit a `save_state` still being written with `FSDP2Config.checkpoint_async_save`
         (collective). The next `save_state`/`load_state`, `end_training()` and `f2.shutdown()` call it."""
         checkpoint.wait_for_checkpoint(self)
+
+    def check_trigger(self) -> bool:
+        """Accelerate's `check_trigger` (collective: whether any process called `set_trigger()`); with
+        `checkpoint_on_preemption` a SIGTERM received by any process sets the trigger too, so the loop
+        Accelerate documents (`if accelerator.check_trigger(): accelerator.save_state(); break`) saves
+        and stops on preemption; end the script with `f2.PREEMPTION_EXIT_CODE` (143) then."""
+        if self._preemption is not None and self._preemption.received is not None:
+            self.set_trigger()
+        return super().check_trigger()
 
     def end_training(self) -> None:
         """Commit the last asynchronous `save_state`, then Accelerate's `end_training` (trackers)."""

@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import os
 import shutil
+import signal
 import sys
 import time
 import traceback
@@ -522,6 +523,23 @@ def overlap_save(out: dict, work: Path) -> None:
     out["resumed"], out["continued"] = train(acc2, model2, opt2, sched2, range(2, 4)), continued
 
 
+def preemption(out: dict, work: Path) -> None:
+    """checkpoint_on_preemption: SIGTERM to rank 1 during step 3 sets Accelerate's trigger on every rank
+    at the step's check_trigger(); the loop saves and stops there."""
+    acc, model, opt, sched = setup_resumable(9, checkpoint_on_preemption=True)
+    triggers = []
+    for step in range(4):
+        if step == 2 and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the default action would kill this rank
+        train(acc, model, opt, sched, range(step, step + 1))
+        triggers.append(acc.check_trigger())
+        if triggers[-1]:
+            acc.save_state(work / "preempted")
+            break
+    acc._preemption.close()  # the flows after this one run in the same processes
+    out.update(triggers=gather(triggers), committed=(work / "preempted" / ".metadata").is_file())
+
+
 def hf_export(out: dict, work: Path) -> None:
     """A transformers GPT-2: save_model -> from_pretrained; get_state_dict full on rank 0 only."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -727,6 +745,7 @@ FLOWS = [
     evaluation,
     checkpoints,
     overlap_save,
+    preemption,
     hf_export,
     peft_lora,
     rank0_loading,
