@@ -1,6 +1,7 @@
 """Measured throughput: `tune` runs candidate settings on the process group and picks the fastest
 that fits (`tuner`, `measure`, `candidates`, `result`); `measure_link` sweeps the collectives
-(`link`); decisions are cached by model, world and device (`cache`); `resolve` serves
+(`link`); `example_batch_from` takes the adapters' example batch from a DataLoader (`example`);
+decisions are cached by model, world and device (`cache`); `resolve` serves
 `FSDP2Config(sharding_strategy="auto", objective="throughput")` and `compare_strategies(time=True)`.
 
 Imports the base modules, `train`, `estimate` and `shard` (it shards copies of the model). On
@@ -11,6 +12,7 @@ import it registers the "throughput" objective and the time-model source with `e
 from ..estimate import register_objective, register_time_model_source
 from .cache import CACHE_ENV, cache_path
 from .candidates import TUNABLE_FIELDS, Candidate, default_candidates
+from .example import example_batch_from
 from .link import measure_link
 from .measure import Measurement
 from .resolve import measure_time_model, resolve_throughput
@@ -29,6 +31,7 @@ __all__ = [
     "TuneRow",
     "cache_path",
     "default_candidates",
+    "example_batch_from",
     "measure_link",
     "resolve_throughput",
     "tune",

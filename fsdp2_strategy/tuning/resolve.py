@@ -36,8 +36,9 @@ def resolve_throughput(
     if example_batch is None:
         raise ValueError(
             "FSDP2Config(objective='throughput') measures training steps and needs one rank's micro-batch: pass "
-            "shard_model(..., example_batch=batch). The Lightning, Fabric and Accelerate adapters see no batch before "
-            "sharding: run f2.tune(model, batch) and pass the fields of its best_config, or use objective='memory'."
+            "shard_model(..., example_batch=batch). Lightning's Trainer takes it from the train dataloader, "
+            "FSDP2Accelerator.prepare from a DataLoader passed in the same prepare() call; Fabric's setup sees no "
+            "batch: run f2.tune(model, batch) and pass the fields of its best_config, or use objective='memory'."
         )
     if not dist.is_initialized() or dist.get_world_size() != world_size:
         raise RuntimeError(

@@ -54,12 +54,14 @@ def effective_config(
     *,
     module: nn.Module | None = None,
     data_parallel_size: Any = None,
+    **planner_inputs: Any,
 ) -> f2.FSDP2Config:
     """`config` plus what Lightning knows: the precision string's FSDP2 policy (unless
     `mixed_precision` is set), `sharding_strategy="auto"` resolved by the core planner for
     Lightning's node and process counts (the mesh depends on the strategy), for hybrid sharding
     the (nodes, devices per node) mesh, and the module's own tensor parallelism
-    (`own_tensor_parallel`)."""
+    (`own_tensor_parallel`). `planner_inputs` (`example_batch`, `loss_fn`) go to the core's
+    `resolve_strategy` (objective="throughput" measures steps on that batch)."""
     changes: dict[str, Any] = {}
     if mixed_policy is not None and config.mixed_precision is None:
         changes["mixed_precision"] = mixed_policy
@@ -67,7 +69,8 @@ def effective_config(
         if module is None:
             raise ValueError("sharding_strategy='auto' is resolved when the module is sharded (the planner needs it).")
         # The planner sees the precision the run will use.
-        config = resolve_strategy(module, dataclasses.replace(config, **changes), num_nodes * num_processes, num_nodes)
+        world = num_nodes * num_processes
+        config = resolve_strategy(module, dataclasses.replace(config, **changes), world, num_nodes, **planner_inputs)
     if strategy(config.sharding_strategy).layout == "hybrid" and config.mesh_shape is None:
         # Replicate across nodes, shard within one: Lightning's launcher may not set the
         # LOCAL_WORLD_SIZE the core would otherwise read.

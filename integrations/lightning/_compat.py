@@ -10,6 +10,9 @@
   "popen" launcher `ModelParallelStrategy` uses, configured the same way here.
 - `lightning.fabric.utilities.optimizer._optimizers_to_device`: moves optimizer state to the
   root device after setup, as Lightning's own strategies do.
+- `lightning.pytorch.trainer.connectors.data_connector._request_dataloader`: how the fit loop asks
+  its data source for the train dataloader; `objective="throughput"` asks the same way for the
+  loader its example batch comes from.
 
 Each is reached through `versions.find_private`; `check_private_api()` runs at import, before
 anything is built on them, and raises ImportError naming every symbol a Lightning release moved
@@ -42,6 +45,7 @@ for _method in ("_collect_rank_zero_results", "_wrapping_function"):
     find_private(f"{_LAUNCHERS}.multiprocessing:_MultiProcessingLauncher.{_method}", _missing)
 SubprocessScriptLauncher = find_private(f"{_LAUNCHERS}.subprocess_script:_SubprocessScriptLauncher", _missing)
 optimizers_to_device = find_private("lightning.fabric.utilities.optimizer:_optimizers_to_device", _missing)
+request_dataloader = find_private("lightning.pytorch.trainer.connectors.data_connector:_request_dataloader", _missing)
 
 
 def check_private_api() -> None:

@@ -54,6 +54,7 @@ from .._lightning_shared import (
 )
 from ._compat import FullStateMultiProcessingLauncher, SubprocessScriptLauncher, optimizers_to_device
 from .precision import FSDP2Precision, to_fsdp2_precision
+from .tuning import throughput_inputs
 
 __all__ = ["FSDP2Strategy", "STEP_METHODS"]
 
@@ -205,7 +206,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     def _effective_config(self) -> f2.FSDP2Config:
         """The config plus the precision string's policy, for hybrid sharding the (nodes, devices
         per node) mesh, and the module's own tensor parallelism respected (see
-        `integrations._lightning_shared.effective_config`)."""
+        `integrations._lightning_shared.effective_config`). With `objective="throughput"` the core tunes
+        on the train dataloader's first batch and `training_step`'s loss (`tuning.throughput_inputs`)."""
         policy = getattr(self.precision_plugin, "fsdp2_mixed_precision", None)
         return effective_config(
             self.fsdp2_config,
@@ -214,6 +216,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             self.num_processes,
             module=self.lightning_module,
             data_parallel_size=self._data_parallel_size,
+            **throughput_inputs(self, self.fsdp2_config),
         )
 
     def _core_mesh(self, config: f2.FSDP2Config):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import os
 import shutil
 import sys
 import traceback
@@ -553,6 +555,7 @@ def auto_strategy(out: dict, work: Path) -> None:
         )
         ref, _ = reference_step(initial, _all_indices(model))
         out[expected] = dict(_chosen(model), max_rel_diff=max_rel_diff(full_params(model), ref))
+        out[expected]["rng_after"] = torch.get_rng_state().sum().item()
     try:
         trainer(FSDP2Strategy(sharding_strategy="auto", memory_budget=budgets["too_small"]), max_steps=1).fit(
             AutoMLP(), loader(BATCH)
@@ -560,6 +563,58 @@ def auto_strategy(out: dict, work: Path) -> None:
         out["too_small_error"] = None
     except ValueError as exc:
         out["too_small_error"] = str(exc)
+    _throughput(out, work)
+
+
+class TuneMLP(AutoMLP):
+    """AutoMLP whose training_step reads nothing of the Trainer (the tuner's copies have none) and no
+    values of meta tensors (the memory planner runs it on them)."""
+
+    def training_step(self, batch, batch_idx):
+        idx, x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        if not idx.is_meta:
+            self.indices.append(idx.tolist())
+        self.log("loss", loss)
+        return loss
+
+
+def _throughput(out: dict, work: Path) -> None:
+    """objective="throughput": the core tunes on the train loader's first batch and training_step's
+    loss, caches the pick, shards with it on both ranks; a second fit reuses the cached pick."""
+    import fsdp2_strategy.tuning.resolve as resolve
+
+    cache = work / "lightning_tune.json"
+    cache.unlink(missing_ok=True)  # both ranks, before the fit's first collective
+    os.environ["FSDP2_TUNE_CACHE"] = str(cache)
+    strategy = dict(sharding_strategy="auto", objective="throughput")
+    torch.manual_seed(0)
+    model = TuneMLP()
+    initial = copy.deepcopy(model)
+    trainer(FSDP2Strategy(**strategy), max_steps=1).fit(model, loader(BATCH))
+    ref, _ = reference_step(initial, _all_indices(model))
+    (entry,) = json.loads(cache.read_text()).values()
+    out["throughput"] = dict(
+        _chosen(model),
+        groups=len(f2.sharding_plan(model).groups),
+        every_rank=gather(str(f2.sharding_plan(model))),
+        entry={k: entry[k] for k in ("label", "changes")},
+        rows=[r["label"] for r in entry["table"]["rows"]],
+        max_rel_diff=max_rel_diff(full_params(model), ref),
+        rng_after=torch.get_rng_state().sum().item(),
+    )
+
+    def no_tuning(*args, **kwargs):
+        raise AssertionError("tuned again although the decision was cached")
+
+    resolve.tune, original = no_tuning, resolve.tune
+    try:
+        again = TuneMLP()
+        trainer(FSDP2Strategy(**strategy), max_steps=1).fit(again, loader(BATCH))
+        out["throughput"]["reused_same_plan"] = str(f2.sharding_plan(again)) == str(f2.sharding_plan(model))
+    finally:
+        resolve.tune = original
+        del os.environ["FSDP2_TUNE_CACHE"]
 
 
 class _AtEpochEnd(pl.Callback):
