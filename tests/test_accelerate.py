@@ -295,6 +295,20 @@ def test_auto_strategy_picks_what_the_planner_picks_for_the_budget(flows):
     assert "smallest peak" in r["too_small_error"] and "memory_budget" in r["too_small_error"]
 
 
+def test_throughput_objective_tunes_on_the_prepared_loader_and_caches_the_pick(flows):
+    """FSDP2Plugin(sharding_strategy="auto", objective="throughput"): prepare(model, optimizer, loader)
+    tunes on the loader's first batch, caches the pick, shards with it on both ranks and trains like
+    one process; prepare(model) without a loader names what to pass."""
+    t = flows["auto_strategy"]["throughput"]
+    assert t["rows"][:2] == ["FULL_SHARD/blocks", "FULL_SHARD/one group"]  # the default candidates, measured
+    picked = t["entry"]["changes"]
+    assert t["strategies"] == [picked["sharding_strategy"]]
+    assert (t["groups"] == ["<root>"]) == ("wrap_policy" in picked and picked["wrap_policy"] is None)
+    assert t["every_rank"][0] == t["every_rank"][1]
+    assert t["param_rel"] < TOL
+    assert "prepare(model, optimizer, train_dataloader)" in t["no_loader_error"]
+
+
 def test_auto_strategy_with_parallelism_config_is_refused_by_name():
     from accelerate.parallelism_config import ParallelismConfig
 

@@ -23,6 +23,7 @@ from fsdp2_strategy.checkpoint import peft_models
 from fsdp2_strategy.distributed import log_rank_zero
 from fsdp2_strategy.shard import shard_with_rank0_weights
 from fsdp2_strategy.train import parameters_by_name, rebind_optimizer
+from fsdp2_strategy.tuning import example_batch_from
 
 from . import _compat as compat
 from . import checkpoint
@@ -188,6 +189,7 @@ class FSDP2Accelerator(Accelerator):
                 f"`device_placement` should be a list with {len(args)} elements (the number of objects passed)."
             )
         placements = device_placement or [None] * len(args)
+        self._fsdp2_example_batch = self._example_batch(args)
         result = list(args)
         snapshots = []
         for i, obj in enumerate(args):
@@ -225,6 +227,24 @@ class FSDP2Accelerator(Accelerator):
                 obj._is_accelerate_prepared = True
         return tuple(result) if len(result) > 1 else result[0]
 
+    def _example_batch(self, args: tuple) -> Any:
+        """For `objective="throughput"`: one micro-batch of the first DataLoader passed to this `prepare`
+        call (taken without iterating it: `tuning.example_batch_from`), which the core tunes the model
+        on with its default loss (the output's `.loss`, else its first tensor's mean); else None."""
+        config = self.fsdp2_config
+        if config.sharding_strategy != "auto" or config.objective != "throughput":
+            return None
+        loader = next((a for a in args if isinstance(a, DataLoader)), None)
+        if loader is None:
+            if any(isinstance(a, nn.Module) and not getattr(a, "_is_accelerate_prepared", False) for a in args):
+                raise ValueError(
+                    "FSDP2Plugin(objective='throughput') tunes on one batch of the train DataLoader: pass it in the "
+                    "same call, accelerator.prepare(model, optimizer, train_dataloader), or run f2.tune(model, batch) "
+                    "and pass the fields of its best_config to FSDP2Plugin."
+                )
+            return None
+        return example_batch_from(loader)
+
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> nn.Module:
@@ -239,7 +259,8 @@ class FSDP2Accelerator(Accelerator):
         if self.fsdp_plugin.cpu_ram_efficient_loading:
             shard_with_rank0_weights(model, self.fsdp2_config)
         else:
-            f2.shard_model(model, self.fsdp2_config, mesh=self._fsdp2_mesh)
+            batch, self._fsdp2_example_batch = getattr(self, "_fsdp2_example_batch", None), None
+            f2.shard_model(model, self.fsdp2_config, mesh=self._fsdp2_mesh, example_batch=batch)
         compat.registries(self).models.append(model)
         model._is_accelerate_prepared = True
         return model

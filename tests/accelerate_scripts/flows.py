@@ -731,6 +731,44 @@ def auto_strategy(out: dict, work: Path) -> None:
         out["too_small_error"] = None
     except ValueError as exc:
         out["too_small_error"] = str(exc)
+    _throughput(out, work)
+
+
+def _throughput(out: dict, work: Path) -> None:
+    """objective="throughput": prepare(model, optimizer, loader) tunes on the loader's first batch,
+    caches the pick and shards with it on both ranks (one SGD step against one process);
+    prepare(model) alone names the loader it needs."""
+    import json
+
+    cache = work / "accelerate_tune.json"
+    cache.unlink(missing_ok=True)  # both ranks, before prepare's first collective
+    os.environ["FSDP2_TUNE_CACHE"] = str(cache)
+    plugin = dict(sharding_strategy="auto", objective="throughput", reshard_after_forward=None)
+    try:
+        acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(**plugin), mixed_precision="no")
+        model, initial = fresh(20, layers=4)
+        inputs = DataLoader(torch.utils.data.TensorDataset(dataset().tensors[1]), batch_size=PER_RANK, shuffle=True)
+        model, opt, _ = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), inputs)
+        idx, x, y = rank_batch()
+        acc.backward(lm_loss(model, x, y))
+        opt.step()
+        ref, _, _ = reference(initial, [all_indices(idx)])
+        (entry,) = json.loads(cache.read_text()).values()
+        out["throughput"] = dict(
+            _plan(model),
+            every_rank=gather(str(f2.sharding_plan(model))),
+            strategies=sorted({g.strategy for g in f2.sharding_plan(model).groups}),
+            entry={k: entry[k] for k in ("label", "changes")},
+            rows=[r["label"] for r in entry["table"]["rows"]],
+            param_rel=max_rel_diff(full_params(model), ref),
+        )
+        try:
+            acc.prepare(fresh(21, layers=4)[0])
+            out["throughput"]["no_loader_error"] = None
+        except ValueError as exc:
+            out["throughput"]["no_loader_error"] = str(exc)
+    finally:
+        del os.environ["FSDP2_TUNE_CACHE"]
 
 
 FLOWS = [
