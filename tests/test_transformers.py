@@ -69,7 +69,7 @@ def _load(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> dict:
-    """fsdp2_sharded.yaml: parity + evaluate + save_model, checkpoints and resume, bf16."""
+    """fsdp2_sharded.yaml: parity + evaluate + save_model, checkpoints and resume, bf16, preemption."""
     work = tmp_path_factory.mktemp("transformers_sharded")
     accelerate_launch("fsdp2_sharded.yaml", "flows.py", str(work / "out.json"), str(work))
     return _load(work / "out.json")
@@ -140,6 +140,11 @@ def test_bf16_is_the_fsdp2_policy(sharded):
     assert r["accelerator_precision"] == "bf16" and r["policy"] == "bf16"
     assert r["compute_dtypes"] == ["torch.bfloat16"] and r["param_dtypes"] == ["torch.float32"]
     assert 0 < r["train_loss"] < 10
+
+
+def test_sigterm_to_one_rank_saves_that_step_and_stops_every_rank(sharded):
+    r = sharded["preemption"]
+    assert r["global_step"] == [3, 3] and r["preempted"] == [True, True] and r["committed"] == [3], r
 
 
 def test_kill_mid_save_then_resume_continues_exactly(full):

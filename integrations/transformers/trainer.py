@@ -34,6 +34,18 @@ _ENGINE_ARGS = {
 }
 
 
+class _SaveOnPreemption(transformers.TrainerCallback):
+    """`checkpoint_on_preemption`: after each optimizer step, Accelerate's trigger (set by SIGTERM on any
+    process, `FSDP2Accelerator.check_trigger`) makes the Trainer save that step and stop training."""
+
+    def __init__(self, accelerator: FSDP2Accelerator) -> None:
+        self.accelerator, self.stopped = accelerator, False
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.accelerator.check_trigger():  # collective: every process runs callbacks
+            self.stopped = control.should_save = control.should_training_stop = True
+
+
 def _refuse_other_engines(args: Any) -> None:
     """ValueError naming each TrainingArguments option FSDP2Trainer cannot honour, and the fix."""
     refused = [f"{name}: {why}" for name, why in _ENGINE_ARGS.items() if getattr(args, name, None)]
@@ -78,6 +90,16 @@ class FSDP2TrainerMixin:
             raise TypeError(f"fsdp_plugin must be an FSDP2Plugin, got {type(fsdp_plugin).__name__}.")
         self._fsdp2_plugin = fsdp_plugin
         super().__init__(*args, **kwargs)
+        self._preemption = _SaveOnPreemption(self.accelerator)
+        if self.accelerator.fsdp2_config.checkpoint_on_preemption:
+            self.add_callback(self._preemption)
+
+    @property
+    def preempted(self) -> bool:
+        """Whether the last `train()` stopped because a process received SIGTERM (with
+        `checkpoint_on_preemption`; the step it stopped at is a committed checkpoint): end the script
+        with `sys.exit(f2.PREEMPTION_EXIT_CODE)` then, so the scheduler restarts it."""
+        return self._preemption.stopped
 
     # ------------------------------------------------------------------ the accelerator
     def create_accelerator_and_postprocess(self) -> None:

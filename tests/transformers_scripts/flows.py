@@ -8,6 +8,8 @@ Each flow measures and records numbers in OUT.json (rank 0); tests/test_transfor
 from __future__ import annotations
 
 import copy
+import os
+import signal
 from pathlib import Path
 
 import torch
@@ -21,11 +23,13 @@ from common import (
     bert,
     checkpoint_args,
     full_params,
+    gather,
     main,
     reference_sgd,
     vector_rel_diff,
 )
 
+from fsdp2_strategy.integrations.accelerate import FSDP2Plugin
 from fsdp2_strategy.integrations.transformers import FSDP2Trainer, committed_checkpoints, latest_checkpoint
 
 CLIP = 0.05  # below every step's gradient norm here: clipping happens on each step
@@ -169,7 +173,28 @@ def bf16(entry: dict, work: Path) -> None:
     entry["param_dtypes"] = sorted({str(p.dtype) for p in trainer.model.parameters()})
 
 
-FLOWS = [parity, checkpoints, bf16]
+class _SignalRank1(transformers.TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 2 and dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # in step 3; the default action would kill this rank
+
+
+def preemption(entry: dict, work: Path) -> None:
+    """checkpoint_on_preemption: SIGTERM to rank 1 during step 3 -> every rank saves checkpoint-3 and stops."""
+    trainer = FSDP2Trainer(
+        model=bert(0),
+        args=args(work / "preempt", max_steps=6),
+        train_dataset=Tokens(48, 3),
+        callbacks=[_SignalRank1()],
+        fsdp_plugin=FSDP2Plugin(checkpoint_on_preemption=True),
+    )
+    trainer.train()
+    trainer.accelerator._preemption.close()  # the flows after this one run in the same processes
+    entry["global_step"], entry["preempted"] = gather(trainer.state.global_step), gather(trainer.preempted)
+    entry["committed"] = sorted(committed_checkpoints(work / "preempt"))
+
+
+FLOWS = [parity, checkpoints, bf16, preemption]
 
 
 if __name__ == "__main__":
