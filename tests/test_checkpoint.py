@@ -121,6 +121,7 @@ def _main_world(root: str) -> dict:
     dist.barrier()  # every rank listed before rank 0 creates the next temp dir
     ck.save(7, model=again)  # replaces the uncommitted step-000007, cleans the stale temp dir
     out["partial_latest_after_save_7"] = ck.latest_step()
+    ck.close()  # stale temp dirs are deleted in the background
     out["partial_dirs_after_save"] = sorted(os.listdir(f"{root}/main"))
 
     # (5) keep_last=2 keeps the two newest and removes stale temp dirs.
@@ -130,6 +131,7 @@ def _main_world(root: str) -> dict:
     dist.barrier()
     for step in (1, 2, 3, 4):
         keep.save(step, model=model)
+    keep.close()  # the pruned steps are deleted in the background
     out["keep_dirs"] = sorted(os.listdir(f"{root}/keep"))
     out["keep_latest"] = keep.latest_step()
 

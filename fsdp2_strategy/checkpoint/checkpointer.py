@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,7 @@ class Checkpointer:
         self.trainable_only = trainable_only
         self._saver = AsyncSaver(async_save, make_stager=self._make_stager) if async_save else None
         self._watch = PreemptionWatch() if save_on_preemption else None
+        self._deletion: threading.Thread | None = None  # rank 0: pruned steps being deleted
 
     # ------------------------------------------------------------------ queries
     def latest_step(self) -> int | None:
@@ -179,9 +181,12 @@ class Checkpointer:
         shutdown(PREEMPTION_EXIT_CODE)
 
     def close(self) -> None:
-        """Finish a pending save and free the CPU staging buffers kept between async saves."""
+        """Finish a pending save and the deletion of pruned steps; free the CPU staging buffers kept
+        between async saves."""
         if self._saver is not None:
             self._saver.close()
+        self._join_deletion()
+        barrier()  # every rank sees the folder without the deleted steps
 
     # ------------------------------------------------------------------ load
     def load(
@@ -234,14 +239,30 @@ class Checkpointer:
         log_rank_zero("Saved checkpoint %s", self.step_path(step))
 
     def _apply_retention(self) -> None:
-        """Rank 0: drop committed steps beyond the newest `keep_last`, and stale `.tmp-*` dirs."""
+        """Rank 0: drop committed steps beyond the newest `keep_last`, and stale `.tmp-*` dirs.
+
+        The steps are un-published (renamed) now; deleting their files runs in a background thread,
+        off the save's critical path (it took a sixth of a synchronous save of 190 MiB). A crash
+        mid-delete leaves a `.tmp-*` directory, never a loadable one, removed by the next save."""
+        self._join_deletion()
         if self.keep_last is not None:
-            cdir.prune(self.root, self.keep_last)
-        for stale in self.root.glob(f"{TMP_PREFIX}*"):  # only one save is in flight, and it just committed
-            shutil.rmtree(stale, ignore_errors=True)
+            cdir.prune(self.root, self.keep_last, delete=False)
+        stale = list(self.root.glob(f"{TMP_PREFIX}*"))  # only one save is in flight, and it just committed
+        self._deletion = threading.Thread(target=_delete_trees, args=(stale,), name="fsdp2-prune", daemon=True)
+        self._deletion.start()
+
+    def _join_deletion(self) -> None:
+        if self._deletion is not None:
+            self._deletion.join()
+            self._deletion = None
 
 
 # ---------------------------------------------------------------------- helpers
+def _delete_trees(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _check_types(model: Any, optimizer: Any) -> None:
     """Wrong objects fail here by name instead of deep inside torch's state-dict helpers."""
     if model is not None and not isinstance(model, nn.Module):

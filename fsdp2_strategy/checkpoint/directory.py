@@ -220,12 +220,13 @@ def remove_dir(final: Path) -> None:
     shutil.rmtree(unpublish(Path(final)), ignore_errors=True)
 
 
-def prune(root: Path, keep_last: int, pattern: re.Pattern = STEP_DIR) -> list[Path]:
+def prune(root: Path, keep_last: int, pattern: re.Pattern = STEP_DIR, *, delete: bool = True) -> list[Path]:
     """Rank 0: remove all but the newest `keep_last` committed directories under `root` named by
-    `pattern`; returns the removed paths."""
+    `pattern`; returns the removed paths. `delete=False` only un-publishes them (renamed to
+    `trash_path_for(path)`, loadable no more) and leaves the deleting to the caller."""
     doomed = list(committed_steps(root, pattern).values())[:-keep_last]
     for path in doomed:
-        remove_dir(path)
+        remove_dir(path) if delete else unpublish(path)
     return doomed
 
 
