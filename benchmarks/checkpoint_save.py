@@ -100,7 +100,9 @@ def main() -> None:
         with_save = {}
         for mode, saver in savers.items():
             step_no += 1
-            with_save[mode] = timed_run(train_step, args.every, lambda s=saver: s.save(step_no, model=model, optimizer=opt))
+            with_save[mode] = timed_run(
+                train_step, args.every, lambda s=saver, n=step_no: s.save(n, model=model, optimizer=opt)
+            )
             saver.wait()
         sync_dir = savers["sync"].step_path(savers["sync"].latest_step())
         write_bw = disk_bandwidth(Path(root[0]), dir_bytes(sync_dir)) if dist.get_rank() == 0 else None
@@ -114,7 +116,9 @@ def main() -> None:
     for saver in savers.values():
         saver.close()
     if dist.get_rank() == 0:
-        report(args, model, stalls, overheads, statistics.median(base_steps), statistics.median(plain), disk, saved_bytes)
+        report(
+            args, model, stalls, overheads, statistics.median(base_steps), statistics.median(plain), disk, saved_bytes
+        )
     f2.shutdown()
 
 

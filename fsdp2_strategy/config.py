@@ -29,13 +29,15 @@ from .config_checks import (
     _check_wrap_policy,
     _strategy_name,
     check_async_save,
+    check_bool,
     check_choice,
     check_frozen_dtype,
     check_objective,
+    check_tensor_parallel,
     check_trainable_only,
+    mesh_shape_of,
     parse_bytes,
 )
-from .tensor_parallel import check_plan as _check_tensor_parallel_plan
 
 SHARDING_STRATEGIES = strategies.NAMES
 """Accepted names for `FSDP2Config.sharding_strategy` (FSDP1's vocabulary; see `sharding_strategies`)."""
@@ -249,12 +251,11 @@ class FSDP2Config:
         self.memory_budget = parse_bytes(self.memory_budget, "FSDP2Config.memory_budget")
         check_objective(self.objective, self.sharding_strategy, OBJECTIVES)
         _check_reshard(self.reshard_after_forward, "FSDP2Config.reshard_after_forward")
-        self._validate_mesh_shape()
+        self.mesh_shape = mesh_shape_of(self.mesh_shape)
         _check_wrap_policy(self.wrap_policy, "FSDP2Config.wrap_policy")
         _check_mixed_precision(self.mixed_precision, "FSDP2Config.mixed_precision")
         check_frozen_dtype(self.frozen_dtype, "FSDP2Config.frozen_dtype")
-        if not isinstance(self.cpu_offload, bool):
-            raise ValueError(f"FSDP2Config.cpu_offload={self.cpu_offload!r} is invalid; use True or False.")
+        check_bool(self.cpu_offload, "FSDP2Config.cpu_offload")
         _check_module_list(self.activation_checkpointing, "FSDP2Config.activation_checkpointing", allow_auto=True)
         self._validate_ignored_modules()
         if not isinstance(self.compile, (bool, dict)):
@@ -267,53 +268,10 @@ class FSDP2Config:
         check_choice(self.accumulation, ACCUMULATION_MODES, "FSDP2Config.accumulation")
         check_choice(self.collectives, COLLECTIVES, "FSDP2Config.collectives")
         check_choice(self.host_allocator, HOST_ALLOCATORS, "FSDP2Config.host_allocator")
-        self._validate_tensor_parallel()
+        check_tensor_parallel(self)
         check_trainable_only(self.checkpoint_trainable_only, "FSDP2Config.checkpoint_trainable_only")
         check_async_save(self.checkpoint_async_save, "FSDP2Config.checkpoint_async_save")
-        if not isinstance(self.checkpoint_on_preemption, bool):
-            raise ValueError(
-                f"FSDP2Config.checkpoint_on_preemption={self.checkpoint_on_preemption!r} is invalid; use True or False."
-            )
-
-    def _validate_tensor_parallel(self) -> None:
-        size = self.tensor_parallel_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(
-                f"FSDP2Config.tensor_parallel_size={size!r} is invalid; use an int >= 1 (1: no tensor parallelism)."
-            )
-        _check_tensor_parallel_plan(self.tensor_parallel_plan, "FSDP2Config.tensor_parallel_plan")
-        if size > 1 and self.sharding_strategy == "auto":
-            raise ValueError(
-                f"FSDP2Config(sharding_strategy='auto', tensor_parallel_size={size}): the memory planner does not model "
-                "tensor parallelism yet; name a sharding_strategy (FULL_SHARD, HYBRID_SHARD, ...)."
-            )
-        if size > 1:
-            changed = [
-                p for p, o in self.module_overrides.items() if o.sharding_strategy not in (None, self.sharding_strategy)
-            ]
-            if changed:
-                raise ValueError(
-                    f"FSDP2Config.module_overrides {changed} change the sharding strategy, which needs another mesh; "
-                    f"with tensor_parallel_size={size} every group shares one (data parallel x tensor parallel) mesh. "
-                    "Drop those sharding_strategy overrides (reshard, precision and offload overrides are fine)."
-                )
-
-    def _validate_mesh_shape(self) -> None:
-        if self.mesh_shape is None:
-            return
-        shape = self.mesh_shape
-        if isinstance(shape, int):
-            shape = (shape,)
-        if (
-            not isinstance(shape, (list, tuple))
-            or not 1 <= len(shape) <= 2
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape)
-        ):
-            raise ValueError(
-                f"FSDP2Config.mesh_shape={self.mesh_shape!r} is invalid; use (shard,) or "
-                "(replicate, shard) with positive ints whose product is the world size."
-            )
-        self.mesh_shape = tuple(shape)
+        check_bool(self.checkpoint_on_preemption, "FSDP2Config.checkpoint_on_preemption")
 
     def _validate_ignored_modules(self) -> None:
         value = self.ignored_modules

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from . import sharding_strategies as strategies
 from .precision import dtype_from_name, resolve_mixed_precision
+from .tensor_parallel import check_plan
 
 PRECISION_NAMES = ("bf16", "fp16", "fp32")
 """Accepted strings for `FSDP2Config.mixed_precision`."""
@@ -169,3 +170,52 @@ def check_objective(value: Any, strategy: str, choices: tuple) -> None:
             f"FSDP2Config.objective={value!r} chooses the setting of sharding_strategy='auto', but "
             f"sharding_strategy={strategy!r}; set sharding_strategy='auto' or leave objective='memory'."
         )
+
+
+def check_bool(value: Any, field: str) -> None:
+    """Raise ValueError naming `field` unless `value` is True or False."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{field}={value!r} is invalid; use True or False.")
+
+
+def mesh_shape_of(value: Any) -> tuple[int, ...] | None:
+    """`FSDP2Config.mesh_shape` as a tuple (an int is one dimension); ValueError naming the field."""
+    if value is None:
+        return None
+    shape = (value,) if isinstance(value, int) else value
+    if (
+        not isinstance(shape, (list, tuple))
+        or not 1 <= len(shape) <= 2
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape)
+    ):
+        raise ValueError(
+            f"FSDP2Config.mesh_shape={value!r} is invalid; use (shard,) or "
+            "(replicate, shard) with positive ints whose product is the world size."
+        )
+    return tuple(shape)
+
+
+def check_tensor_parallel(config: Any) -> None:
+    """`FSDP2Config.tensor_parallel_size` and `tensor_parallel_plan`, and what they exclude ("auto"
+    strategy, per-module strategy overrides)."""
+    size = config.tensor_parallel_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f"FSDP2Config.tensor_parallel_size={size!r} is invalid; use an int >= 1 (1: no tensor parallelism)."
+        )
+    check_plan(config.tensor_parallel_plan, "FSDP2Config.tensor_parallel_plan")
+    if size > 1 and config.sharding_strategy == "auto":
+        raise ValueError(
+            f"FSDP2Config(sharding_strategy='auto', tensor_parallel_size={size}): the memory planner does not model "
+            "tensor parallelism yet; name a sharding_strategy (FULL_SHARD, HYBRID_SHARD, ...)."
+        )
+    if size > 1:
+        changed = [
+            p for p, o in config.module_overrides.items() if o.sharding_strategy not in (None, config.sharding_strategy)
+        ]
+        if changed:
+            raise ValueError(
+                f"FSDP2Config.module_overrides {changed} change the sharding strategy, which needs another mesh; "
+                f"with tensor_parallel_size={size} every group shares one (data parallel x tensor parallel) mesh. "
+                "Drop those sharding_strategy overrides (reshard, precision and offload overrides are fine)."
+            )

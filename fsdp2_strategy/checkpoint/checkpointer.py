@@ -59,6 +59,9 @@ class Checkpointer:
             `save()` returns). Asynchronous steps are committed by `wait()` or the next
             `save()`/`load()`. In "overlap" mode change no parameter or optimizer state in place
             outside `optimizer.step()` until `wait_staged()` (an EMA update written by hand, say).
+            Which when: True on CPU (the copy is a quick memcpy; on shared cores a background
+            copy only slows the next step), "overlap" on accelerators (a device-to-host copy on
+            its own stream), False when memory for a CPU copy of the state is short.
         save_on_preemption: catch SIGTERM (`PreemptionWatch`) and, at the next
             `exit_if_preempted(step, ...)` (call it once per step, on every rank), finish the save in
             flight, save that step, and exit with `PREEMPTION_EXIT_CODE` (143).
