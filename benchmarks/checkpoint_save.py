@@ -41,10 +41,10 @@ from _bench import make_net  # noqa: E402
 MODES = {"sync": False, "async": True, "overlap": "overlap"}
 
 
-def build(name: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+def build(name: str, dim: int, layers: int) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     """The model (unsharded) and a function returning one batch's loss."""
     if name == "blocks":
-        model = make_net(512, 8)
+        model = make_net(dim, layers)
         x = torch.randn(16, 32)
         return model, lambda: model(x).square().mean()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -59,12 +59,14 @@ def build(name: str) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=("blocks", "minilm"), default="blocks")
+    parser.add_argument("--dim", type=int, default=512, help="blocks model width")
+    parser.add_argument("--layers", type=int, default=8, help="blocks model depth")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--every", type=int, default=10, help="steps per save for the overhead")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    model, loss_fn = build(args.model)
+    model, loss_fn = build(args.model, args.dim, args.layers)
     f2.shard_model(model, wrap_policy="auto", log_plan=False)
     opt = torch.optim.AdamW(model.parameters())
 

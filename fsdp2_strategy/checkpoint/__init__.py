@@ -1,7 +1,8 @@
 """Checkpoints: models and optimizers to and from the sharded state dict (`state`), one atomic
 DCP directory with its commit marker and checksums (`directory`, `integrity`), asynchronous and
-overlapped saves (`async_save`), one directory per step (`Checkpointer`), the layouts a failed load
-names and the optimizer groups it checks (`layout`), full weights in and out (`full_weights`,
+overlapped saves (`async_save`), one directory per step (`Checkpointer`), whether a checkpoint fits
+a model (`matching`), the layouts a failed load names and the optimizer groups it checks
+(`layout`), full weights in and out (`full_weights`,
 `export`), trainable-only checkpoints (`trainable`) and PEFT adapters and merged weights out
 (`peft`, `peft_export`).
 

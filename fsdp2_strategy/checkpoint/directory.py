@@ -34,19 +34,19 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ..distributed import barrier, from_rank_zero, is_distributed, logger, rank
 from . import integrity as integrity
 from .async_save import AsyncSaver
 from .layout import check_param_groups, layouts_named, saved_group_keys
+from .matching import MAX_LISTED, check_compatible, check_same_base, has_prefix, saved_keys
 from .state import UNSTEPPED, Models, Optimizers, apply_state, model_state, sharded_state, without_markers
-from .trainable import base_mismatches, fingerprint_key
+from .trainable import fingerprint_key
 
 METADATA = ".metadata"  # DCP writes it last: the commit marker of a checkpoint directory
 STEP_DIR = re.compile(r"^step-(\d+)$")  # `Checkpointer`'s per-step directories
 TMP_PREFIX = ".tmp-"
-_MAX_LISTED = 20  # keys listed per category in a mismatch error
 
 
 def tmp_path_for(final: Path) -> Path:
@@ -238,7 +238,7 @@ def verify_dir(path: Path, hint: str = "") -> None:
     if problems:
         raise ValueError(
             f"Checkpoint {path} is damaged and was not loaded (the model is unchanged):\n  "
-            + "\n  ".join(problems[:_MAX_LISTED])
+            + "\n  ".join(problems[:MAX_LISTED])
             + (f"\n{hint}" if hint else "")
         )
 
@@ -316,72 +316,7 @@ def load_dir(
         apply_state(state, models, optimizers, strict=strict, unstepped=unstepped)
 
 
-def check_same_base(path: Path, key: str, saved: str, model: nn.Module) -> None:
-    """Collective: raise ValueError (before anything is applied) if the frozen parameters of `model`
-    are not the base the trainable-only checkpoint at `path` was trained on."""
-    problems = base_mismatches(saved, model)
-    if problems:
-        raise ValueError(
-            f"Checkpoint {path} holds only the trainable state of {key!r}, trained on another frozen base than "
-            f"this model's ({len(problems)} parameters differ):\n  "
-            + "\n  ".join(problems[:_MAX_LISTED])
-            + "\nBuild the model from the same pretrained weights (and adapter config) before loading."
-        )
-
-
-def check_compatible(
-    metadata: Metadata,
-    current: Mapping[str, Any],
-    prefix: str,
-    path: Path,
-    extra_problems: list[str] | None = None,
-    *,
-    strict: bool = True,
-) -> None:
-    """Raise ValueError listing keys and shapes that differ between the checkpoint and `current`.
-
-    `current` is the model's (sharded) state dict; its keys sit under `prefix` in the checkpoint.
-    `strict=False` tolerates missing and unexpected keys (shape mismatches still raise).
-    """
-    saved = saved_keys(metadata, prefix)
-    missing = sorted(set(current) - set(saved)) if strict else []
-    unexpected = sorted(set(saved) - set(current)) if strict else []
-    shapes = sorted(
-        f"{k}: checkpoint {tuple(saved[k].size)} vs model {tuple(current[k].shape)}"
-        for k in set(saved) & set(current)
-        if isinstance(saved[k], TensorStorageMetadata)
-        and isinstance(current[k], torch.Tensor)
-        and tuple(saved[k].size) != tuple(current[k].shape)
-    )
-    problems = [
-        f"{label} ({len(items)}): {_listing(items)}"
-        for label, items in (
-            ("missing in checkpoint", missing),
-            ("unexpected in checkpoint", unexpected),
-            ("shape mismatch", shapes),
-        )
-        if items
-    ] + list(extra_problems or [])
-    if problems:
-        raise ValueError(f"Checkpoint {path} does not match the model:\n  " + "\n  ".join(problems))
-
-
-def saved_keys(metadata: Metadata, prefix: str) -> dict[str, Any]:
-    """The checkpoint's entries under `prefix`, keyed without it."""
-    return {k[len(prefix) :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
-
-
-def has_prefix(metadata: Metadata, prefix: str) -> bool:
-    """Whether any saved key starts with `prefix` (e.g. optimizer state was saved)."""
-    return any(k.startswith(prefix) for k in metadata.state_dict_metadata)
-
-
 # ---------------------------------------------------------------------- small helpers
-def _listing(items: list[str]) -> str:
-    shown = ", ".join(items[:_MAX_LISTED])
-    return shown + (f", ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")
-
-
 @contextlib.contextmanager
 def single_process_quiet() -> Iterator[None]:
     """Without a process group DCP warns "assuming the intent is to save in a single process": it is."""
