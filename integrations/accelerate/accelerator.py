@@ -256,10 +256,10 @@ class FSDP2Accelerator(Accelerator):
             return model
         if self.verify_device_map(model):
             raise ValueError("A model loaded with `device_map=...` cannot be sharded; load it without a device map.")
+        batch, self._fsdp2_example_batch = getattr(self, "_fsdp2_example_batch", None), None
         if self.fsdp_plugin.cpu_ram_efficient_loading:
-            shard_with_rank0_weights(model, self.fsdp2_config)
+            shard_with_rank0_weights(model, self.fsdp2_config, example_batch=batch)
         else:
-            batch, self._fsdp2_example_batch = getattr(self, "_fsdp2_example_batch", None), None
             f2.shard_model(model, self.fsdp2_config, mesh=self._fsdp2_mesh, example_batch=batch)
         compat.registries(self).models.append(model)
         model._is_accelerate_prepared = True

@@ -743,7 +743,10 @@ def _throughput(out: dict, work: Path) -> None:
     cache = work / "accelerate_tune.json"
     cache.unlink(missing_ok=True)  # both ranks, before prepare's first collective
     os.environ["FSDP2_TUNE_CACHE"] = str(cache)
-    plugin = dict(sharding_strategy="auto", objective="throughput", reshard_after_forward=None)
+    # cpu_ram_efficient_loading=False: rank0_loading, an earlier flow, exported it as true to the environment.
+    plugin = dict(
+        sharding_strategy="auto", objective="throughput", reshard_after_forward=None, cpu_ram_efficient_loading=False
+    )
     try:
         acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(**plugin), mixed_precision="no")
         model, initial = fresh(20, layers=4)
