@@ -338,7 +338,9 @@ def test_throughput_objective_tunes_on_the_train_loader_and_caches_the_pick(flow
     t = r["throughput"]
     assert t["rows"][:2] == ["FULL_SHARD/blocks", "FULL_SHARD/one group"]  # the default candidates, measured
     picked = t["entry"]["changes"]
-    assert t["strategies"] == [picked["sharding_strategy"]] and t["mesh_shapes"] == ["(2,)"]
+    # NO_SHARD is a (replicate 2, shard 1) mesh; the others shard over both ranks.
+    mesh = "(2, 1)" if picked["sharding_strategy"] == "NO_SHARD" else "(2,)"
+    assert t["strategies"] == [picked["sharding_strategy"]] and t["mesh_shapes"] == [mesh]
     assert (t["groups"] == 1) == ("wrap_policy" in picked and picked["wrap_policy"] is None)  # one group or blocks
     assert t["every_rank"][0] == t["every_rank"][1]
     assert t["max_rel_diff"] < TOL
