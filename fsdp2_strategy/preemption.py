@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import is_distributed, logger, rank
+from .mesh import collective_device
 
 PREEMPTION_EXIT_CODE = 128 + signal.SIGTERM
 """Exit status after a preemption save (143: "terminated by SIGTERM", what a process killed by the
@@ -48,9 +49,8 @@ class PreemptionWatch:
     def requested(self) -> bool:
         """Collective: whether any rank caught a signal (once True, stays True without communicating)."""
         if not self._agreed:
-            flag = torch.tensor([1 if self.received is not None else 0])
+            flag = torch.tensor([1 if self.received is not None else 0], device=collective_device())
             if is_distributed():
-                # CPU tensor: every backend this project starts has a CPU (gloo) part.
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             self._agreed = bool(flag.item())
         return self._agreed

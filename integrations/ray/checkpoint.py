@@ -74,8 +74,9 @@ def save_and_report(
 
 
 def report_dir(path: Path, metrics: Mapping[str, Any] | None) -> None:
-    """Collective: report the committed checkpoint directory `path` to Ray with `metrics`. One uploader: the directory already holds
-    every rank's shards, and Ray merges what several workers report into one folder anyway."""
+    """Collective: report the committed checkpoint directory `path` to Ray with `metrics`. One
+    uploader: the directory already holds every rank's shards, and Ray merges what several workers
+    report into one folder anyway."""
     checkpoint = ray.train.Checkpoint.from_directory(str(path)) if rank() == 0 else None
     ray.train.report(dict(metrics or {}), checkpoint=checkpoint, checkpoint_dir_name=path.name)
 
