@@ -47,5 +47,5 @@ def _hang():
 def test_hanging_world_is_killed_on_timeout():
     start = time.monotonic()
     with pytest.raises(DistributedTestError, match="timed out"):
-        run_distributed(_hang, 2, timeout=5)
-    assert time.monotonic() - start < 60
+        run_distributed(_hang, 2, timeout=3)
+    assert time.monotonic() - start < 30
