@@ -11,7 +11,8 @@ path needs an accelerator; measured with Accelerate 1.15: no wrapper and no grad
 synchronisation), or with `--cpu-env` (ACCELERATE_USE_CPU=true, which its FSDP launcher
 does not derive from `use_cpu: true`) wraps it in DDP; on GPUs it runs its own FSDP2 path.
 Each run is a fresh `accelerate launch` world, interleaved (ours, stock, stock, ours, ...),
-first round dropped.
+first round dropped
+(`--warmup-rounds`).
 Reported: what the model became, median seconds per optimizer step with spread, the ratio,
 and each one's largest loss difference from one process training on the same global batches
 (correct data parallelism matches it; unsynchronised processes do not).
@@ -190,7 +191,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="per process and micro-batch")
     parser.add_argument("--accumulate", type=int, default=4, help="gradient_accumulation_steps")
     parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per run")
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds (plus one warm-up round)")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds")
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds run first and dropped (0: a smoke run)")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--cpu", action="store_true", help="use_cpu: true (the default where no accelerator exists)")
     parser.add_argument(
@@ -218,10 +220,10 @@ def main() -> None:
         config.write_text(CONFIG.format(processes=args.processes, cpu=str(cpu).lower()))
         ours = [f"{OURS} {m}" for m in args.accumulation] if args.accumulation else [OURS]
         runs: dict[str, list[dict]] = {v: [] for v in [*ours, STOCK]}
-        for r in range(args.rounds + 1):
+        for r in range(args.warmup_rounds + args.rounds):
             for variant in list(runs) if r % 2 == 0 else list(runs)[::-1]:
                 result = launch(variant, config, args)
-                if r > 0:
+                if r >= args.warmup_rounds:
                     runs[variant].append(result)
     device = "CPU (gloo)" if cpu else torch.accelerator.current_accelerator().type
     print(

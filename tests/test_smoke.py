@@ -214,7 +214,19 @@ def test_accelerate_finetune_example_with_its_config_file(tmp_path):
 
 
 def test_accelerate_step_time_benchmark_matches_one_process():
-    out = _python("benchmarks/accelerate_step_time.py", "--dim", "32", "--layers", "2", "--steps", "2", "--rounds", "1")
+    out = _python(
+        "benchmarks/accelerate_step_time.py",
+        "--dim",
+        "32",
+        "--layers",
+        "2",
+        "--steps",
+        "2",
+        "--rounds",
+        "1",
+        "--warmup-rounds",
+        "0",
+    )
     assert "ours/stock step-time ratio" in out
     ours = next(line for line in out.splitlines() if line.startswith("FSDP2Accelerator "))
     assert "DistributedType.FSDP" in ours and float(ours.split()[-1]) < 1e-5  # same losses as one process
