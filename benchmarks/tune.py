@@ -2,8 +2,10 @@
 
 For each model x world size x micro-batch count, one spawned gloo world:
 1. runs `f2.tune` (default candidates, AdamW) and keeps its table: predicted and measured s/step;
-2. builds every candidate the tuner measured and times them again, interleaved (A B C, C B A, ...;
-   the first round is warm-up), a run separate from the tuner's;
+2. times every candidate the tuner measured again, interleaved (A B C, C B A, ...; the first round
+   is warm-up), a run separate from the tuner's: each round builds each candidate afresh, takes 2
+   untimed and `--steps` timed steps and frees it, so one model is alive at a time, as in training
+   and in the tuner;
 3. judges: the pick's median step in (2) within 5 % of the fastest candidate's; each prediction
    against (2)'s median; the tuner's cost against 1,000 steps of the pick.
 
@@ -53,18 +55,19 @@ def _interleaved(model, batch, loss_fn, result, k: int, rounds: int, steps: int)
     import fsdp2_strategy as f2
     from fsdp2_strategy.tuning.measure import train_step
 
-    variants = {}
-    for row in result.rows:
-        if row.measured is None:
-            continue
-        cfg = row.candidate.config(result.best_config)
+    def run(cfg) -> list[float]:
         sharded = f2.shard_model(copy.deepcopy(model), cfg, log_plan=False)
         opt = torch.optim.AdamW(sharded.parameters())
 
-        def step(_: int, m=sharded, o=opt, acc=cfg.accumulation) -> None:
-            train_step(m, o, batch, loss_fn, k, acc)
+        def step(_: int) -> None:
+            train_step(sharded, opt, batch, loss_fn, k, cfg.accumulation)
 
-        variants[row.label] = lambda step=step: _bench.timed_steps(step, steps)
+        for i in range(2):
+            step(i)
+        return _bench.timed_steps(step, steps)
+
+    configs = {r.label: r.candidate.config(result.best_config) for r in result.rows if r.measured is not None}
+    variants = {label: lambda cfg=cfg: run(cfg) for label, cfg in configs.items()}
     times = _bench.interleave(variants, rounds)
     slowest = torch.tensor([times[name] for name in variants], dtype=torch.float64)
     torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)

@@ -277,6 +277,38 @@ def test_compute_and_per_call_cost_are_recovered_from_two_measured_steps():
     assert (fitted.forward_s, fitted.backward_s, fitted.optimizer_s) == pytest.approx((0.05, 0.1, 0.08))
 
 
+def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass():
+    from fsdp2_strategy.tuning import tuner
+    from fsdp2_strategy.tuning.candidates import Candidate
+    from fsdp2_strategy.tuning.measure import Measurement
+    from fsdp2_strategy.tuning.result import TuneRow
+
+    first = {"a": 0.30, "b": 0.20, "c": 0.25, "d": 0.29, "e": 0.31}  # e: over 1.5 x the fastest (0.30)
+    again = {"a": 0.22, "b": 0.21, "c": None, "d": 0.28}  # c fails on its second run
+    rows = []
+    for label, s in first.items():
+        row = TuneRow(Candidate(label, {}), fits=True)
+        row.measured = Measurement(step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=1, cost_s=1.0)
+        row.measured.passes = [s]
+        rows.append(row)
+    order = []
+
+    def measure(row, extra_warmup):
+        order.append((row.label, extra_warmup))
+        s = again[row.label]
+        if s is None:
+            return None, "failed: rank 0: RuntimeError: out of memory"
+        return Measurement(step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=1, cost_s=2.0), ""
+
+    tuner._second_pass(rows, measure)
+    assert order == [("d", 0), ("c", 0), ("b", 0), ("a", 0)]  # last first; e is not a contender
+    got = {r.label: (r.measured.step_s, r.measured.passes, r.measured.cost_s) for r in rows}
+    assert got["a"] == (0.22, [0.30, 0.22], 3.0) and got["b"] == (0.20, [0.20, 0.21], 3.0)
+    assert got["d"] == (0.28, [0.29, 0.28], 3.0)
+    assert got["c"] == (0.25, [0.25], 1.0) and got["e"] == (0.31, [0.31], 1.0)  # c keeps its only pass
+    assert all(r.skipped == "" for r in rows)
+
+
 def test_fit_line_recovers_latency_and_bandwidth():
     points = [(x, 2e-4 + x / 3e8) for x in (1e4, 1e6, 8e6)]
     fit = fit_line(points)

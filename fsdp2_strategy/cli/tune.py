@@ -31,8 +31,11 @@ def add_parser(sub: Any) -> None:
     cmd.add_argument("--batch-size", type=int, default=None, help="micro-batch per rank (Hugging Face folder)")
     cmd.add_argument("--seq-len", type=int, default=None, help="sequence length (Hugging Face folder)")
     cmd.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
-    cmd.add_argument("--steps", type=int, default=5, help="timed optimizer steps per candidate")
-    cmd.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per candidate")
+    cmd.add_argument("--steps", type=int, default=5, help="timed optimizer steps per candidate and pass")
+    cmd.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per candidate and pass")
+    cmd.add_argument(
+        "--passes", type=int, choices=(1, 2), default=2, help="2: measure the contenders again, in reverse order"
+    )
     cmd.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd_plain, adagrad or rmsprop")
     cmd.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None)
     cmd.add_argument("--memory-budget", default=None, help="bytes per rank, e.g. 80GiB (default: the device's)")
@@ -78,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches,
         warmup=args.warmup,
         steps=args.steps,
+        passes=args.passes,
         memory_budget=args.memory_budget,
     )
     if rank() == 0:

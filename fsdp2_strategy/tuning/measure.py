@@ -62,7 +62,9 @@ class Measurement:
     cost_s: float = 0.0
     """Seconds this candidate took to tune: build, warm-up, timed and probe steps (slowest rank)."""
     steps: list[float] = field(default_factory=list)
-    """Every timed step (seconds)."""
+    """Every timed step (seconds) of the pass kept."""
+    passes: list[float] = field(default_factory=list)
+    """Median step time of each pass (the tuner keeps the faster pass)."""
 
 
 class _CountCollectives(TorchDispatchMode):
