@@ -46,8 +46,9 @@ run slower (measured: a first candidate's 5 timed steps 50 % above the same sett
 
 RECHECK_WITHIN = 1.5
 """The second pass measures again the rows whose first-pass step time is within this factor of
-the fastest one's. Measured (8-block model, 2 ranks): rows measured early in a pass ran 22-34 %
-slower than the same settings later, so with one pass the order would decide the pick."""
+the fastest one's, and the first row measured. Measured (8-block model, 2 ranks): rows measured
+early in a pass ran 22-34 % slower than the same settings later, so with one pass the order
+would decide the pick."""
 
 SKIPPABLE = (RuntimeError, ValueError, torch.OutOfMemoryError)
 """Errors that skip a candidate (on every rank) instead of ending the tuning."""
@@ -78,12 +79,12 @@ def tune(
     "sgd", ...), an optimizer class or `params -> optimizer`, built fresh per candidate.
     `loss_fn(model, batch)`: default the output's `.loss`, else its first tensor's mean.
     `micro_batches`: per optimizer step (gradient accumulation under the candidate's
-    `accumulation` mode). `warmup` / `steps`: untimed and timed optimizer steps per candidate and pass.
-    `passes`: 2 measures the contenders (within `RECHECK_WITHIN` of the fastest) again in reverse
-    order and keeps each one's faster pass; 1 measures each candidate once. `memory_budget`:
-    bytes per rank (default `config.memory_budget`, else the device's or this
-    rank's share of RAM, less 10 %). `model` is copied per candidate, never changed; nor is the
-    random number generator state.
+    `accumulation` mode). `warmup` / `steps`: untimed and timed optimizer steps per candidate
+    and pass. `passes`: 2 measures the contenders (within `RECHECK_WITHIN` of the fastest, and
+    the first row) again in reverse order and keeps each one's faster pass; 1 measures each
+    candidate once. `memory_budget`: bytes per rank (default `config.memory_budget`, else the
+    device's or this rank's share of RAM, less 10 %). `model` is copied per candidate, never
+    changed; nor is the random number generator state.
     """
     start = time.perf_counter()
     _check_inputs(model, example_batch, micro_batches, warmup, steps, passes)
@@ -254,7 +255,8 @@ def _second_pass(rows: list[TuneRow], measure: Callable) -> None:
     for row in reversed(measured):
         first = row.measured
         assert first is not None
-        if first.step_s > RECHECK_WITHIN * fastest:
+        # The first row measured is measured again however slow: it ran in the coldest process.
+        if first.step_s > RECHECK_WITHIN * fastest and row is not measured[0]:
             continue
         again, why = measure(row, 0)
         if again is None:  # it ran once: keep that, and say why the second pass did not
