@@ -11,8 +11,7 @@ path needs an accelerator; measured with Accelerate 1.15: no wrapper and no grad
 synchronisation), or with `--cpu-env` (ACCELERATE_USE_CPU=true, which its FSDP launcher
 does not derive from `use_cpu: true`) wraps it in DDP; on GPUs it runs its own FSDP2 path.
 Each run is a fresh `accelerate launch` world, interleaved (ours, stock, stock, ours, ...),
-first round dropped
-(`--warmup-rounds`).
+first round dropped (`--warmup-rounds`).
 Reported: what the model became, median seconds per optimizer step with spread, the ratio,
 and each one's largest loss difference from one process training on the same global batches
 (correct data parallelism matches it; unsynchronised processes do not).
