@@ -57,10 +57,18 @@ def free_port() -> int:
 
 
 def _worker(
-    rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple, env: dict, pg_timeout: float
+    rank: int,
+    world_size: int,
+    port: int,
+    outdir: str,
+    fn: Callable,
+    args: tuple,
+    parent_environ: dict,
+    env: dict,
+    pg_timeout: float,
 ) -> None:
     os.environ.clear()
-    os.environ.update(env.pop("__parent_environ__"))
+    os.environ.update(parent_environ)
     os.environ.update(
         {
             "RANK": str(rank),
@@ -110,12 +118,15 @@ def run_distributed(
 ) -> list[Any]:
     """Run `fn(*args)` on `world_size` gloo ranks; return each rank's result (rank order)."""
     ctx = _forkserver()
-    env = {**(env or {}), "__parent_environ__": dict(os.environ)}
+    parent_environ = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="f2dist-") as outdir:
         port = free_port()
         procs = []
         for rank in range(world_size):
-            p = ctx.Process(target=_worker, args=(rank, world_size, port, outdir, fn, args, dict(env), timeout))
+            p = ctx.Process(
+                target=_worker,
+                args=(rank, world_size, port, outdir, fn, args, parent_environ, dict(env or {}), timeout),
+            )
             p.start()
             procs.append(p)
         # Slack past the ranks' own collective timeout, so a rank can report its timeout first.
