@@ -290,7 +290,7 @@ def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass(
     for label, s in first.items():
         row = TuneRow(Candidate(label, {}), fits=True)
         row.measured = Measurement(step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=1, cost_s=1.0)
-        row.measured.passes = [s]
+        row.measured.passes = [s]  # as measure_candidate sets it
         rows.append(row)
     order = []
 
@@ -299,7 +299,8 @@ def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass(
         s = again[row.label]
         if s is None:
             return None, "failed: rank 0: RuntimeError: out of memory"
-        return Measurement(step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=1, cost_s=2.0), ""
+        m = Measurement(step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=1, cost_s=2.0, passes=[s])
+        return m, ""
 
     tuner._second_pass(rows, measure)
     assert order == [("d", 0), ("c", 0), ("b", 0), ("a", 0)]  # last first; e is not a contender

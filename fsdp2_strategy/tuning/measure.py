@@ -194,8 +194,9 @@ def measure_candidate(
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank now holds the same numbers
     cols = list(zip(*slowest[:-1].tolist()))
     k = micro_batches
+    step_s = statistics.median(cols[0])
     return Measurement(
-        step_s=statistics.median(cols[0]),
+        step_s=step_s,
         forward_s=statistics.median(cols[1]) / k,
         backward_s=statistics.median(cols[2]) / k,
         optimizer_s=statistics.median(cols[3]),
@@ -203,4 +204,5 @@ def measure_candidate(
         collectives=counts,
         cost_s=slowest[-1, 1].item(),
         steps=list(cols[0]),
+        passes=[step_s],
     )

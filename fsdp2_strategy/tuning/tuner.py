@@ -241,8 +241,6 @@ def _first_pass(rows: list[TuneRow], measure: Callable) -> None:
             # The first candidate also warms the process (allocator, thread pools): more warm-up steps.
             extra = FIRST_EXTRA_WARMUP if not any(r.measured for r in rows) else 0
             row.measured, row.skipped = measure(row, extra)
-            if row.measured is not None:
-                row.measured.passes = [row.measured.step_s]
 
 
 def _second_pass(rows: list[TuneRow], measure: Callable) -> None:
@@ -264,7 +262,7 @@ def _second_pass(rows: list[TuneRow], measure: Callable) -> None:
             continue
         faster = min(first, again, key=lambda m: m.step_s)
         row.measured = dataclasses.replace(
-            faster, cost_s=first.cost_s + again.cost_s, passes=[first.step_s, again.step_s]
+            faster, cost_s=first.cost_s + again.cost_s, passes=first.passes + again.passes
         )
 
 
