@@ -5,6 +5,7 @@ Not a public API: the benchmark scripts put this folder on `sys.path` and import
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -74,6 +75,22 @@ def batches(
         x = torch.randn(batch, inputs, generator=gen)
         out.append((x, x @ w))
     return out
+
+
+def pin_to_core(rank: int) -> int | None:
+    """Pin every thread of this process (gloo's included) to one of the cores it may use, chosen
+    by `rank`, so the scheduler does not move ranks between cores mid-step; new threads inherit
+    it. The core, or None where the OS has no affinity call."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[rank % len(cores)]
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return core
 
 
 def timed_steps(step: Callable[[int], None], steps: int) -> list[float]:

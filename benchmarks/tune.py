@@ -5,7 +5,7 @@ For each model x world size x micro-batch count, one spawned gloo world:
 2. times every candidate the tuner measured again, interleaved (A B C, C B A, ...; the first round
    is warm-up), a run separate from the tuner's: each round builds each candidate afresh, takes 2
    untimed and `--steps` timed steps and frees it, so one model is alive at a time, as in training
-   and in the tuner;
+   and in the tuner. Each rank is pinned to one core in (1) and (2) (`--no-pin`: left to the scheduler);
 3. judges: the pick's median step in (2) within 5 % of the fastest candidate's; each prediction
    against (2)'s median; the tuner's cost against 1,000 steps of the pick.
 
@@ -66,7 +66,7 @@ def _interleaved(model, batch, loss_fn, result, k: int, rounds: int, steps: int)
             step(i)
         return _bench.timed_steps(step, steps)
 
-    configs = {r.label: r.candidate.config(result.best_config) for r in result.rows if r.measured is not None}
+    configs = {r.label: result.config_of(r.label) for r in result.rows if r.measured is not None}
     variants = {label: lambda cfg=cfg: run(cfg) for label, cfg in configs.items()}
     times = _bench.interleave(variants, rounds)
     slowest = torch.tensor([times[name] for name in variants], dtype=torch.float64)
@@ -74,9 +74,14 @@ def _interleaved(model, batch, loss_fn, result, k: int, rounds: int, steps: int)
     return {name: slowest[i].tolist() for i, name in enumerate(variants)}
 
 
-def _case(name: str, k: int, rounds: int, steps: int) -> dict:
+def _case(name: str, k: int, rounds: int, steps: int, pin: bool) -> dict:
+    import _bench
+    import torch.distributed as dist
+
     import fsdp2_strategy as f2
 
+    if pin:  # for the tuner and the interleaved run alike
+        _bench.pin_to_core(dist.get_rank())
     model, batch, loss_fn = _model(name)
     result = f2.tune(model, batch, loss_fn=loss_fn, micro_batches=k)
     bench = _interleaved(model, batch, loss_fn, result, k, rounds, steps)
@@ -85,6 +90,7 @@ def _case(name: str, k: int, rounds: int, steps: int) -> dict:
 
 def judge(name: str, world: int, k: int, out: dict) -> dict:
     medians = {label: statistics.median(t) for label, t in out["bench"].items()}
+    quartiles = {label: statistics.quantiles(t, n=4) for label, t in out["bench"].items() if len(t) > 1}
     fastest = min(medians, key=medians.__getitem__)
     pick = out["result"]["best"]
     rows = []
@@ -97,6 +103,9 @@ def judge(name: str, world: int, k: int, out: dict) -> dict:
                 "predicted_s": pred,
                 "tuner_s": r["measured_s"],
                 "interleaved_s": bench,
+                "interleaved_p25_p75": [quartiles[r["label"]][0], quartiles[r["label"]][2]]
+                if r["label"] in quartiles
+                else None,
                 "error": (pred - bench) / bench if pred and bench else None,
                 "skipped": r["skipped"],
             }
@@ -120,15 +129,17 @@ def report(v: dict) -> str:
         f"## {v['model']}, {v['world']} ranks, k={v['k']}: picked {v['pick']}, fastest interleaved {v['fastest']} "
         f"(pick/fastest {v['pick_vs_fastest']:.3f}); tuning {v['tuner_cost_s']:.1f} s = "
         f"{v['cost_vs_1000_steps']:.1%} of 1,000 steps",
-        f"{'setting':<34} {'predicted':>10} {'tuner':>8} {'interleaved':>12} {'pred err':>9}",
+        f"{'setting':<34} {'predicted':>10} {'tuner':>8} {'interleaved':>12} {'p25-p75':>15} {'pred err':>9}",
     ]
     for r in v["rows"]:
         fmt = lambda x, w: f"{x:>{w}.4f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
         err = f"{r['error']:>+9.0%}" if r["error"] is not None else f"{'-':>9}"
         mark = " <-" if r["setting"] == v["pick"] else ""
+        spread = r["interleaved_p25_p75"]
+        spread_s = f"{spread[0]:>7.4f}-{spread[1]:<7.4f}" if spread else f"{'-':>15}"
         lines.append(
             f"{r['setting'] + mark:<34} {fmt(r['predicted_s'], 10)} {fmt(r['tuner_s'], 8)} "
-            f"{fmt(r['interleaved_s'], 12)} {err}"
+            f"{fmt(r['interleaved_s'], 12)} {spread_s} {err}"
         )
     return "\n".join(lines)
 
@@ -138,15 +149,18 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["mlp8"], choices=["mlp8", "gpt", "minilm"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[2])
     parser.add_argument("--ks", nargs="+", type=int, default=[1])
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds after one warm-up round")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds after one warm-up round")
     parser.add_argument("--steps", type=int, default=5, help="steps per variant per round")
+    parser.add_argument(
+        "--no-pin", dest="pin", action="store_false", help="leave ranks unpinned (default: each rank on one core)"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tune.json"))
     args = parser.parse_args()
     verdicts = []
     for name in args.models:
         for world in args.worlds:
             for k in args.ks:
-                out = run_distributed(_case, world, name, k, args.rounds, args.steps, timeout=1800)[0]
+                out = run_distributed(_case, world, name, k, args.rounds, args.steps, args.pin, timeout=1800)[0]
                 print(out["table"])
                 verdicts.append(judge(name, world, k, out))
                 print(report(verdicts[-1]), flush=True)

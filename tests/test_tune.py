@@ -363,3 +363,31 @@ def test_cache_key_depends_on_model_world_and_device(tmp_path):
     assert read_decision(path, key)["changes"] == {"sharding_strategy": "NO_SHARD"}
     path.write_text("not json")
     assert read_decision(path, key) is None
+
+
+def test_config_of_applies_a_rows_settings_to_the_base_not_to_the_pick():
+    """A "blocks" row leaves wrap_policy to the base: applied over the pick (one group) it would be
+    one group too, which is how the interleaved benchmark once timed the wrong settings."""
+    from fsdp2_strategy.tuning.candidates import Candidate
+    from fsdp2_strategy.tuning.result import TuneResult, TuneRow
+
+    base = f2.FSDP2Config(log_plan=False)
+    blocks = TuneRow(Candidate("FULL_SHARD/blocks", {"sharding_strategy": "FULL_SHARD"}))
+    one = TuneRow(Candidate("FULL_SHARD/one group", {"sharding_strategy": "FULL_SHARD", "wrap_policy": None}))
+    result = TuneResult(
+        rows=[blocks, one],
+        best=one,
+        best_config=one.candidate.config(base),
+        base_config=base,
+        time_model=None,
+        reference="",
+        world_size=2,
+        device_type="cpu",
+        budget=1,
+        samples_per_step=1,
+    )
+    assert base.wrap_policy is not None and result.best_config.wrap_policy is None
+    assert result.config_of("FULL_SHARD/blocks").wrap_policy == base.wrap_policy
+    assert result.config_of("FULL_SHARD/one group").wrap_policy is None
+    with pytest.raises(KeyError, match="no row 'NO_SHARD/blocks'"):
+        result.config_of("NO_SHARD/blocks")

@@ -50,6 +50,8 @@ class TuneResult:
     """The measured row with the least median step time (decided on rank 0)."""
     best_config: FSDP2Config
     """The base config with the best row's settings: hand it to `shard_model`."""
+    base_config: FSDP2Config
+    """The config every candidate's settings were applied to (`config_of`)."""
     time_model: StepTimeModel | None
     """Link and compute measured on this group; `compare_strategies(time=...)` takes it."""
     reference: str
@@ -71,6 +73,14 @@ class TuneResult:
     """Seconds the whole tuning took (estimates, sweep and every candidate)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form facts for reports (e.g. "cache": the cache file a decision was written to)."""
+
+    def config_of(self, label: str) -> FSDP2Config:
+        """The config the row `label` was measured with. (A row's settings applied to `best_config`
+        instead would keep the pick's other fields: a "blocks" row would inherit one group.)"""
+        row = next((r for r in self.rows if r.label == label), None)
+        if row is None:
+            raise KeyError(f"tune: no row {label!r}; the rows are {[r.label for r in self.rows]}.")
+        return row.candidate.config(self.base_config)
 
     def __str__(self) -> str:
         header = (

@@ -132,6 +132,7 @@ def tune(
         rows=rows,
         best=best,
         best_config=best.candidate.config(base),
+        base_config=base,
         time_model=time_model,
         reference=reference,
         world_size=world,
