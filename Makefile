@@ -23,9 +23,10 @@ lint: $(STAMP)
 	PYTHONPATH=. $(BIN)/lint-imports  # integrations/ is analysed as the top-level package it is here
 	$(BIN)/mypy
 
-# Two pytest workers, each taking whole files (module fixtures start each world once): run one at a
-# time, a quarter of the two cores idles while launchers import Lightning or Accelerate before
-# starting the next rank (18 min 19 s one at a time, 11 min 42 s so). PYTEST_WORKERS=0: one process.
+# Two pytest workers, each taking whole files (so module fixtures start each world once). One file at
+# a time left a quarter of the two cores idle, mostly while a launcher's first rank imports Lightning
+# or Accelerate before it starts the next (18 min 19 s in one process, 11 min 42 s on two workers).
+# PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
 
 test: lint
