@@ -289,8 +289,9 @@ def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass(
     rows = []
     for label, s in first.items():
         row = TuneRow(Candidate(label, {}), fits=True)
-        row.measured = Measurement(step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=1, cost_s=1.0)
-        row.measured.passes = [s]  # as measure_candidate sets it
+        row.measured = Measurement(
+            step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=1, cost_s=1.0, passes=[s]
+        )
         rows.append(row)
     order = []
 
@@ -377,7 +378,6 @@ def test_config_of_applies_a_rows_settings_to_the_base_not_to_the_pick():
     result = TuneResult(
         rows=[blocks, one],
         best=one,
-        best_config=one.candidate.config(base),
         base_config=base,
         time_model=None,
         reference="",

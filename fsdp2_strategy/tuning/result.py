@@ -48,10 +48,8 @@ class TuneResult:
     """Every candidate, in the order tried."""
     best: TuneRow
     """The measured row with the least median step time (decided on rank 0)."""
-    best_config: FSDP2Config
-    """The base config with the best row's settings: hand it to `shard_model`."""
     base_config: FSDP2Config
-    """The config every candidate's settings were applied to (`config_of`)."""
+    """The config every candidate's settings were applied to (`config_of`, `best_config`)."""
     time_model: StepTimeModel | None
     """Link and compute measured on this group; `compare_strategies(time=...)` takes it."""
     reference: str
@@ -73,6 +71,11 @@ class TuneResult:
     """Seconds the whole tuning took (estimates, sweep and every candidate)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form facts for reports (e.g. "cache": the cache file a decision was written to)."""
+
+    @property
+    def best_config(self) -> FSDP2Config:
+        """The base config with the best row's settings: hand it to `shard_model`."""
+        return self.best.candidate.config(self.base_config)
 
     def config_of(self, label: str) -> FSDP2Config:
         """The config the row `label` was measured with. (A row's settings applied to `best_config`

@@ -131,7 +131,6 @@ def tune(
     result = TuneResult(
         rows=rows,
         best=best,
-        best_config=best.candidate.config(base),
         base_config=base,
         time_model=time_model,
         reference=reference,
