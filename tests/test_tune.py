@@ -100,6 +100,21 @@ def _tune_world(cache: str) -> dict:
     out["failing"] = [(r.label, r.measured is not None, r.skipped.split(":")[0]) for r in failing.rows]
     out["failing_reason"] = failing.rows[1].skipped
 
+    # The probe as the last of 2 warm-up steps measures what a probe after the timed steps does:
+    # the second step is already a steady one. Without a probe, nothing is measured.
+    from fsdp2_strategy.estimate import optimizer_factory
+    from fsdp2_strategy.tuning.measure import measure_candidate
+
+    cfg = f2.FSDP2Config(log_plan=False)
+    loss = lambda m, b: m(b).square().mean()  # noqa: E731
+    probes = {
+        name: measure_candidate(
+            model, cfg, batch, loss, optimizer_factory("adamw"), micro_batches=2, warmup=warmup, steps=1, probe=probe
+        )
+        for name, warmup, probe in (("warm-up", 2, True), ("after", 1, True), ("none", 2, False))
+    }
+    out["probes"] = {name: (m.peak_bytes, m.collectives) for name, m in probes.items()}
+
     # Ranks that disagree get one error each, not a hang.
     mine = FEW[:1] if torch.distributed.get_rank() == 0 else FEW[1:2]
     try:
@@ -183,6 +198,14 @@ def test_a_failing_candidate_is_skipped_with_its_reason_and_disagreeing_ranks_ge
     assert out["failing"] == [("FULL_SHARD/blocks", True, ""), ("FULL_SHARD/one group", False, "failed")]
     assert "rank 0: OutOfMemoryError" in out["failing_reason"] and "rank 1: OutOfMemoryError" in out["failing_reason"]
     assert out["disagree"].startswith("tune: ranks disagree on candidates: rank 0 has ['FULL_SHARD/blocks'], rank 1")
+
+
+def test_the_probe_as_the_last_warm_up_step_measures_the_steady_peak_and_collectives(world):
+    out, _ = world
+    peak, collectives = out["probes"]["warm-up"]
+    assert peak > 0 and sum(collectives.values()) > 0
+    assert out["probes"]["after"] == (peak, collectives)
+    assert out["probes"]["none"] == (0, {})
 
 
 def test_compare_strategies_time_true_adds_predictions(world):
@@ -283,32 +306,42 @@ def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass(
     from fsdp2_strategy.tuning.measure import Measurement
     from fsdp2_strategy.tuning.result import TuneRow
 
-    # a (measured first) and e: over 1.5 x the fastest (0.30); a is measured again all the same.
-    first = {"a": 0.40, "b": 0.20, "c": 0.25, "d": 0.29, "e": 0.31}
-    again = {"a": 0.22, "b": 0.21, "c": None, "d": 0.28}  # c fails on its second run
+    # a and e: over 1.3 x the fastest (0.20): not contenders.
+    first = {"a": 0.40, "b": 0.20, "c": 0.25, "d": 0.255, "e": 0.27}
+    again = {"b": 0.21, "c": None, "d": 0.25}  # c fails on its second run
     rows = []
     for label, s in first.items():
         row = TuneRow(Candidate(label, {}), fits=True)
         row.measured = Measurement(
-            step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=1, cost_s=1.0, passes=[s]
+            step_s=s,
+            forward_s=0,
+            backward_s=0,
+            optimizer_s=0,
+            peak_bytes=100,
+            collectives={"x": 3},
+            cost_s=1.0,
+            passes=[s],
         )
         rows.append(row)
-    order = []
+    calls = []
 
-    def measure(row, extra_warmup):
-        order.append((row.label, extra_warmup))
+    def measure(row, warmup, probe):
+        calls.append((row.label, warmup, probe))
         s = again[row.label]
         if s is None:
             return None, "failed: rank 0: RuntimeError: out of memory"
-        m = Measurement(step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=1, cost_s=2.0, passes=[s])
+        m = Measurement(step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=0, cost_s=2.0, passes=[s])
         return m, ""
 
     tuner._second_pass(rows, measure)
-    assert order == [("d", 0), ("c", 0), ("b", 0), ("a", 0)]  # last first; e is not a contender
+    # last first, one warm-up step, no probe; a and e are not contenders
+    assert calls == [("d", 1, False), ("c", 1, False), ("b", 1, False)]
     got = {r.label: (r.measured.step_s, r.measured.passes, r.measured.cost_s) for r in rows}
-    assert got["a"] == (0.22, [0.40, 0.22], 3.0) and got["b"] == (0.20, [0.20, 0.21], 3.0)
-    assert got["d"] == (0.28, [0.29, 0.28], 3.0)
-    assert got["c"] == (0.25, [0.25], 1.0) and got["e"] == (0.31, [0.31], 1.0)  # c keeps its only pass
+    assert got["b"] == (0.20, [0.20, 0.21], 3.0) and got["d"] == (0.25, [0.255, 0.25], 3.0)
+    assert got["c"] == (0.25, [0.25], 1.0) and got["e"] == (0.27, [0.27], 1.0)  # c keeps its only pass
+    assert got["a"] == (0.40, [0.40], 1.0)
+    # d's faster pass is the second, which took no probe: the first pass's peak and collectives stay.
+    assert all(r.measured.peak_bytes == 100 and r.measured.collectives == {"x": 3} for r in rows)
     assert all(r.skipped == "" for r in rows)
 
 
@@ -391,3 +424,27 @@ def test_config_of_applies_a_rows_settings_to_the_base_not_to_the_pick():
     assert result.config_of("FULL_SHARD/one group").wrap_policy is None
     with pytest.raises(KeyError, match="no row 'NO_SHARD/blocks'"):
         result.config_of("NO_SHARD/blocks")
+
+
+def test_default_candidates_leave_sync_each_to_a_base_that_asks_for_it():
+    from fsdp2_strategy.tuning import default_candidates
+
+    def labels(mode: str) -> list[str]:
+        return [c.label for c in default_candidates(f2.FSDP2Config(accumulation=mode, log_plan=False), 1, 4)]
+
+    five = [
+        "FULL_SHARD/blocks",
+        "FULL_SHARD/one group",
+        "SHARD_GRAD_OP/blocks",
+        "NO_SHARD/blocks",
+        "NO_SHARD/one group",
+    ]
+    keep = [
+        "FULL_SHARD/blocks/keep_gathered",
+        "SHARD_GRAD_OP/blocks/keep_gathered",
+        "FULL_SHARD/one group/keep_gathered",
+    ]
+    # "sync_each" only adds reduce-scatters to "sync_last": never the faster one, so not tried over it.
+    assert labels("sync_last") == five + keep
+    assert labels("sync_each") == five + ["FULL_SHARD/blocks/sync_last"] + keep
+    assert [c.label for c in default_candidates(f2.FSDP2Config(log_plan=False), 1, 1)] == five

@@ -31,8 +31,10 @@ def add_parser(sub: Any) -> None:
     cmd.add_argument("--batch-size", type=int, default=None, help="micro-batch per rank (Hugging Face folder)")
     cmd.add_argument("--seq-len", type=int, default=None, help="sequence length (Hugging Face folder)")
     cmd.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
-    cmd.add_argument("--steps", type=int, default=5, help="timed optimizer steps per candidate and pass")
-    cmd.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps per candidate and pass")
+    cmd.add_argument("--steps", type=int, default=3, help="timed optimizer steps per candidate and pass")
+    cmd.add_argument(
+        "--warmup", type=int, default=2, help="untimed optimizer steps per candidate (the last is the probe)"
+    )
     cmd.add_argument(
         "--passes", type=int, choices=(1, 2), default=2, help="2: measure the contenders again, in reverse order"
     )

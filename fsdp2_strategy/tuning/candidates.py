@@ -83,7 +83,7 @@ def coerce_candidates(values: Iterable[Any]) -> list[Candidate]:
 def default_candidates(base: FSDP2Config, nodes: int, micro_batches: int) -> list[Candidate]:
     """Strategies (hybrid ones only on several nodes) x wrapping (the base's policy, "blocks", or
     one group for the whole model), and with several micro-batches the accumulation modes that
-    communicate differently. The base's offload, checkpointing and precision are kept. One group
+    communicate less than the base's. The base's offload, checkpointing and precision are kept. One group
     is the same under FULL_SHARD and SHARD_GRAD_OP (torch keeps the root gathered), so it is tried
     once; NO_SHARD gathers nothing, so "keep_gathered" is "sync_last" there."""
     strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
@@ -96,9 +96,12 @@ def default_candidates(base: FSDP2Config, nodes: int, micro_batches: int) -> lis
             changes.append({"sharding_strategy": strategy, "wrap_policy": None})
     if micro_batches > 1:
         mode = base.accumulation
+        # "sync_each" adds k - 1 reduce-scatters per group to "sync_last"'s one and nothing else: it
+        # saves memory, never time, so it is tried only as the base's own mode.
+        others = [m for m in ACCUMULATION_MODES if m not in (mode, "sync_each")]
         for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
-            for other in ACCUMULATION_MODES:
-                if other != mode and (strategy == "FULL_SHARD" or other == "keep_gathered"):
+            for other in others:
+                if strategy == "FULL_SHARD" or other == "keep_gathered":
                     changes.append({"sharding_strategy": strategy, "accumulation": other})
         if mode != "keep_gathered":
             changes.append({"sharding_strategy": "FULL_SHARD", "wrap_policy": None, "accumulation": "keep_gathered"})

@@ -3,7 +3,8 @@
 Order: every candidate is estimated (`estimate_memory`: those over the budget are not run); the
 collectives are swept once (`measure_link`); the fitting candidates run one after another on a
 fresh copy of the model (`measure_candidate`); a second pass in reverse order measures the
-contenders again and each keeps its faster pass (`_second_pass`). Two measured rows give the
+contenders' step time again (one warm-up step, no probe) and each keeps its faster pass
+(`_second_pass`). Two measured rows give the
 compute profile (`ComputeProfile.fit`) from which every row's step time is predicted. A candidate
 that fails on any rank (out of memory, an error while sharding) is skipped on every rank, with
 the reason. The pick is made on rank 0 and broadcast; every rank returns the same result.
@@ -37,18 +38,24 @@ from ..estimate import (
 from ..mesh import collective_device, detect_num_nodes, mesh_device_type
 from .candidates import Candidate, coerce_candidates, default_candidates, with_memory_savers
 from .link import measure_link
-from .measure import measure_candidate
+from .measure import collect_only_new_objects, measure_candidate
 from .result import TuneResult, TuneRow
 
 FIRST_EXTRA_WARMUP = 3
 """Warm-up steps the first measured candidate takes beyond `warmup`: the process's first steps
 run slower (measured: a first candidate's 5 timed steps 50 % above the same setting's later)."""
 
-RECHECK_WITHIN = 1.5
+RECHECK_WITHIN = 1.3
 """The second pass measures again the rows whose first-pass step time is within this factor of
-the fastest one's, and the first row measured. Measured (8-block model, 2 ranks): rows measured
-early in a pass ran 22-34 % slower than the same settings later, so with one pass the order
-would decide the pick."""
+the fastest one's. Measured (8-block model, 2 ranks, each rank pinned to a core): the same
+setting's median step moved by up to 30 % between passes a few seconds apart, while the steps
+within one pass stayed within about 5 % of their median; so a contender is timed twice, apart,
+rather than for longer. A row left out lost by over 30 % once: for the pick to be more than 5 %
+off, the fastest setting must both lead by 5 % and lose over 35 % to noise in its first pass."""
+
+SECOND_PASS_WARMUP = 1
+"""Warm-up steps of a second-pass measurement (the process is warm by then; the first step of a
+fresh copy creates the optimizer state and is never timed)."""
 
 SKIPPABLE = (RuntimeError, ValueError, torch.OutOfMemoryError)
 """Errors that skip a candidate (on every rank) instead of ending the tuning."""
@@ -64,7 +71,7 @@ def tune(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     micro_batches: int = 1,
     warmup: int = 2,
-    steps: int = 5,
+    steps: int = 3,
     passes: int = 2,
     memory_budget: int | str | None = None,
 ) -> TuneResult:
@@ -80,9 +87,10 @@ def tune(
     `loss_fn(model, batch)`: default the output's `.loss`, else its first tensor's mean.
     `micro_batches`: per optimizer step (gradient accumulation under the candidate's
     `accumulation` mode). `warmup` / `steps`: untimed and timed optimizer steps per candidate
-    and pass. `passes`: 2 measures the contenders (within `RECHECK_WITHIN` of the fastest, and
-    the first row) again in reverse order and keeps each one's faster pass; 1 measures each
-    candidate once. `memory_budget`: bytes per rank (default `config.memory_budget`, else the
+    in the first pass (the last warm-up step is the probe for memory and collectives);
+    `steps` again after `SECOND_PASS_WARMUP` in the second. `passes`: 2 measures the contenders
+    (within `RECHECK_WITHIN` of the fastest) again in reverse order and keeps each one's faster
+    pass; 1 measures each candidate once. `memory_budget`: bytes per rank (default `config.memory_budget`, else the
     device's or this rank's share of RAM, less 10 %). `model` is copied per candidate, never
     changed; nor is the random number generator state.
     """
@@ -120,9 +128,10 @@ def tune(
     run = dict(micro_batches=micro_batches, warmup=warmup, steps=steps)
     measure = _measurer(model, base, batch, loss, optimizer_factory(optimizer), run)
     rng = torch.get_rng_state()
-    _first_pass(rows, measure)
-    if passes == 2:
-        _second_pass(rows, measure)
+    with collect_only_new_objects():
+        _first_pass(rows, measure, warmup)
+        if passes == 2:
+            _second_pass(rows, measure)
     torch.set_rng_state(rng)
     time_model, reference = _predict_rows(rows, link)
     best = _pick(rows)
@@ -224,28 +233,29 @@ def _agreed(fn: Callable[[], Any]) -> tuple[Any, str]:
     return (None, "failed: " + "; ".join(failed)) if failed else (value, "")
 
 
-def _measurer(model, base, batch, loss, make_opt, run) -> Callable[[TuneRow, int], tuple[Any, str]]:
-    """`measure(row, extra_warmup)`: the row's candidate measured on every rank, or why it failed."""
+def _measurer(model, base, batch, loss, make_opt, run) -> Callable[..., tuple[Any, str]]:
+    """`measure(row, warmup, probe)`: the row's candidate measured on every rank, or why it failed."""
 
-    def measure(row: TuneRow, extra_warmup: int) -> tuple[Any, str]:
+    def measure(row: TuneRow, warmup: int, probe: bool) -> tuple[Any, str]:
         cfg = row.candidate.config(base)
-        steps = {**run, "warmup": run["warmup"] + extra_warmup}
+        steps = {**run, "warmup": warmup, "probe": probe}
         return _agreed(lambda: measure_candidate(model, cfg, batch, loss, make_opt, **steps))
 
     return measure
 
 
-def _first_pass(rows: list[TuneRow], measure: Callable) -> None:
+def _first_pass(rows: list[TuneRow], measure: Callable, warmup: int) -> None:
     for row in rows:
         if row.fits:
             # The first candidate also warms the process (allocator, thread pools): more warm-up steps.
             extra = FIRST_EXTRA_WARMUP if not any(r.measured for r in rows) else 0
-            row.measured, row.skipped = measure(row, extra)
+            row.measured, row.skipped = measure(row, warmup + extra, True)
 
 
 def _second_pass(rows: list[TuneRow], measure: Callable) -> None:
-    """Measure the contenders again, last first, so no row gains from its place in the order;
-    each keeps its faster pass (a slower pass is noise from outside, not the setting's cost)."""
+    """Measure the contenders' step time again, last first, so no row gains from its place in
+    the order; each keeps its faster pass (a slower pass is noise from outside, not the
+    setting's cost) and its first pass's peak and collectives (the second takes no probe)."""
     measured = [r for r in rows if r.measured is not None]
     if len(measured) < 2:
         return
@@ -253,16 +263,18 @@ def _second_pass(rows: list[TuneRow], measure: Callable) -> None:
     for row in reversed(measured):
         first = row.measured
         assert first is not None
-        # The first row measured is measured again however slow: it ran in the coldest process.
-        if first.step_s > RECHECK_WITHIN * fastest and row is not measured[0]:
+        if first.step_s > RECHECK_WITHIN * fastest:
             continue
-        again, why = measure(row, 0)
+        again, why = measure(row, SECOND_PASS_WARMUP, False)
         if again is None:  # it ran once: keep that, and say why the second pass did not
             log_rank_zero("f2.tune: %s keeps its first pass; the second %s", row.label, why)
             continue
-        faster = min(first, again, key=lambda m: m.step_s)
         row.measured = dataclasses.replace(
-            faster, cost_s=first.cost_s + again.cost_s, passes=first.passes + again.passes
+            min(first, again, key=lambda m: m.step_s),
+            peak_bytes=first.peak_bytes,
+            collectives=first.collectives,
+            cost_s=first.cost_s + again.cost_s,
+            passes=first.passes + again.passes,
         )
 
 
