@@ -20,6 +20,7 @@ from torch import nn
 
 from ..distributed import init_distributed, rank
 from ..tuning import tune
+from ..tuning.tuner import TIMED_STEPS, WARMUP_STEPS
 from .plan import load_model
 
 
@@ -31,9 +32,9 @@ def add_parser(sub: Any) -> None:
     cmd.add_argument("--batch-size", type=int, default=None, help="micro-batch per rank (Hugging Face folder)")
     cmd.add_argument("--seq-len", type=int, default=None, help="sequence length (Hugging Face folder)")
     cmd.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
-    cmd.add_argument("--steps", type=int, default=3, help="timed optimizer steps per candidate and pass")
+    cmd.add_argument("--steps", type=int, default=TIMED_STEPS, help="timed optimizer steps per candidate and pass")
     cmd.add_argument(
-        "--warmup", type=int, default=2, help="untimed optimizer steps per candidate (the last is the probe)"
+        "--warmup", type=int, default=WARMUP_STEPS, help="untimed optimizer steps per candidate (the last is the probe)"
     )
     cmd.add_argument(
         "--passes", type=int, choices=(1, 2), default=2, help="2: measure the contenders again, in reverse order"

@@ -24,6 +24,7 @@ from ..mesh import (
     default_reshard_after_forward,
     detect_num_nodes,
     mesh_device,
+    mesh_device_type,
     shard_group_size,
 )
 from ..tensor_parallel import apply_tensor_parallel, mark_user_parallelised, split_mesh
@@ -136,7 +137,7 @@ def _resolve_auto_strategy(
     world = dist.get_world_size()
     nodes = config.mesh_shape[0] if config.mesh_shape and len(config.mesh_shape) == 2 else detect_num_nodes(world)
     # The device the job trains on decides attention kernels and collective buffers (`estimate.sim_device`).
-    device_type = mesh.device_type if mesh is not None else ("cpu" if dist.get_backend() == "gloo" else None)
+    device_type = mesh.device_type if mesh is not None else mesh_device_type()
     return resolve_strategy(model, config, world, nodes, device_type=device_type, **planner_inputs)
 
 

@@ -14,10 +14,11 @@ from torch import nn
 from ..config import FSDP2Config
 from ..distributed import from_rank_zero, log_rank_zero
 from ..estimate import StepTimeModel
+from ..mesh import mesh_device_type
 from .cache import cache_key, cache_path, read_decision, write_decision
-from .tuner import tune
+from .tuner import TIMED_STEPS, WARMUP_STEPS, tune
 
-STEPS = {"warmup": 2, "steps": 5}
+STEPS = {"warmup": WARMUP_STEPS, "steps": TIMED_STEPS}
 """Warm-up and timed steps per candidate when tuning for `objective="throughput"`."""
 
 
@@ -47,7 +48,8 @@ def resolve_throughput(
         )
     base = dataclasses.replace(config, sharding_strategy="FULL_SHARD", objective="memory", log_plan=False)
     path = cache_path()
-    key = cache_key(model, example_batch, base, world_size, nodes, device_type or "cpu", steps=STEPS)
+    # The device the tuner measures on names the decision (a GPU's is not a CPU's).
+    key = cache_key(model, example_batch, base, world_size, nodes, device_type or mesh_device_type(), steps=STEPS)
     entry = from_rank_zero(read_decision(path, key) if dist.get_rank() == 0 else None)
     if entry is not None:
         log_rank_zero(
