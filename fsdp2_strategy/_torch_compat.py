@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
@@ -94,7 +95,10 @@ def _declares(owner: Any, name: str) -> bool:
 
 _ATTRIBUTES = (
     (FSDPModule, "_get_fsdp_state"),
-    *((FSDPState, n) for n in ("_fsdp_param_groups", "_is_root", "_lazy_init", "_pre_forward", "_post_forward")),
+    *(
+        (FSDPState, n)
+        for n in ("_fsdp_param_groups", "_is_root", "_lazy_init", "_pre_forward", "_post_forward", "_modules")
+    ),
     *((FSDPParamGroup, n) for n in ("fsdp_params", "mesh_info", "post_forward_mesh_info", "device", "is_unsharded")),
     *((FSDPParam, n) for n in ("_unsharded_param", "unsharded_accumulated_grad")),
     *((FSDPMeshInfo, n) for n in ("shard_process_group", "shard_mesh_size")),
@@ -130,6 +134,23 @@ def check_private_api() -> None:
 def fsdp_state(module: nn.Module | FSDPModule) -> Any:
     """The module's `FSDPState`."""
     return cast(FSDPModule, module)._get_fsdp_state()
+
+
+def one_per_group(modules: Iterable[FSDPModule]) -> list[FSDPModule]:
+    """The first of `modules` of each FSDP state: `fully_shard([a, b])` makes both FSDPModules
+    with one state (one all-gather, one reduce-scatter), which must be driven once."""
+    seen: set[int] = set()
+    out = []
+    for m in modules:
+        if id(fsdp_state(m)) not in seen:
+            seen.add(id(fsdp_state(m)))
+            out.append(m)
+    return out
+
+
+def group_modules(module: nn.Module | FSDPModule) -> tuple[nn.Module, ...]:
+    """The modules sharded together with `module` (itself alone unless `fully_shard` got a list)."""
+    return tuple(fsdp_state(module)._modules)
 
 
 def param_groups(module: nn.Module | FSDPModule) -> list:

@@ -25,6 +25,7 @@ from .config_checks import (
     _check_mixed_precision,
     _check_module_list,
     _check_nonneg_int,
+    _check_positive_int,
     _check_reshard,
     _check_wrap_policy,
     _strategy_name,
@@ -114,6 +115,13 @@ class FSDP2Config:
     `_no_split_modules`, else the largest ModuleList/Sequential of same-class children),
     module classes, class-name strings, an int min-params threshold, a callable
     `(module, qualified_name) -> bool`, or None (only the root)."""
+
+    blocks_per_group: int = 1
+    """Consecutive blocks sharded together as one FSDP group (one `fully_shard` call on the list):
+    top-level groups of `wrap_policy` with the same parent and the same `module_overrides` entry,
+    taken this many at a time (the last group of a run may hold fewer). Fewer, larger collectives,
+    for more gathered memory: between per block (1, the default) and one group (`wrap_policy=None`).
+    Activation checkpointing, compile and the blocks themselves stay per block."""
 
     mixed_precision: Any = None
     """None (keep parameter dtype), "bf16"/"fp16" (low-precision compute, fp32 master weights and
@@ -253,6 +261,7 @@ class FSDP2Config:
         _check_reshard(self.reshard_after_forward, "FSDP2Config.reshard_after_forward")
         self.mesh_shape = mesh_shape_of(self.mesh_shape)
         _check_wrap_policy(self.wrap_policy, "FSDP2Config.wrap_policy")
+        _check_positive_int(self.blocks_per_group, "FSDP2Config.blocks_per_group", "blocks per FSDP group")
         _check_mixed_precision(self.mixed_precision, "FSDP2Config.mixed_precision")
         check_frozen_dtype(self.frozen_dtype, "FSDP2Config.frozen_dtype")
         check_bool(self.cpu_offload, "FSDP2Config.cpu_offload")

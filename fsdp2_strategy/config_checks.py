@@ -130,6 +130,11 @@ def _check_nonneg_int(value: Any, name: str) -> None:
         raise ValueError(f"{name}={value!r} is invalid; use an int >= 0 (how many blocks ahead; 0 disables).")
 
 
+def _check_positive_int(value: Any, name: str, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is invalid; use an int >= 1 ({what}).")
+
+
 def check_trainable_only(value: Any, field: str) -> None:
     """Raise ValueError naming `field` unless `value` is "auto", True or False (trainable-only checkpoints)."""
     if not (value == "auto" or isinstance(value, bool)):

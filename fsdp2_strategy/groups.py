@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPoli
 from .config import FSDP2Config
 from .distributed import log_rank_zero
 from .precision import resolve_mixed_precision, resolve_offload
-from .wrap_policy import match_override, select_wrapped, wrappable
+from .wrap_policy import match_override, modules_matching, select_wrapped, wrappable
 
 GROUP_ATTR = "_fsdp2_group"
 
@@ -37,6 +37,8 @@ class GroupSettings:
     """Why the reshard choice differs from the strategy's (shown in the plan)."""
     precision_note: str = ""
     """Precision work beyond `mp_policy` (FSDP1's root input cast, buffer_dtype), for the plan."""
+    members: tuple[str, ...] = ()
+    """The modules sharded together in this group (`FSDP2Config.blocks_per_group`), when several."""
 
 
 def settings_for(name: str, config: FSDP2Config) -> GroupSettings:
@@ -140,6 +142,45 @@ def select_groups(model: nn.Module, config: FSDP2Config, ignored_names: list[str
         wrapped.update(matched)
     ordered = [n for n, _ in model.named_modules() if n in wrapped]
     return merge_tied_groups(model, ordered)
+
+
+def block_count(model: nn.Module, config: FSDP2Config) -> int:
+    """How many top-level groups (blocks) `config`'s policy makes of `model`, before any
+    `blocks_per_group` merging."""
+    ignored = (
+        modules_matching(model, config.ignored_modules, "FSDP2Config.ignored_modules") if config.ignored_modules else []
+    )
+    return len(top_level(select_groups(model, config, ignored)))
+
+
+def group_members(groups: list[str], config: FSDP2Config) -> dict[str, list[str]]:
+    """Every group as one `fully_shard` call: {its first module's name: the modules sharded
+    together}, in module order. With `config.blocks_per_group` n > 1, consecutive top-level groups
+    with the same parent module and the same `module_overrides` entry are taken n at a time;
+    nested groups stay their own."""
+    n = config.blocks_per_group
+    outer = set(top_level(groups))
+    members: dict[str, list[str]] = {}
+    run: list[str] = []  # the current chunk of consecutive siblings
+    patterns = list(config.module_overrides)
+
+    def same_run(name: str) -> bool:
+        first = run[0]
+        return (
+            len(run) < n
+            and name.rpartition(".")[0] == first.rpartition(".")[0]
+            and match_override(name, patterns) == match_override(first, patterns)
+        )
+
+    for name in groups:
+        if name not in outer:
+            members[name] = [name]
+        elif run and same_run(name):
+            run.append(name)
+        else:
+            run = [name]
+            members[name] = run
+    return members
 
 
 def top_level(names: list[str]) -> list[str]:

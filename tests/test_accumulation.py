@@ -51,6 +51,8 @@ VARIANTS = {
     "checkpointing": {"activation_checkpointing": "auto"},
     "skip_block": {"mixed_precision": "bf16"},
     "compile": {"compile": True},
+    # blocks.0 and blocks.1 sharded together (one fully_shard call), blocks.2 alone: 3 groups.
+    "two_blocks": {"blocks_per_group": 2},
 }
 
 
@@ -307,6 +309,16 @@ def test_collectives_per_optimizer_step(results, variant, mode):
     # blocks.1's HSDP all-reduce (over a replicate group of one), on the last micro-batch only.
     scalar = K if mode == "sync_each" else 1
     assert r["all_reduces"] == scalar + (1 if variant == "override" else 0), r
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_blocks_sharded_together_gather_and_reduce_once_per_group(results, mode):
+    r = results[("two_blocks", mode)]
+    # Groups: the root and blocks.2 (the last block) kept from forward to backward, blocks.0 + blocks.1
+    # gathered twice per micro-batch: one call for the two blocks where "fp32" makes two.
+    per_micro_batch = 1 + 1 + 2
+    assert r["all_gathers"] == (3 if mode == "keep_gathered" else K * per_micro_batch), r
+    assert r["reduce_scatters"] == (K * 3 if mode == "sync_each" else 3), r
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -31,6 +31,8 @@ from fsdp2_strategy.wrap_policy import auto_block_classes, select_wrapped
         (dict(ignored_modules=7), "ignored_modules"),
         (dict(compile="max"), "compile"),
         (dict(forward_prefetch=-1), "forward_prefetch"),
+        (dict(blocks_per_group=0), "blocks_per_group"),
+        (dict(blocks_per_group=True), "blocks_per_group"),
         (dict(backward_prefetch=1.5), "backward_prefetch"),
         (dict(module_overrides={"blocks.*": {"precision": "bf16"}}), "module_overrides"),
         (dict(module_overrides={"blocks.*": {"sharding_strategy": "ZERO"}}), "sharding_strategy"),

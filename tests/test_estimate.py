@@ -21,6 +21,8 @@ SETTINGS = {
     "FULL_SHARD+AC": {"sharding_strategy": "FULL_SHARD", "activation_checkpointing": "auto"},
     # Replicas of whole shards: gradients all-reduced across the 2 ranks, no reduce-scatter.
     "HSDP_2x1": {"sharding_strategy": "HYBRID_SHARD", "mesh_shape": (2, 1)},
+    # blocks.0 + blocks.1 and blocks.2 + blocks.3 sharded together: two groups gathered whole.
+    "FULL_SHARD/2 blocks": {"sharding_strategy": "FULL_SHARD", "blocks_per_group": 2},
     # gloo's own reduce-scatter (instead of the rings), whose copy of the input the model counts.
     "FULL_SHARD+gloo": {"sharding_strategy": "FULL_SHARD", "collectives": "torch"},
 }

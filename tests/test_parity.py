@@ -25,6 +25,7 @@ CASES = {
     "ac_auto": dict(activation_checkpointing="auto"),
     "ac_classes": dict(activation_checkpointing=["Attention"], wrap_policy=["Block"]),
     "prefetch": dict(forward_prefetch=2, backward_prefetch=2),
+    "two_blocks_per_group": dict(blocks_per_group=2, backward_prefetch=1),
     "reshard_int": dict(reshard_after_forward=1),
     "overrides": dict(
         module_overrides={

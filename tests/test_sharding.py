@@ -77,6 +77,17 @@ def _memory_ties_plan_world():
     out["override_rows"] = {n: (g.strategy, g.precision, g.mesh_shape) for n, g in rows.items()}
     loss_fn(seeds, idx, target).backward()
     out["override_norm_finite"] = bool(torch.isfinite(f2.clip_grad_norm_(seeds.parameters(), 1.0)))
+
+    # blocks_per_group: consecutive blocks in one group, one plan row each; the last group keeps
+    # its parameters for backward as a last block does.
+    grouped = TinyGPT(dim=64, layers=4, vocab=128, tied=True)
+    block_params = sum(p.numel() for p in grouped.blocks[0].parameters())
+    f2.shard_model(grouped, blocks_per_group=3, log_plan=False)
+    plan = f2.sharding_plan(grouped)
+    out["grouped_rows"] = [(g.name, g.num_params, g.reshard_after_forward, g.note) for g in plan.groups]
+    out["grouped_total"], out["block_params"] = plan.total_params, block_params
+    loss_fn(grouped, idx, target).backward()
+    out["grouped_grads"] = all(p.grad is not None for p in grouped.parameters())
     out["world"] = dist.get_world_size()
     return out
 
@@ -96,6 +107,11 @@ def test_memory_ties_plan_and_overrides():
     assert rows["blocks.1"][2] == (1, 2) and rows["blocks.0"][2] == (2,)
     assert rows["blocks.0.attn"][1] == "fp16/fp32" and rows["blocks.1.attn"][1] == "fp16/fp32"
     assert res["override_norm_finite"]
+    rows = res["grouped_rows"]
+    assert [r[0] for r in rows] == ["<root>", "blocks.0 + blocks.1 + blocks.2", "blocks.3"]
+    assert rows[1][1] == 3 * res["block_params"] and rows[2][1] == res["block_params"]
+    assert rows[1][2] is True and rows[2][2] is False and rows[2][3] == "last block"
+    assert res["grouped_total"] == res["full_params"] and res["grouped_grads"]
 
 
 def _hf_world():

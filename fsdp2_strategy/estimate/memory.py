@@ -24,7 +24,7 @@ from torch import nn
 from ..activation_checkpoint import apply_activation_checkpointing
 from ..config import ACCUMULATION_MODES, FSDP2Config
 from ..config_checks import check_choice
-from ..groups import select_groups, settings_for
+from ..groups import group_members, select_groups, settings_for
 from ..wrap_policy import modules_matching
 from .sim_device import resolve_device_type
 from .sim_model import meta_copy
@@ -195,7 +195,11 @@ def estimate_memory(
     )
     groups = select_groups(sim_model, config, ignored)
     sizes = group_sizes(
-        model, [""] + groups, ignored, config, lambda s: _shard_and_replicate(s, config, world_size, nodes)
+        model,
+        group_members(groups, config),
+        ignored,
+        config,
+        lambda s: _shard_and_replicate(s, config, world_size, nodes),
     )
     apply_activation_checkpointing(sim_model, config.activation_checkpointing, groups)
     opt_bytes, step_temp = measure_optimizer(optimizer, sizes)

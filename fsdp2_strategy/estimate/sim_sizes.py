@@ -26,6 +26,8 @@ class GroupSizes:
 
     params: list = field(default_factory=list)
     """Qualified names of the sharded parameters this group gathers."""
+    members: list = field(default_factory=list)
+    """The modules sharded together in this group (`FSDP2Config.blocks_per_group`; one otherwise)."""
     sharded: int = 0
     """Padded shard of those parameters on one rank (their own dtype; frozen ones in `frozen_dtype`)."""
     trainable_sharded: int = 0
@@ -56,12 +58,13 @@ class GroupSizes:
     """The gradient-reduction dtype (None: the compute dtype)."""
 
 
-def _nearest(name: str, groups: list[str]) -> str:
+def _nearest(name: str, group_of: dict[str, str]) -> str:
+    """The group owning module `name`: its nearest enclosing group member's group."""
     parts = name.split(".")
     for i in range(len(parts), 0, -1):
         prefix = ".".join(parts[:i])
-        if prefix in groups:
-            return prefix
+        if prefix in group_of:
+            return group_of[prefix]
     return ""
 
 
@@ -76,13 +79,16 @@ def _padded_shard_bytes(p: torch.Tensor, shard: int) -> int:
 
 def group_sizes(
     model: nn.Module,
-    groups: list[str],
+    members: dict[str, list[str]],
     ignored: list[str],
     config: FSDP2Config,
     mesh_of: Callable[[str], tuple[int, int]],
 ) -> dict[str, GroupSizes]:
-    """Sizes of every group ("" is the root), from parameter shapes and each group's settings."""
-    sizes = {g: GroupSizes() for g in groups}
+    """Sizes of every group ("" is the root), from parameter shapes and each group's settings.
+    `members`: each non-root group's modules by the group's name (`groups.group_members`)."""
+    groups = ["", *members]
+    sizes = {g: GroupSizes(members=members.get(g, [g])) for g in groups}
+    group_of = {m: g for g, ms in members.items() for m in ms}
     last_block = groups[-1] if len(groups) > 1 else None
     for name in groups:
         settings = settings_for(name, config)
@@ -101,7 +107,7 @@ def group_sizes(
         g.mp_dtype, g.reduce_dtype = settings.mp_policy.param_dtype, settings.mp_policy.reduce_dtype
     ignored_params = {id(p) for n in ignored for p in model.get_submodule(n).parameters()}
     for pname, p in model.named_parameters():
-        owner = sizes[_nearest(pname.rsplit(".", 1)[0] if "." in pname else "", groups)]
+        owner = sizes[_nearest(pname.rsplit(".", 1)[0] if "." in pname else "", group_of)]
         if id(p) in ignored_params or p.ndim == 0:
             owner.replicated += p.numel() * p.element_size()
             continue
@@ -119,7 +125,9 @@ def group_sizes(
             owner.reduce_bytes += p.numel() * _itemsize(reduce)
             owner.reduce_input += shard_numel * owner.shard_size * _itemsize(reduce)
     for bname, b in model.named_buffers():
-        sizes[_nearest(bname.rsplit(".", 1)[0] if "." in bname else "", groups)].buffers += b.numel() * b.element_size()
+        sizes[_nearest(bname.rsplit(".", 1)[0] if "." in bname else "", group_of)].buffers += (
+            b.numel() * b.element_size()
+        )
     return sizes
 
 

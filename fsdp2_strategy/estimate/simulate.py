@@ -139,9 +139,13 @@ class _Schedule:
     # --- hooks -------------------------------------------------------------------------
     def install(self) -> None:
         for name, g in self.sizes.items():
-            module = self.model.get_submodule(name)
-            self.handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self.pre_forward(n)))
-            self.handles.append(module.register_forward_hook(lambda m, a, o, n=name: self.post_forward(n, o)))
+            # As torch's hooks for modules sharded together: the first to run gathers the group,
+            # the last one's end reshards it (and its output's gradient starts the group's backward).
+            for member in g.members:
+                module = self.model.get_submodule(member)
+                self.handles.append(module.register_forward_pre_hook(lambda m, a, n=name: self.pre_forward(n)))
+            last = self.model.get_submodule(g.members[-1])
+            self.handles.append(last.register_forward_hook(lambda m, a, o, n=name: self.post_forward(n, o)))
             for pname in g.params:
                 p = self.model.get_parameter(pname)
                 if p.requires_grad:

@@ -29,7 +29,8 @@ def cast_frozen(
         return
     seen: set[int] = set()
     for name, settings, _mesh in reversed(list(specs)):  # children first: a parameter's owner is its deepest group
-        for p in model.get_submodule(name).parameters():
+        params = [p for member in settings.members or (name,) for p in model.get_submodule(member).parameters()]
+        for p in params:
             if id(p) in seen or p in skip:
                 continue
             seen.add(id(p))

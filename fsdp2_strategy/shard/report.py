@@ -135,10 +135,12 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
     plan = ShardingPlan(accumulation=mode_of(model), freed_memory_kept=freed_memory_kept())
     for name, module in model.named_modules():
         is_group = isinstance(module, FSDPModule)  # (a flag: `module` stays typed as nn.Module)
-        if not is_group:
-            continue
-        params = _managed_params(module)
         settings = getattr(module, GROUP_ATTR, None)
+        members = settings.members if settings is not None else ()
+        if not is_group or (members and name != members[0]):  # a group sharded together: one row
+            continue
+        params = [p for m in members or [name] for p in _managed_params(model.get_submodule(m))]
+        name = " + ".join(members) if members else name
         plan.ring_groups += bool(getattr(module, RING_ATTR, False))
         # With tensor parallel, TP'd parameters live on the (data, tp) mesh, the others on data only.
         mesh_shape = max((tuple(p.device_mesh.shape) for p in params), key=len, default=())

@@ -17,7 +17,15 @@ from ..activation_checkpoint import apply_activation_checkpointing
 from ..config import FSDP2Config
 from ..distributed import log_rank_zero
 from ..estimate import resolve_strategy
-from ..groups import GROUP_ATTR, GroupSettings, own_named_params, select_groups, settings_for, top_level
+from ..groups import (
+    GROUP_ATTR,
+    GroupSettings,
+    group_members,
+    own_named_params,
+    select_groups,
+    settings_for,
+    top_level,
+)
 from ..mesh import (
     MeshCache,
     check_reshard_factor,
@@ -85,8 +93,9 @@ def shard_model(
     if meta:
         check_initialisable(model)
 
+    members = group_members(groups, config)
     # Every group's settings are resolved and checked before the model is touched.
-    specs = _plan_groups(model, config, groups, root_settings, root_mesh, meshes)
+    specs = _plan_groups(model, config, members, root_settings, root_mesh, meshes)
     if tp > 1:
         # Before FSDP: fully_shard then shards the TP DTensors over the data-parallel dims.
         assert meshes.tp_mesh is not None  # split off the root mesh when tp > 1
@@ -100,13 +109,15 @@ def shard_model(
     cast_frozen(model, specs, config.frozen_dtype, skip_fsdp)
     params_before = list(model.parameters())
     for name, settings, group_mesh in reversed(specs):  # children before parents, root last
-        _shard_one(model.get_submodule(name), name, settings, group_mesh, skip_fsdp)
+        modules = [model.get_submodule(m) for m in members.get(name, [name])]
+        _shard_one(modules, name, settings, group_mesh, skip_fsdp)
     mark_replaced_params(params_before, model)
     record_mode(model, config.accumulation)
     install_ring_comms(model, config.collectives)
     apply_host_allocator(config.host_allocator, root_mesh.device_type)
 
-    _set_prefetch(model, top_level(groups), config.forward_prefetch, config.backward_prefetch)
+    outer = set(top_level(groups))
+    _set_prefetch(model, [n for n in members if n in outer], config.forward_prefetch, config.backward_prefetch)
     _guard_direct_forward(model)
     _guard_save_pretrained(model)
     if meta:
@@ -141,14 +152,18 @@ def _resolve_auto_strategy(
     return resolve_strategy(model, config, world, nodes, device_type=device_type, **planner_inputs)
 
 
-def _plan_groups(model, config, groups, root_settings, root_mesh, meshes):
-    """(name, settings, mesh) for every group, root first, each reshard choice resolved and checked."""
+def _plan_groups(model, config, members, root_settings, root_mesh, meshes):
+    """(name, settings, mesh) for every group (`members`' keys), root first, each reshard choice
+    resolved and checked."""
     plan = []
-    for name in [""] + groups:
+    last = list(members.values())[-1] if members else []
+    for name in ["", *members]:
         if name == "" and isinstance(model, FSDPModule):
             continue  # the user sharded the root already
         settings = root_settings if name == "" else settings_for(name, config)
-        if name and name == groups[-1] and settings.reshard_after_forward is None and settings.override is None:
+        if len(members.get(name, ())) > 1:
+            settings.members = tuple(members[name])
+        if name and members[name] is last and settings.reshard_after_forward is None and settings.override is None:
             # Backward starts with the last block: resharding it after forward would only
             # all-gather it again at once.
             settings.reshard_after_forward = False
@@ -166,12 +181,14 @@ def _plan_groups(model, config, groups, root_settings, root_mesh, meshes):
     return plan
 
 
-def _shard_one(module: nn.Module, name: str, settings: GroupSettings, mesh: DeviceMesh, skip: set) -> None:
+def _shard_one(modules: list[nn.Module], name: str, settings: GroupSettings, mesh: DeviceMesh, skip: set) -> None:
+    """One `fully_shard` call on the group's module (or its modules, sharded together)."""
     reshard = settings.reshard_after_forward
-    own = {p for p in module.parameters() if p in skip}
+    own = {p for m in modules for p in m.parameters() if p in skip}
+    module = modules[0]
     try:
         _torch_fully_shard(
-            module,
+            modules if len(modules) > 1 else module,
             mesh=mesh,
             reshard_after_forward=reshard,
             mp_policy=settings.mp_policy,
@@ -179,10 +196,12 @@ def _shard_one(module: nn.Module, name: str, settings: GroupSettings, mesh: Devi
             ignored_params=own or None,
         )
     except Exception as exc:
-        raise type(exc)(f"fully_shard failed on module {name or '<root>'!r} ({type(module).__name__}): {exc}") from exc
+        what = " + ".join(settings.members) if settings.members else name or "<root>"
+        raise type(exc)(f"fully_shard failed on module {what!r} ({type(module).__name__}): {exc}") from exc
     # torch's None means False for the root and True elsewhere: record what really happens.
     settings.reshard_after_forward = reshard if reshard is not None else name != ""
-    setattr(module, GROUP_ATTR, settings)
+    for m in modules:
+        setattr(m, GROUP_ATTR, settings)
 
 
 def _compile_blocks(model: nn.Module, groups: list[str], options: bool | dict) -> None:

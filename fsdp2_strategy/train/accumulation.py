@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -49,7 +49,8 @@ def mode_of(model: nn.Module) -> str:
 
 
 def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    """One module per FSDP group (the modules of a group sharded together share its state)."""
+    return tc.one_per_group(m for m in model.modules() if isinstance(m, FSDPModule))
 
 
 def _set_replicated_sync(model: nn.Module, enabled: bool) -> None:
@@ -128,7 +129,9 @@ class _KeptGroups:
         self.drop_pending()
         for module, saved in zip(self.modules, self.saved):
             module.set_reshard_after_backward(True, recurse=False)
-            handle = cast(nn.Module, module).register_forward_hook(_restore_hook(saved), always_call=True)
+            # FSDP's post-forward of modules sharded together runs at the end of the last one.
+            last = tc.group_modules(module)[-1]
+            handle = last.register_forward_hook(_restore_hook(saved), always_call=True)
             self.pending.append(handle)
 
     def restore_flags(self) -> None:
