@@ -448,3 +448,16 @@ def test_default_candidates_leave_sync_each_to_a_base_that_asks_for_it():
     assert labels("sync_last") == five + keep
     assert labels("sync_each") == five + ["FULL_SHARD/blocks/sync_last"] + keep
     assert [c.label for c in default_candidates(f2.FSDP2Config(log_plan=False), 1, 1)] == five
+
+
+def test_groups_of_several_blocks_are_a_candidate_between_blocks_and_one_group():
+    from fsdp2_strategy.tuning.candidates import default_candidates, middle_group_size
+
+    assert [middle_group_size(b) for b in (2, 3, 6, 8, 16)] == [None, 2, 2, 3, 4]
+    labels = [c.label for c in default_candidates(f2.FSDP2Config(log_plan=False), 1, 1, blocks=8)]
+    assert labels[:3] == ["FULL_SHARD/blocks", "FULL_SHARD/one group", "FULL_SHARD/groups of 3"]
+    grouped = next(c for c in default_candidates(f2.FSDP2Config(log_plan=False), 1, 1, blocks=8) if "groups" in c.label)
+    assert grouped.config(f2.FSDP2Config(log_plan=False)).blocks_per_group == 3
+    # A base that groups blocks already is not offered another grouping.
+    base = f2.FSDP2Config(blocks_per_group=2, log_plan=False)
+    assert not any("groups of" in c.label for c in default_candidates(base, 1, 1, blocks=8))

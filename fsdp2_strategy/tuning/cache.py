@@ -39,6 +39,7 @@ FIXED_FIELDS = (
     "compile",
     "memory_budget",
     "wrap_policy",
+    "blocks_per_group",
 )
 """Base settings that are part of the key (a run with other ones tunes again)."""
 

@@ -3,6 +3,7 @@ label) and `default_candidates`, the ones worth trying on a given world."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ TUNABLE_FIELDS = (
     "sharding_strategy",
     "reshard_after_forward",
     "wrap_policy",
+    "blocks_per_group",
     "accumulation",
     "activation_checkpointing",
     "cpu_offload",
@@ -43,6 +45,8 @@ def _label(changes: Mapping[str, Any]) -> str:
     parts = [str(changes.get("sharding_strategy", "base"))]
     if "wrap_policy" in changes:
         parts.append("one group" if changes["wrap_policy"] is None else f"wrap={changes['wrap_policy']!r}")
+    elif changes.get("blocks_per_group", 1) > 1:
+        parts.append(f"groups of {changes['blocks_per_group']}")
     else:
         parts.append("blocks")
     for key in ("accumulation", "reshard_after_forward"):
@@ -80,10 +84,18 @@ def coerce_candidates(values: Iterable[Any]) -> list[Candidate]:
     return out
 
 
-def default_candidates(base: FSDP2Config, nodes: int, micro_batches: int) -> list[Candidate]:
+def middle_group_size(blocks: int) -> int | None:
+    """Blocks per group between per block and one group: about the square root of `blocks` (8 -> 3,
+    6 -> 2, 3 -> 2), so the calls per step and the blocks gathered at once both grow as it does;
+    None below 3 blocks (nothing lies between)."""
+    return min(max(2, round(math.sqrt(blocks))), blocks - 1) if blocks >= 3 else None
+
+
+def default_candidates(base: FSDP2Config, nodes: int, micro_batches: int, blocks: int = 0) -> list[Candidate]:
     """Strategies (hybrid ones only on several nodes) x wrapping (the base's policy, "blocks", or
-    one group for the whole model), and with several micro-batches the accumulation modes that
-    communicate less than the base's. The base's offload, checkpointing and precision are kept. One group
+    one group for the whole model; with `blocks` >= 3 of the base's policy, FULL_SHARD also with
+    `middle_group_size` blocks per group), and with several micro-batches the accumulation modes
+    that communicate less than the base's. The base's offload, checkpointing and precision are kept. One group
     is the same under FULL_SHARD and SHARD_GRAD_OP (torch keeps the root gathered), so it is tried
     once; NO_SHARD gathers nothing, so "keep_gathered" is "sync_last" there."""
     strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
@@ -94,6 +106,9 @@ def default_candidates(base: FSDP2Config, nodes: int, micro_batches: int) -> lis
         changes.append({"sharding_strategy": strategy})
         if strategy in ("FULL_SHARD", "NO_SHARD", "HYBRID_SHARD"):
             changes.append({"sharding_strategy": strategy, "wrap_policy": None})
+        middle = middle_group_size(blocks)
+        if strategy == "FULL_SHARD" and middle and base.blocks_per_group == 1:
+            changes.append({"sharding_strategy": strategy, "blocks_per_group": middle})
     if micro_batches > 1:
         mode = base.accumulation
         # "sync_each" adds k - 1 reduce-scatters per group to "sync_last"'s one and nothing else: it

@@ -35,6 +35,7 @@ from ..estimate import (
     nothing_fits_message,
     optimizer_factory,
 )
+from ..groups import block_count
 from ..mesh import collective_device, detect_num_nodes, mesh_device_type
 from .candidates import Candidate, coerce_candidates, default_candidates, with_memory_savers
 from .link import measure_link
@@ -109,7 +110,11 @@ def tune(
     world, device_type = dist.get_world_size(), mesh_device_type()
     nodes = detect_num_nodes(world)
     given = candidates is not None
-    cands = coerce_candidates(candidates) if candidates is not None else default_candidates(base, nodes, micro_batches)
+    cands = (
+        coerce_candidates(candidates)
+        if candidates is not None
+        else default_candidates(base, nodes, micro_batches, block_count(model, base))
+    )
     batch = tc.tree_map_only(torch.Tensor, lambda t: t.to(collective_device()), example_batch)
     _check_agreement(cands, batch, model, micro_batches, warmup, steps)
     budget = parse_bytes(memory_budget, "tune: memory_budget") or base.memory_budget or default_budget(world // nodes)
