@@ -439,15 +439,31 @@ def test_default_candidates_leave_sync_each_to_a_base_that_asks_for_it():
         "NO_SHARD/blocks",
         "NO_SHARD/one group",
     ]
-    keep = [
-        "FULL_SHARD/blocks/keep_gathered",
-        "SHARD_GRAD_OP/blocks/keep_gathered",
-        "FULL_SHARD/one group/keep_gathered",
-    ]
+    keep = ["FULL_SHARD/blocks/keep_gathered", "FULL_SHARD/one group/keep_gathered"]
     # "sync_each" only adds reduce-scatters to "sync_last": never the faster one, so not tried over it.
+    # Under "keep_gathered" SHARD_GRAD_OP would repeat FULL_SHARD: the same peak and collectives.
     assert labels("sync_last") == five + keep
     assert labels("sync_each") == five + ["FULL_SHARD/blocks/sync_last"] + keep
     assert [c.label for c in default_candidates(f2.FSDP2Config(log_plan=False), 1, 1)] == five
+
+
+def test_shard_grad_op_under_keep_gathered_would_repeat_full_shard():
+    model, batch = Tiny(layers=4), torch.randn(8, 64)
+    est = {
+        s: f2.estimate_memory(
+            model,
+            {"sharding_strategy": s},
+            world_size=2,
+            example_batch=batch,
+            accumulation="keep_gathered",
+            micro_batches=4,
+        )
+        for s in ("FULL_SHARD", "SHARD_GRAD_OP")
+    }
+    same = ("peak_bytes", "collective_calls", "communication")
+    assert [getattr(est["FULL_SHARD"], f) for f in same] == [getattr(est["SHARD_GRAD_OP"], f) for f in same]
+    # One all-gather per group per step, as test_accumulation counts them: 4 blocks and the root.
+    assert est["FULL_SHARD"].collective_calls["all_gather"] == 5
 
 
 def test_groups_of_several_blocks_are_a_candidate_between_blocks_and_one_group():

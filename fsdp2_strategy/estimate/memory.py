@@ -292,18 +292,20 @@ def communication_bytes(
     """Bytes each rank sends per optimizer step, by collective (ring algorithms).
 
     All-gather and reduce-scatter of N bytes over S ranks send N*(S-1)/S per rank; an all-reduce
-    sends twice that. Forward gathers every group once per micro-batch (once per step with
-    "keep_gathered"); backward gathers again the groups resharded after forward; gradients are
+    sends twice that. Forward gathers every group once per micro-batch; backward gathers again the
+    groups resharded after forward. "keep_gathered" (k > 1) gathers every group once per step: it
+    stays gathered from the first forward to the last backward (`train.accumulation`); gradients are
     reduce-scattered on every micro-batch ("sync_each") or the last one only, then all-reduced
     across replicas (HSDP, NO_SHARD).
     """
-    gathers = 1 if accumulation == "keep_gathered" else micro_batches
+    kept = accumulation == "keep_gathered" and micro_batches > 1
+    gathers = 1 if kept else micro_batches
     syncs = micro_batches if accumulation == "sync_each" else 1
     ag = rs = ar = 0.0
     for g in sizes.values():
         s = g.shard_size
         ring = (s - 1) / s
-        ag += gathers * g.gathered * ring * (1 + (0 if g.keep_after_forward else 1))
+        ag += gathers * g.gathered * ring * (1 if g.keep_after_forward or kept else 2)
         rs += syncs * g.reduce_bytes * ring
         if g.replicate_size > 1:
             ar += syncs * 2 * (g.replicate_size - 1) / g.replicate_size * g.reduce_bytes / s
@@ -313,16 +315,17 @@ def communication_bytes(
 def collective_calls(sizes: dict[str, GroupSizes], accumulation: str, micro_batches: int) -> dict[str, int]:
     """Collective calls per optimizer step, by collective, counted as `communication_bytes` counts
     their bytes: per group with parameters, one all-gather per forward and one more per backward
-    unless it stays gathered; one reduce-scatter per gradient sync (sharded groups), one all-reduce
+    unless it stays gathered ("keep_gathered": one per step); one reduce-scatter per gradient sync (sharded groups), one all-reduce
     per sync across replicas."""
-    gathers = 1 if accumulation == "keep_gathered" else micro_batches
+    kept = accumulation == "keep_gathered" and micro_batches > 1
+    gathers = 1 if kept else micro_batches
     syncs = micro_batches if accumulation == "sync_each" else 1
     ag = rs = ar = 0
     for g in sizes.values():
         if not g.params:
             continue
         if g.shard_size > 1:
-            ag += gathers * (1 if g.keep_after_forward else 2)
+            ag += gathers * (1 if g.keep_after_forward or kept else 2)
             rs += syncs if g.reduce_bytes else 0
         if g.replicate_size > 1 and g.reduce_bytes:
             ar += syncs

@@ -112,12 +112,12 @@ def default_candidates(base: FSDP2Config, nodes: int, micro_batches: int, blocks
     if micro_batches > 1:
         mode = base.accumulation
         # "sync_each" adds k - 1 reduce-scatters per group to "sync_last"'s one and nothing else: it
-        # saves memory, never time, so it is tried only as the base's own mode.
-        others = [m for m in ACCUMULATION_MODES if m not in (mode, "sync_each")]
-        for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
-            for other in others:
-                if strategy == "FULL_SHARD" or other == "keep_gathered":
-                    changes.append({"sharding_strategy": strategy, "accumulation": other})
+        # saves memory, never time, so it is tried only as the base's own mode. Under
+        # "keep_gathered" every group stays gathered from the step's first forward to its last
+        # backward, so SHARD_GRAD_OP would repeat FULL_SHARD (same peak, same collectives).
+        for other in ACCUMULATION_MODES:
+            if other not in (mode, "sync_each"):
+                changes.append({"sharding_strategy": "FULL_SHARD", "accumulation": other})
         if mode != "keep_gathered":
             changes.append({"sharding_strategy": "FULL_SHARD", "wrap_policy": None, "accumulation": "keep_gathered"})
     return [Candidate(_label(c), c) for c in changes]

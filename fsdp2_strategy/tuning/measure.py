@@ -198,10 +198,13 @@ def measure_candidate(
     warmup: int,
     steps: int,
     probe: bool = True,
+    process_warmup: int = 0,
 ) -> Measurement:
     """Shard a copy of `model` with `config`, step it, and free it again; `model` is untouched.
     `probe`: take the probe step (the last of two or more warm-up steps, else one more step after
-    the timed ones); without it the peak is 0 and no collectives are counted."""
+    the timed ones); without it the peak is 0 and no collectives are counted. `process_warmup`:
+    steps of one micro-batch before the warm-up, which warm the process (allocator, thread pools)
+    for a k-th of a step's cost."""
     start = time.perf_counter()
     sharded = shard_model(copy.deepcopy(model), config, log_plan=False)
     sharded.train()
@@ -209,6 +212,8 @@ def measure_candidate(
     acc = config.accumulation
     args = (sharded, opt, batch, loss_fn, micro_batches, acc)
     probe_first = probe and warmup >= 2
+    for _ in range(process_warmup):
+        train_step(sharded, opt, batch, loss_fn, 1, acc)
     for _ in range(warmup - probe_first):
         train_step(*args)
     peak, counts = _probe(*args) if probe_first else (0, {})

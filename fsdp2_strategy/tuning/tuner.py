@@ -50,8 +50,9 @@ TIMED_STEPS = 3
 5 % of their median (8-block model, 2 ranks); what moves a median is time between passes."""
 
 FIRST_EXTRA_WARMUP = 3
-"""Warm-up steps the first measured candidate takes beyond `warmup`: the process's first steps
-run slower (measured: a first candidate's 5 timed steps 50 % above the same setting's later)."""
+"""Steps of one micro-batch the first measured candidate takes before its warm-up: the process's
+first steps run slower (measured: a first candidate's 5 timed steps 50 % above the same setting's
+later). One micro-batch warms the process as well as k do, for a k-th of the time."""
 
 RECHECK_WITHIN = 1.3
 """The second pass measures again the rows whose first-pass step time is within this factor of
@@ -246,11 +247,11 @@ def _agreed(fn: Callable[[], Any]) -> tuple[Any, str]:
 
 
 def _measurer(model, base, batch, loss, make_opt, run) -> Callable[..., tuple[Any, str]]:
-    """`measure(row, warmup, probe)`: the row's candidate measured on every rank, or why it failed."""
+    """`measure(row, warmup, probe, process_warmup)`: the row's candidate measured on every rank, or why it failed."""
 
-    def measure(row: TuneRow, warmup: int, probe: bool) -> tuple[Any, str]:
+    def measure(row: TuneRow, warmup: int, probe: bool, process_warmup: int = 0) -> tuple[Any, str]:
         cfg = row.candidate.config(base)
-        steps = {**run, "warmup": warmup, "probe": probe}
+        steps = {**run, "warmup": warmup, "probe": probe, "process_warmup": process_warmup}
         return _agreed(lambda: measure_candidate(model, cfg, batch, loss, make_opt, **steps))
 
     return measure
@@ -259,9 +260,9 @@ def _measurer(model, base, batch, loss, make_opt, run) -> Callable[..., tuple[An
 def _first_pass(rows: list[TuneRow], measure: Callable, warmup: int) -> None:
     for row in rows:
         if row.fits:
-            # The first candidate also warms the process (allocator, thread pools): more warm-up steps.
+            # The first candidate also warms the process (allocator, thread pools).
             extra = FIRST_EXTRA_WARMUP if not any(r.measured for r in rows) else 0
-            row.measured, row.skipped = measure(row, warmup + extra, True)
+            row.measured, row.skipped = measure(row, warmup, True, extra)
 
 
 def _second_pass(rows: list[TuneRow], measure: Callable) -> None:
