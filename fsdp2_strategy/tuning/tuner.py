@@ -4,8 +4,8 @@ Order: every candidate is estimated (`estimate_memory`: those over the budget ar
 collectives are swept once (`measure_link`); the fitting candidates run one after another on a
 fresh copy of the model (`measure_candidate`); a second pass in reverse order measures the
 contenders' step time again (one warm-up step, no probe) and each keeps its faster pass
-(`_second_pass`). Two measured rows give the
-compute profile (`ComputeProfile.fit`) from which every row's step time is predicted. A candidate
+(`_second_pass`). Two measured rows give the compute profile (`ComputeProfile.fit`) from which
+every row's step time is predicted. A candidate
 that fails on any rank (out of memory, an error while sharding) is skipped on every rank, with
 the reason. The pick is made on rank 0 and broadcast; every rank returns the same result.
 """
@@ -99,8 +99,8 @@ def tune(
     in the first pass (the last warm-up step is the probe for memory and collectives);
     `steps` again after `SECOND_PASS_WARMUP` in the second. `passes`: 2 measures the contenders
     (within `RECHECK_WITHIN` of the fastest) again in reverse order and keeps each one's faster
-    pass; 1 measures each candidate once. `memory_budget`: bytes per rank (default `config.memory_budget`, else the
-    device's or this rank's share of RAM, less 10 %). `model` is copied per candidate, never
+    pass; 1 measures each candidate once. `memory_budget`: bytes per rank (default
+    `config.memory_budget`, else the device's or this rank's share of RAM, less 10 %). `model` is copied per candidate, never
     changed; nor is the random number generator state.
     """
     start = time.perf_counter()
@@ -247,7 +247,8 @@ def _agreed(fn: Callable[[], Any]) -> tuple[Any, str]:
 
 
 def _measurer(model, base, batch, loss, make_opt, run) -> Callable[..., tuple[Any, str]]:
-    """`measure(row, warmup, probe, process_warmup)`: the row's candidate measured on every rank, or why it failed."""
+    """`measure(row, warmup, probe, process_warmup)`: the row's candidate measured on every rank,
+    or why it failed."""
 
     def measure(row: TuneRow, warmup: int, probe: bool, process_warmup: int = 0) -> tuple[Any, str]:
         cfg = row.candidate.config(base)
