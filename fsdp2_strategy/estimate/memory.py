@@ -315,8 +315,8 @@ def communication_bytes(
 def collective_calls(sizes: dict[str, GroupSizes], accumulation: str, micro_batches: int) -> dict[str, int]:
     """Collective calls per optimizer step, by collective, counted as `communication_bytes` counts
     their bytes: per group with parameters, one all-gather per forward and one more per backward
-    unless it stays gathered ("keep_gathered": one per step); one reduce-scatter per gradient sync (sharded groups), one all-reduce
-    per sync across replicas."""
+    unless it stays gathered ("keep_gathered": one per step); one reduce-scatter per gradient sync
+    (sharded groups), one all-reduce per sync across replicas."""
     kept = accumulation == "keep_gathered" and micro_batches > 1
     gathers = 1 if kept else micro_batches
     syncs = micro_batches if accumulation == "sync_each" else 1
