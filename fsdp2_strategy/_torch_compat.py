@@ -32,7 +32,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
-from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
@@ -136,14 +135,14 @@ def fsdp_state(module: nn.Module | FSDPModule) -> Any:
     return cast(FSDPModule, module)._get_fsdp_state()
 
 
-def one_per_group(modules: Iterable[FSDPModule]) -> list[FSDPModule]:
-    """The first of `modules` of each FSDP state: `fully_shard([a, b])` makes both FSDPModules
-    with one state (one all-gather, one reduce-scatter), which must be driven once."""
+def fsdp_groups(model: nn.Module) -> list[FSDPModule]:
+    """One FSDPModule per FSDP group of `model`, in module order: `fully_shard([a, b])` makes both
+    FSDPModules with one state (one all-gather, one reduce-scatter), which must be driven once."""
     seen: set[int] = set()
-    out = []
-    for m in modules:
-        if id(fsdp_state(m)) not in seen:
-            seen.add(id(fsdp_state(m)))
+    out: list[FSDPModule] = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule) and id(state := fsdp_state(m)) not in seen:
+            seen.add(id(state))
             out.append(m)
     return out
 

@@ -144,13 +144,17 @@ def select_groups(model: nn.Module, config: FSDP2Config, ignored_names: list[str
     return merge_tied_groups(model, ordered)
 
 
+def ignored_names(model: nn.Module, config: FSDP2Config) -> list[str]:
+    """Qualified names of the modules `config.ignored_modules` selects in `model`."""
+    if not config.ignored_modules:
+        return []
+    return modules_matching(model, config.ignored_modules, "FSDP2Config.ignored_modules")
+
+
 def block_count(model: nn.Module, config: FSDP2Config) -> int:
     """How many top-level groups (blocks) `config`'s policy makes of `model`, before any
     `blocks_per_group` merging."""
-    ignored = (
-        modules_matching(model, config.ignored_modules, "FSDP2Config.ignored_modules") if config.ignored_modules else []
-    )
-    return len(top_level(select_groups(model, config, ignored)))
+    return len(top_level(select_groups(model, config, ignored_names(model, config))))
 
 
 def group_members(groups: list[str], config: FSDP2Config) -> dict[str, list[str]]:

@@ -24,8 +24,7 @@ from torch import nn
 from ..activation_checkpoint import apply_activation_checkpointing
 from ..config import ACCUMULATION_MODES, FSDP2Config
 from ..config_checks import check_choice
-from ..groups import group_members, select_groups, settings_for
-from ..wrap_policy import modules_matching
+from ..groups import group_members, ignored_names, select_groups, settings_for
 from .sim_device import resolve_device_type
 from .sim_model import meta_copy
 from .sim_optimizer import measure_optimizer
@@ -188,11 +187,7 @@ def estimate_memory(
     shard, replicate = _shard_and_replicate(root.strategy, config, world_size, nodes)
     compute_dtype = root.mp_policy.param_dtype
     sim_model, batch = meta_copy(model, example_batch, compute_dtype, root.mp_policy.cast_forward_inputs)
-    ignored = (
-        modules_matching(sim_model, config.ignored_modules, "FSDP2Config.ignored_modules")
-        if config.ignored_modules
-        else []
-    )
+    ignored = ignored_names(sim_model, config)
     groups = select_groups(sim_model, config, ignored)
     sizes = group_sizes(
         model,

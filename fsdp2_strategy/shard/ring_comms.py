@@ -152,7 +152,7 @@ def install_ring_comms(model: nn.Module, collectives: str = "auto") -> int:
     # Stateless, so one of each serves every group.
     all_gather, reduce_scatter = RingAllGather(), RingReduceScatter()
     installed = 0
-    for module in tc.one_per_group(m for m in model.modules() if isinstance(m, FSDPModule)):
+    for module in tc.fsdp_groups(model):
         group = _shard_group(module)
         if group is None or (collectives == "auto" and dist.get_backend(group) != "gloo"):
             continue

@@ -21,6 +21,7 @@ from ..groups import (
     GROUP_ATTR,
     GroupSettings,
     group_members,
+    ignored_names,
     own_named_params,
     select_groups,
     settings_for,
@@ -37,7 +38,6 @@ from ..mesh import (
 )
 from ..tensor_parallel import apply_tensor_parallel, mark_user_parallelised, split_mesh
 from ..train import REPLICATED_ATTR, ReplicatedParams, find_scalar_params, mark_replaced_params, record_mode
-from ..wrap_policy import modules_matching
 from .frozen import cast_frozen
 from .host_memory import apply_host_allocator
 from .materialize import check_initialisable, has_meta_tensors, materialize
@@ -82,13 +82,11 @@ def shard_model(
     root_settings = settings_for("", config)
     root_mesh = dp_mesh if dp_mesh is not None else meshes.get(root_settings.strategy, config.mesh_shape)
 
-    ignored_names = (
-        modules_matching(model, config.ignored_modules, "FSDP2Config.ignored_modules") if config.ignored_modules else []
-    )
-    ignored = {p for n in ignored_names for p in model.get_submodule(n).parameters()}
+    ignored_modules = ignored_names(model, config)
+    ignored = {p for n in ignored_modules for p in model.get_submodule(n).parameters()}
     scalars = find_scalar_params(model, {id(p) for p in ignored})
     quantised = find_quantised_params(model, {id(p) for p in ignored}, mesh_device(root_mesh))
-    groups = select_groups(model, config, ignored_names)
+    groups = select_groups(model, config, ignored_modules)
     meta = has_meta_tensors(model)
     if meta:
         check_initialisable(model)

@@ -50,7 +50,7 @@ def mode_of(model: nn.Module) -> str:
 
 def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     """One module per FSDP group (the modules of a group sharded together share its state)."""
-    return tc.one_per_group(m for m in model.modules() if isinstance(m, FSDPModule))
+    return tc.fsdp_groups(model)
 
 
 def _set_replicated_sync(model: nn.Module, enabled: bool) -> None:
