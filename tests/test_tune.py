@@ -114,6 +114,14 @@ def _tune_world(cache: str) -> dict:
         for name, warmup, probe in (("warm-up", 2, True), ("after", 1, True), ("none", 2, False))
     }
     out["probes"] = {name: (m.peak_bytes, m.collectives) for name, m in probes.items()}
+    # A first timed step over stop_above_s (the slowest rank's) ends the timed steps on every rank.
+    out["stops"] = {
+        limit: (len(m.steps), m.stopped)
+        for limit in (0.0, 60.0)
+        for m in [
+            measure_candidate(model, cfg, batch, loss, None, micro_batches=1, warmup=0, steps=3, stop_above_s=limit)
+        ]
+    }
 
     # Ranks that disagree get one error each, not a hang.
     mine = FEW[:1] if torch.distributed.get_rank() == 0 else FEW[1:2]
@@ -206,6 +214,11 @@ def test_the_probe_as_the_last_warm_up_step_measures_the_steady_peak_and_collect
     assert peak > 0 and sum(collectives.values()) > 0
     assert out["probes"]["after"] == (peak, collectives)
     assert out["probes"]["none"] == (0, {})
+
+
+def test_a_candidate_whose_first_timed_step_is_over_the_limit_takes_no_more(world):
+    out, _ = world
+    assert out["stops"] == {0.0: (1, True), 60.0: (3, False)}
 
 
 def test_compare_strategies_time_true_adds_predictions(world):
@@ -325,7 +338,7 @@ def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass(
         rows.append(row)
     calls = []
 
-    def measure(row, warmup, probe):
+    def measure(row, warmup, probe):  # the second pass sets no stop_above_s: it keeps the faster pass
         calls.append((row.label, warmup, probe))
         s = again[row.label]
         if s is None:
@@ -343,6 +356,28 @@ def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass(
     # d's faster pass is the second, which took no probe: the first pass's peak and collectives stay.
     assert all(r.measured.peak_bytes == 100 and r.measured.collectives == {"x": 3} for r in rows)
     assert all(r.skipped == "" for r in rows)
+
+
+def test_first_pass_stops_a_row_over_the_recheck_factor_of_the_fastest_so_far():
+    from fsdp2_strategy.tuning import tuner
+    from fsdp2_strategy.tuning.candidates import Candidate
+    from fsdp2_strategy.tuning.measure import Measurement
+    from fsdp2_strategy.tuning.result import TuneRow
+
+    times = {"a": 0.40, "b": 0.20, "c": 0.30, "d": 0.10}
+    rows = [TuneRow(Candidate(label, {}), fits=label != "c") for label in times]  # c does not fit
+    seen = []
+
+    def measure(row, warmup, probe, process_warmup, stop_above_s):
+        seen.append((row.label, process_warmup, stop_above_s))
+        s = times[row.label]
+        return Measurement(step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=1, passes=[s]), ""
+
+    tuner._first_pass(rows, measure, 2)
+    # the first warms the process and is never stopped; then 1.3 x the fastest measured so far
+    assert [(label, extra) for label, extra, _ in seen] == [("a", tuner.FIRST_EXTRA_WARMUP), ("b", 0), ("d", 0)]
+    assert seen[0][2] is None and seen[1][2] == pytest.approx(0.52) and seen[2][2] == pytest.approx(0.26)
+    assert rows[2].measured is None
 
 
 def test_fit_line_recovers_latency_and_bandwidth():

@@ -67,6 +67,8 @@ class Measurement:
     """Every timed step (seconds) of the pass kept."""
     passes: list[float] = field(default_factory=list)
     """Median step time of each pass (the tuner keeps the faster pass)."""
+    stopped: bool = False
+    """The pass stopped after its first timed step, which was over `stop_above_s`."""
 
 
 class _CountCollectives(TorchDispatchMode):
@@ -204,12 +206,14 @@ def measure_candidate(
     steps: int,
     probe: bool = True,
     process_warmup: int = 0,
+    stop_above_s: float | None = None,
 ) -> Measurement:
     """Shard a copy of `model` with `config`, step it, and free it again; `model` is untouched.
     `probe`: take the probe step (the last of two or more warm-up steps, else one more step after
     the timed ones); without it the peak is 0 and no collectives are counted. `process_warmup`:
     steps of one micro-batch before the warm-up, which warm the process (allocator, thread pools)
-    for a k-th of a step's cost."""
+    for a k-th of a step's cost. `stop_above_s`: take no more timed steps when the first one
+    (the slowest rank's) took longer; every rank stops at the same step."""
     start = time.perf_counter()
     sharded = shard_model(copy.deepcopy(model), config, log_plan=False)
     sharded.train()
@@ -222,12 +226,14 @@ def measure_candidate(
     for _ in range(warmup - probe_first):
         train_step(*args)
     peak, counts = _probe(*args) if probe_first else (0, {})
-    rows = []
-    for _ in range(steps):
+    rows: list[list[float]] = []
+    stopped = False
+    while len(rows) < steps and not stopped:
         dist.barrier()
         t0 = time.perf_counter()
         phases = train_step(*args)
         rows.append([time.perf_counter() - t0, *phases])
+        stopped = len(rows) == 1 < steps and _slower_than(rows[0][0], stop_above_s)
     if probe and not probe_first:
         peak, counts = _probe(*args)
     del sharded, opt
@@ -249,4 +255,14 @@ def measure_candidate(
         cost_s=slowest[-1, 1].item(),
         steps=list(cols[0]),
         passes=[step_s],
+        stopped=stopped,
     )
+
+
+def _slower_than(seconds: float, limit: float | None) -> bool:
+    """Whether the slowest rank's `seconds` exceed `limit` (the same answer on every rank)."""
+    if limit is None:
+        return False
+    slowest = torch.tensor([seconds], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item() > limit

@@ -127,7 +127,7 @@ class TuneResult:
             f"{m.peak_bytes / e.peak_bytes:.2f}" if m and e and m.peak_bytes and e.peak_bytes else "-",
             f"{p.total_s:.4f}" if p else "-",
             f"{m.step_s:.4f}" if m else "-",
-            " / ".join(f"{t:.4f}" for t in m.passes) if m and len(m.passes) > 1 else "-",
+            _passes(m),
             f"{r.error:+.0%}{ref}" if r.error is not None else "-",
             f"{per_step / m.step_s:,.0f}" if m and m.step_s else "-",
             " ".join(f"{k} {v}" for k, v in sorted(m.collectives.items())) if m else "-",
@@ -148,6 +148,7 @@ class TuneResult:
                     "predicted_s": r.predicted.total_s if r.predicted else None,
                     "measured_s": r.measured.step_s if r.measured else None,
                     "passes_s": r.measured.passes if r.measured else None,
+                    "stopped": r.measured.stopped if r.measured else None,
                     "collectives": r.measured.collectives if r.measured else None,
                     "cost_s": r.measured.cost_s if r.measured else None,
                     "skipped": r.skipped,
@@ -164,6 +165,15 @@ class TuneResult:
             "cost_s": self.cost_s,
             "rows": rows,
         }
+
+
+def _passes(m: Measurement | None) -> str:
+    """Each pass's median when there were two; "1 step" when the pass stopped after one."""
+    if m is None:
+        return "-"
+    if m.stopped:
+        return "1 step"
+    return " / ".join(f"{t:.4f}" for t in m.passes) if len(m.passes) > 1 else "-"
 
 
 def _plain(value: Any) -> bool:

@@ -247,23 +247,28 @@ def _agreed(fn: Callable[[], Any]) -> tuple[Any, str]:
 
 
 def _measurer(model, base, batch, loss, make_opt, run) -> Callable[..., tuple[Any, str]]:
-    """`measure(row, warmup, probe, process_warmup)`: the row's candidate measured on every rank,
-    or why it failed."""
+    """`measure(row, warmup, probe, **more)`: the row's candidate measured on every rank (`more`:
+    `measure_candidate`'s `process_warmup`, `stop_above_s`), or why it failed."""
 
-    def measure(row: TuneRow, warmup: int, probe: bool, process_warmup: int = 0) -> tuple[Any, str]:
+    def measure(row: TuneRow, warmup: int, probe: bool, **more: Any) -> tuple[Any, str]:
         cfg = row.candidate.config(base)
-        steps = {**run, "warmup": warmup, "probe": probe, "process_warmup": process_warmup}
+        steps = {**run, "warmup": warmup, "probe": probe, **more}
         return _agreed(lambda: measure_candidate(model, cfg, batch, loss, make_opt, **steps))
 
     return measure
 
 
 def _first_pass(rows: list[TuneRow], measure: Callable, warmup: int) -> None:
+    """Measure every fitting row. A row whose first timed step is over `RECHECK_WITHIN` times the
+    fastest median so far takes no more timed steps: it would not be measured again, and one
+    step was within about 5 % of a pass's median."""
     for row in rows:
         if row.fits:
+            done = [r.measured.step_s for r in rows if r.measured is not None]
             # The first candidate also warms the process (allocator, thread pools).
-            extra = FIRST_EXTRA_WARMUP if not any(r.measured for r in rows) else 0
-            row.measured, row.skipped = measure(row, warmup, True, extra)
+            extra = 0 if done else FIRST_EXTRA_WARMUP
+            limit = RECHECK_WITHIN * min(done) if done else None
+            row.measured, row.skipped = measure(row, warmup, True, process_warmup=extra, stop_above_s=limit)
 
 
 def _second_pass(rows: list[TuneRow], measure: Callable) -> None:
