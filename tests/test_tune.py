@@ -287,7 +287,8 @@ def test_the_step_time_formula():
     assert cuda.exposed_s == pytest.approx(0.001 + 0.004 / 6 + 0.01)
 
 
-def test_compute_and_per_call_cost_are_recovered_from_two_measured_steps():
+@pytest.mark.parametrize("per_call", [0.004, -0.0005])
+def test_compute_per_call_cost_and_fixed_optimizer_part_are_recovered_from_three_measured_steps(per_call):
     many = _estimate(
         activation_checkpointing=False,
         micro_batches=1,
@@ -302,15 +303,43 @@ def test_compute_and_per_call_cost_are_recovered_from_two_measured_steps():
         communication={"all_gather": 1_500_000, "reduce_scatter": 2_000_000, "all_reduce": 0},
         gathering_groups=1,
     )
-    truth = ComputeProfile(forward_s=0.05, backward_s=0.1, optimizer_s=0.08, per_call_s=0.004)
+    replicated = _estimate(strategy="NO_SHARD", shard_size=1, micro_batches=1, activation_checkpointing=False)
+    # AdamW's per-tensor work does not shrink with the shard: 0.01 s + 0.08 s / shard size.
+    truth = ComputeProfile(
+        forward_s=0.05, backward_s=0.1, optimizer_s=0.08, per_call_s=per_call, optimizer_fixed_s=0.01
+    )
     # The phases a step of `many` would show: forward holds 4 of the 7 all-gathers.
-    ag = 7 * (1e-3 + 0.004) + 3_000_000 / 1e9
-    rs = 4 * (2e-3 + 0.004) + 2_000_000 / 5e8
-    phases = (0.05 + ag * 4 / 7, 0.1 + ag * 3 / 7 + rs, 0.08 / 2)
+    ag = 7 * (1e-3 + per_call) + 3_000_000 / 1e9
+    rs = 4 * (2e-3 + per_call) + 2_000_000 / 5e8
+    phases = (0.05 + ag * 4 / 7, 0.1 + ag * 3 / 7 + rs, 0.01 + 0.08 / 2)
     measured_one = predict_step_time(one, LINK, truth).total_s
-    fitted = ComputeProfile.fit(phases, many, measured_one, one, LINK)
-    assert fitted.per_call_s == pytest.approx(0.004, rel=1e-6)
-    assert (fitted.forward_s, fitted.backward_s, fitted.optimizer_s) == pytest.approx((0.05, 0.1, 0.08))
+    fitted = ComputeProfile.fit(phases, many, measured_one, one, LINK, replicated=(0.01 + 0.08, replicated))
+    assert fitted.per_call_s == pytest.approx(per_call, rel=1e-6)
+    assert (fitted.forward_s, fitted.backward_s) == pytest.approx((0.05, 0.1))
+    assert (fitted.optimizer_s, fitted.optimizer_fixed_s) == pytest.approx((0.08, 0.01))
+    # Without the third step the whole optimizer step is taken to shrink with the shard.
+    alone = ComputeProfile.fit(phases, many, measured_one, one, LINK)
+    assert (alone.optimizer_s, alone.optimizer_fixed_s) == pytest.approx((0.1, 0.0))
+
+
+def test_the_per_call_cost_is_never_below_minus_the_least_latency():
+    many = _estimate(
+        micro_batches=1,
+        collective_calls={"all_gather": 7, "reduce_scatter": 4},
+        gathering_groups=4,
+        activation_checkpointing=False,
+    )
+    one = _estimate(
+        micro_batches=1,
+        collective_calls={"all_gather": 1, "reduce_scatter": 1},
+        gathering_groups=1,
+        activation_checkpointing=False,
+    )
+    phases = (0.05, 0.1, 0.04)
+    # `one` measured far slower than any per-call cost explains: the fit stops at -1 ms (the
+    # all-gather's latency; reduce-scatter's is 2 ms), so no call is predicted to cost less than 0.
+    fitted = ComputeProfile.fit(phases, many, 10.0, one, LINK)
+    assert fitted.per_call_s == pytest.approx(-1e-3)
 
 
 def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass():

@@ -3,7 +3,9 @@
 The model, per optimizer step of `k` micro-batches on one rank:
 
     compute       = k * (forward + backward + forward if activation checkpointing)
-    optimizer     = optimizer_full / shard_size       (each rank steps its shard only)
+    optimizer     = optimizer_fixed + optimizer_full / shard_size
+                                                      (each rank steps its shard only; the
+                                                       per-tensor part does not shrink)
     communication = sum over all_gather, reduce_scatter, all_reduce of
                     calls * (latency + per_call) + bytes / bandwidth
     exposed       = communication                     ("none": gloo's synchronous CPU path)
@@ -15,10 +17,11 @@ The model, per optimizer step of `k` micro-batches on one rank:
 `calls` and `bytes` (what each rank sends, ring-counted) come from `estimate_memory`
 (`MemoryEstimate.collective_calls`, `.communication`); latency and bandwidth per collective from a
 sweep on the process group (`Link`, measured by `fsdp2_strategy.tuning.measure_link`); forward,
-backward and the optimizer step from one measured step (`ComputeProfile.from_step`), and
+backward and the optimizer step from one measured step (`ComputeProfile.from_step`);
 `per_call` - what a call costs inside a step beyond the sweep's latency (FSDP's buffer copies
 and hooks, ranks waiting for each other) - from a second measured step with another number of
-calls (`ComputeProfile.fit`).
+calls, and `optimizer_fixed` from the optimizer step of a third setting with another shard size
+(`ComputeProfile.fit`).
 """
 
 from __future__ import annotations
@@ -78,12 +81,17 @@ class ComputeProfile:
     backward_s: float
     """Backward of one micro-batch."""
     optimizer_s: float
-    """Optimizer step over the whole model's trainable parameters (a rank holding 1/N of them
-    takes 1/N of it)."""
+    """Optimizer step over the whole model's trainable parameters, the part that shrinks with
+    the shard (a rank holding 1/N of them takes 1/N of it)."""
     per_call_s: float = 0.0
     """What each collective call costs inside a training step beyond the sweep's latency: FSDP's
     copies in and out of the communication buffers, its hooks, and ranks waiting for each other
-    at every call (`fit`)."""
+    at every call (`fit`). Negative when the sweep's latency is more than a call costs in a step
+    (ranks sharing a core), never below minus that latency."""
+    optimizer_fixed_s: float = 0.0
+    """The optimizer step's part that does not shrink with the shard: work per parameter tensor
+    (kernel launches, DTensor dispatch), which every rank does for every tensor. Measured on CPU:
+    AdamW on a quarter of TinyGPT took 0.06 s against 0.13 s on the whole of it, not a quarter."""
 
     @classmethod
     def from_step(
@@ -94,11 +102,13 @@ class ComputeProfile:
         estimate: MemoryEstimate,
         link: Link,
         per_call_s: float = 0.0,
+        optimizer_fixed_s: float = 0.0,
     ) -> ComputeProfile:
         """The compute of a measured step (seconds per micro-batch in forward and backward, and of
         the optimizer step) of the setting `estimate` describes, its communication taken out:
         forward holds the first all-gather of every group, backward the rest and the reductions;
-        each call also costs `per_call_s`. Never below zero."""
+        each call also costs `per_call_s`; `optimizer_fixed_s` of the optimizer step does not
+        shrink with the shard. Never below zero."""
         k = estimate.micro_batches
         calls, sent = estimate.collective_calls, estimate.communication
         gathers = calls.get("all_gather", 0)
@@ -113,7 +123,8 @@ class ComputeProfile:
         recompute = 1 if estimate.activation_checkpointing else 0
         fwd = max(forward_s - fwd_comm, 0.0)
         bwd = max(backward_s - bwd_comm - recompute * fwd, 0.0)
-        return cls(fwd, bwd, optimizer_s * estimate.shard_size, per_call_s)
+        fixed = min(max(optimizer_fixed_s, 0.0), optimizer_s)
+        return cls(fwd, bwd, (optimizer_s - fixed) * estimate.shard_size, per_call_s, fixed)
 
     @classmethod
     def fit(
@@ -124,18 +135,39 @@ class ComputeProfile:
         other: MemoryEstimate,
         link: Link,
         device_type: str = "cpu",
+        *,
+        replicated: tuple[float, MemoryEstimate] | None = None,
     ) -> ComputeProfile:
         """`from_step` of a step measured by phase (forward, backward per micro-batch; optimizer),
         with `per_call_s` chosen so that a second setting with another number of collective calls
-        (`other`, measured at `other_step_s` per step) is predicted exactly. 0 when the two make
-        as many calls, or when the fit would make it negative."""
-        zero = cls.from_step(*phases, estimate, link)
+        (`other`, measured at `other_step_s` per step) is predicted exactly: 0 when the two make as
+        many calls, never below minus the sweep's least latency among the collectives they call
+        (a call costs no less than nothing). `replicated`: (optimizer seconds, estimate) of a
+        setting with another shard size, which splits the optimizer step into the part that
+        shrinks with the shard and the part that does not (`optimizer_fixed_s`; else 0)."""
+        fixed = _optimizer_fixed(phases[2], estimate.shard_size, *replicated) if replicated else 0.0
+
+        def profile(per_call_s: float) -> ComputeProfile:
+            return cls.from_step(*phases, estimate, link, per_call_s=per_call_s, optimizer_fixed_s=fixed)
+
         delta = 1e-3
-        shifted = cls.from_step(*phases, estimate, link, per_call_s=delta)
-        p0 = predict_step_time(other, link, zero, device_type).total_s
-        slope = (predict_step_time(other, link, shifted, device_type).total_s - p0) / delta
+        p0 = predict_step_time(other, link, profile(0.0), device_type).total_s
+        slope = (predict_step_time(other, link, profile(delta), device_type).total_s - p0) / delta
         per_call = (other_step_s - p0) / slope if abs(slope) > 1e-9 else 0.0
-        return cls.from_step(*phases, estimate, link, per_call_s=max(per_call, 0.0))
+        used = [n for e in (estimate, other) for n, c in e.collective_calls.items() if c and n in link.fits]
+        floor = -min((link.fits[n].latency_s for n in used), default=0.0)
+        return profile(max(per_call, floor))
+
+
+def _optimizer_fixed(optimizer_s: float, shard_size: int, other_optimizer_s: float, other: MemoryEstimate) -> float:
+    """The part `a` of two optimizer steps `a + b / shard` (shard sizes `shard_size` and
+    `other.shard_size`) that does not shrink with the shard; 0 when the sizes are equal or the
+    steps say nothing sensible (the larger shard faster)."""
+    inverse = 1 / max(other.shard_size, 1) - 1 / max(shard_size, 1)
+    if not inverse:
+        return 0.0
+    shrinking = max((other_optimizer_s - optimizer_s) / inverse, 0.0)
+    return min(max(optimizer_s - shrinking / max(shard_size, 1), 0.0), optimizer_s)
 
 
 def _calls(estimate: MemoryEstimate) -> list[int]:
@@ -194,7 +226,7 @@ def predict_step_time(
     k = estimate.micro_batches
     recompute = compute.forward_s if estimate.activation_checkpointing else 0.0
     compute_s = k * (compute.forward_s + compute.backward_s + recompute)
-    optimizer_s = compute.optimizer_s / max(estimate.shard_size, 1)
+    optimizer_s = compute.optimizer_fixed_s + compute.optimizer_s / max(estimate.shard_size, 1)
     by = link.seconds(estimate.collective_calls, estimate.communication)
     comm = sum(by.values()) + compute.per_call_s * sum(_calls(estimate))
     if OVERLAP.get(device_type, "prefetch") == "none":

@@ -4,10 +4,10 @@ Order: every candidate is estimated (`estimate_memory`: those over the budget ar
 collectives are swept once (`measure_link`); the fitting candidates run one after another on a
 fresh copy of the model (`measure_candidate`); a second pass in reverse order measures the
 contenders' step time again (one warm-up step, no probe) and each keeps its faster pass
-(`_second_pass`). Two measured rows give the compute profile (`ComputeProfile.fit`) from which
-every row's step time is predicted. A candidate
-that fails on any rank (out of memory, an error while sharding) is skipped on every rank, with
-the reason. The pick is made on rank 0 and broadcast; every rank returns the same result.
+(`_second_pass`). Up to three measured rows give the compute profile (`ComputeProfile.fit`)
+from which every row's step time is predicted. A candidate that fails on any rank (out of
+memory, an error while sharding) is skipped on every rank, with the reason. The pick is made on
+rank 0 and broadcast; every rank returns the same result.
 """
 
 from __future__ import annotations
@@ -298,24 +298,37 @@ def _second_pass(rows: list[TuneRow], measure: Callable) -> None:
 
 
 def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None, str]:
-    """Predict every estimated row from the first one measured and the measured one whose
-    collective calls differ most from it (`ComputeProfile.fit`)."""
+    """Predict every estimated row from up to three measured ones (`ComputeProfile.fit`): the
+    first (its phases), the one whose collective calls differ most from it, of the same shard size
+    where there is one (the cost per call; the same shard size keeps the optimizer step out of
+    it), and the first of another shard size (its optimizer step: the part that does not shrink
+    with the shard)."""
     measured = [r for r in rows if r.measured is not None and r.estimate is not None]
     if not measured:
         return None, ""
     ref = measured[0]
-    other = max(measured, key=lambda r: abs(_call_count(r) - _call_count(ref)))
+    size = _shard_size(ref)
+    same = [r for r in measured if _shard_size(r) == size and _call_count(r) != _call_count(ref)]
+    other = max(same or measured, key=lambda r: abs(_call_count(r) - _call_count(ref)))
+    third = next((r for r in measured if _shard_size(r) != size), None)
     m = ref.measured
     assert m is not None and ref.estimate is not None and other.measured is not None and other.estimate is not None
     phases = (m.forward_s, m.backward_s, m.optimizer_s)
+    replicated = (third.measured.optimizer_s, third.estimate) if third and third.measured and third.estimate else None
     device_type = mesh_device_type()
-    compute = ComputeProfile.fit(phases, ref.estimate, other.measured.step_s, other.estimate, link, device_type)
+    compute = ComputeProfile.fit(
+        phases, ref.estimate, other.measured.step_s, other.estimate, link, device_type, replicated=replicated
+    )
     time_model = StepTimeModel(link, compute, device_type)
     for row in rows:
         if row.estimate is not None:
             row.predicted = time_model.predict(row.estimate)
-    names = [ref.label] + ([other.label] if other is not ref and _call_count(other) != _call_count(ref) else [])
-    return time_model, " + ".join(names)
+    used = [ref] + ([other] if _call_count(other) != _call_count(ref) else []) + ([third] if replicated else [])
+    return time_model, " + ".join(dict.fromkeys(r.label for r in used))
+
+
+def _shard_size(row: TuneRow) -> int:
+    return row.estimate.shard_size if row.estimate is not None else 0
 
 
 def _call_count(row: TuneRow) -> int:
