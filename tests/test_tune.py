@@ -288,38 +288,50 @@ def test_the_step_time_formula():
 
 
 @pytest.mark.parametrize("per_call", [0.004, -0.0005])
-def test_compute_per_call_cost_and_fixed_optimizer_part_are_recovered_from_three_measured_steps(per_call):
-    many = _estimate(
-        activation_checkpointing=False,
-        micro_batches=1,
+def test_per_call_and_per_byte_costs_and_fixed_optimizer_part_are_recovered_from_three_measured_steps(per_call):
+    def estimate(**fields):
+        return _estimate(activation_checkpointing=False, micro_batches=1, **fields)
+
+    many = estimate(
         collective_calls={"all_gather": 7, "reduce_scatter": 4, "all_reduce": 0},
         communication={"all_gather": 3_000_000, "reduce_scatter": 2_000_000, "all_reduce": 0},
         gathering_groups=4,
     )
-    one = _estimate(
-        activation_checkpointing=False,
-        micro_batches=1,
+    one = estimate(
         collective_calls={"all_gather": 1, "reduce_scatter": 1, "all_reduce": 0},
         communication={"all_gather": 1_500_000, "reduce_scatter": 2_000_000, "all_reduce": 0},
         gathering_groups=1,
     )
-    replicated = _estimate(strategy="NO_SHARD", shard_size=1, micro_batches=1, activation_checkpointing=False)
-    # AdamW's per-tensor work does not shrink with the shard: 0.01 s + 0.08 s / shard size.
+    replicated = estimate(
+        strategy="NO_SHARD",
+        shard_size=1,
+        collective_calls={"all_gather": 0, "reduce_scatter": 0, "all_reduce": 3},
+        communication={"all_gather": 0, "reduce_scatter": 0, "all_reduce": 4_000_000},
+    )
+    # AdamW's per-tensor work does not shrink with the shard: 0.01 s + 0.08 s / shard size; the
+    # all-reduce costs 2 ns per byte more in a step than in the sweep.
     truth = ComputeProfile(
-        forward_s=0.05, backward_s=0.1, optimizer_s=0.08, per_call_s=per_call, optimizer_fixed_s=0.01
+        forward_s=0.05,
+        backward_s=0.1,
+        optimizer_s=0.08,
+        per_call_s=per_call,
+        optimizer_fixed_s=0.01,
+        per_byte_s={"all_reduce": 2e-9},
     )
     # The phases a step of `many` would show: forward holds 4 of the 7 all-gathers.
     ag = 7 * (1e-3 + per_call) + 3_000_000 / 1e9
     rs = 4 * (2e-3 + per_call) + 2_000_000 / 5e8
     phases = (0.05 + ag * 4 / 7, 0.1 + ag * 3 / 7 + rs, 0.01 + 0.08 / 2)
     measured_one = predict_step_time(one, LINK, truth).total_s
-    fitted = ComputeProfile.fit(phases, many, measured_one, one, LINK, replicated=(0.01 + 0.08, replicated))
+    third = (0.01 + 0.08, predict_step_time(replicated, LINK, truth).total_s, replicated)
+    fitted = ComputeProfile.fit(phases, many, measured_one, one, LINK, third=third)
     assert fitted.per_call_s == pytest.approx(per_call, rel=1e-6)
     assert (fitted.forward_s, fitted.backward_s) == pytest.approx((0.05, 0.1))
     assert (fitted.optimizer_s, fitted.optimizer_fixed_s) == pytest.approx((0.08, 0.01))
+    assert fitted.per_byte_s == {"all_reduce": pytest.approx(2e-9)}
     # Without the third step the whole optimizer step is taken to shrink with the shard.
     alone = ComputeProfile.fit(phases, many, measured_one, one, LINK)
-    assert (alone.optimizer_s, alone.optimizer_fixed_s) == pytest.approx((0.1, 0.0))
+    assert (alone.optimizer_s, alone.optimizer_fixed_s) == pytest.approx((0.1, 0.0)) and alone.per_byte_s == {}
 
 
 def test_the_per_call_cost_is_never_below_minus_the_least_latency():

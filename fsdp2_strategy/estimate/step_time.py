@@ -20,8 +20,8 @@ sweep on the process group (`Link`, measured by `fsdp2_strategy.tuning.measure_l
 backward and the optimizer step from one measured step (`ComputeProfile.from_step`);
 `per_call` - what a call costs inside a step beyond the sweep's latency (FSDP's buffer copies
 and hooks, ranks waiting for each other) - from a second measured step with another number of
-calls, and `optimizer_fixed` from the optimizer step of a third setting with another shard size
-(`ComputeProfile.fit`).
+calls, and from a third setting with another shard size `optimizer_fixed` (its optimizer step)
+and an extra cost per byte of the collectives only it calls (its step time; `ComputeProfile.fit`).
 """
 
 from __future__ import annotations
@@ -92,6 +92,10 @@ class ComputeProfile:
     """The optimizer step's part that does not shrink with the shard: work per parameter tensor
     (kernel launches, DTensor dispatch), which every rank does for every tensor. Measured on CPU:
     AdamW on a quarter of TinyGPT took 0.06 s against 0.13 s on the whole of it, not a quarter."""
+    per_byte_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per byte sent added to a collective the first two reference settings never call
+    (NO_SHARD's all-reduce when they are FULL_SHARD's), so that a third is predicted exactly:
+    FSDP's copies in and out of its buffers, which the sweep does not make (`fit`)."""
 
     @classmethod
     def from_step(
@@ -136,16 +140,17 @@ class ComputeProfile:
         link: Link,
         device_type: str = "cpu",
         *,
-        replicated: tuple[float, MemoryEstimate] | None = None,
+        third: tuple[float, float, MemoryEstimate] | None = None,
     ) -> ComputeProfile:
         """`from_step` of a step measured by phase (forward, backward per micro-batch; optimizer),
         with `per_call_s` chosen so that a second setting with another number of collective calls
         (`other`, measured at `other_step_s` per step) is predicted exactly: 0 when the two make as
         many calls, never below minus the sweep's least latency among the collectives they call
-        (a call costs no less than nothing). `replicated`: (optimizer seconds, estimate) of a
-        setting with another shard size, which splits the optimizer step into the part that
-        shrinks with the shard and the part that does not (`optimizer_fixed_s`; else 0)."""
-        fixed = _optimizer_fixed(phases[2], estimate.shard_size, *replicated) if replicated else 0.0
+        (a call costs no less than nothing). `third`: (optimizer seconds, step seconds, estimate)
+        of a setting with another shard size. Its optimizer step splits the optimizer into the
+        part that shrinks with the shard and the part that does not (`optimizer_fixed_s`); its
+        step time gives `per_byte_s` to the collectives it calls and the other two do not."""
+        fixed = _optimizer_fixed(phases[2], estimate.shard_size, third[0], third[2]) if third else 0.0
 
         def profile(per_call_s: float) -> ComputeProfile:
             return cls.from_step(*phases, estimate, link, per_call_s=per_call_s, optimizer_fixed_s=fixed)
@@ -154,9 +159,30 @@ class ComputeProfile:
         p0 = predict_step_time(other, link, profile(0.0), device_type).total_s
         slope = (predict_step_time(other, link, profile(delta), device_type).total_s - p0) / delta
         per_call = (other_step_s - p0) / slope if abs(slope) > 1e-9 else 0.0
-        used = [n for e in (estimate, other) for n, c in e.collective_calls.items() if c and n in link.fits]
-        floor = -min((link.fits[n].latency_s for n in used), default=0.0)
-        return profile(max(per_call, floor))
+        floor = -min((link.fits[n].latency_s for n in _called(link, estimate, other)), default=0.0)
+        fitted = profile(max(per_call, floor))
+        if third:
+            fitted.per_byte_s = _per_byte(fitted, link, device_type, third[1], third[2], _called(link, estimate, other))
+        return fitted
+
+
+def _called(link: Link, *estimates: MemoryEstimate) -> set[str]:
+    """The swept collectives any of `estimates` calls."""
+    return {n for e in estimates for n, c in e.collective_calls.items() if c and n in link.fits}
+
+
+def _per_byte(
+    compute: ComputeProfile, link: Link, device_type: str, step_s: float, third: MemoryEstimate, known: set[str]
+) -> dict[str, float]:
+    """Seconds per byte that make `third` (measured at `step_s`) predicted exactly, added to the
+    collectives it calls beyond `known`; no collective's bytes cost less than nothing."""
+    new = [n for n in _called(link, third) - known if third.communication.get(n, 0)]
+    if not new:
+        return {}
+    nbytes = sum(third.communication[n] for n in new)
+    missing = step_s - predict_step_time(third, link, compute, device_type).total_s
+    floor = -min(1 / link.fits[n].bytes_per_s for n in new)
+    return dict.fromkeys(new, max(missing / nbytes, floor))
 
 
 def _optimizer_fixed(optimizer_s: float, shard_size: int, other_optimizer_s: float, other: MemoryEstimate) -> float:
@@ -228,6 +254,8 @@ def predict_step_time(
     compute_s = k * (compute.forward_s + compute.backward_s + recompute)
     optimizer_s = compute.optimizer_fixed_s + compute.optimizer_s / max(estimate.shard_size, 1)
     by = link.seconds(estimate.collective_calls, estimate.communication)
+    for name, seconds in compute.per_byte_s.items():
+        by[name] += seconds * estimate.communication.get(name, 0)
     comm = sum(by.values()) + compute.per_call_s * sum(_calls(estimate))
     if OVERLAP.get(device_type, "prefetch") == "none":
         exposed = comm
