@@ -550,6 +550,16 @@ def test_groups_of_several_blocks_are_a_candidate_between_blocks_and_one_group()
     assert labels[:3] == ["FULL_SHARD/blocks", "FULL_SHARD/one group", "FULL_SHARD/groups of 3"]
     grouped = next(c for c in default_candidates(f2.FSDP2Config(log_plan=False), 1, 1, blocks=8) if "groups" in c.label)
     assert grouped.config(f2.FSDP2Config(log_plan=False)).blocks_per_group == 3
-    # A base that groups blocks already is not offered another grouping.
+    # A base that groups blocks already is not offered another grouping; its rows say its groups.
     base = f2.FSDP2Config(blocks_per_group=2, log_plan=False)
-    assert not any("groups of" in c.label for c in default_candidates(base, 1, 1, blocks=8))
+    rows = default_candidates(base, 1, 2, blocks=8)
+    assert [c.label for c in rows] == [
+        "FULL_SHARD/groups of 2",
+        "FULL_SHARD/one group",
+        "SHARD_GRAD_OP/groups of 2",
+        "NO_SHARD/groups of 2",
+        "NO_SHARD/one group",
+        "FULL_SHARD/groups of 2/keep_gathered",
+        "FULL_SHARD/one group/keep_gathered",
+    ]
+    assert all(c.config(base).blocks_per_group == 2 for c in rows)

@@ -95,8 +95,8 @@ def default_candidates(base: FSDP2Config, nodes: int, micro_batches: int, blocks
     """Strategies (hybrid ones only on several nodes) x wrapping (the base's policy, "blocks", or
     one group for the whole model; with `blocks` >= 3 of the base's policy, FULL_SHARD also with
     `middle_group_size` blocks per group), and with several micro-batches the accumulation modes
-    that communicate less than the base's. The base's offload, checkpointing and precision are
-    kept. One group is the same under FULL_SHARD and SHARD_GRAD_OP (torch keeps the root
+    that communicate less than the base's. The base's offload, checkpointing, precision and
+    `blocks_per_group` are kept. One group is the same under FULL_SHARD and SHARD_GRAD_OP (torch keeps the root
     gathered), so it is tried once; NO_SHARD gathers nothing, so "keep_gathered" is "sync_last"
     there."""
     strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
@@ -121,6 +121,8 @@ def default_candidates(base: FSDP2Config, nodes: int, micro_batches: int, blocks
                 changes.append({"sharding_strategy": "FULL_SHARD", "accumulation": other})
         if mode != "keep_gathered":
             changes.append({"sharding_strategy": "FULL_SHARD", "wrap_policy": None, "accumulation": "keep_gathered"})
+    if base.blocks_per_group > 1:  # said in the settings, so the label says "groups of N", not "blocks"
+        changes = [c if "wrap_policy" in c else {**c, "blocks_per_group": base.blocks_per_group} for c in changes]
     return [Candidate(_label(c), c) for c in changes]
 
 
