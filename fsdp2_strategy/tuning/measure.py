@@ -6,7 +6,9 @@ all-reduce at the end). The peak is the device allocator's on accelerators and t
 bytes on CPU (torch's `MemTracker`); collectives are counted by the c10d operations dispatched.
 Both in the probe step, which is the last warm-up step when there are two or more (the first
 creates the optimizer state, so the second is already a steady step): a probe step costs about
-two plain ones on CPU, and as a warm-up step it costs one plain step less.
+two plain ones on CPU, and as a warm-up step it costs one plain step less. Warm-up steps take all
+k micro-batches: a sharded model's first step of k > 1 makes more collectives than its later ones
+(3-layer model, 2 ranks, k=2: 20 ring sends against 16), also after a step of one micro-batch.
 """
 
 from __future__ import annotations
