@@ -96,9 +96,9 @@ def default_candidates(base: FSDP2Config, nodes: int, micro_batches: int, blocks
     one group for the whole model; with `blocks` >= 3 of the base's policy, FULL_SHARD also with
     `middle_group_size` blocks per group), and with several micro-batches the accumulation modes
     that communicate less than the base's. The base's offload, checkpointing, precision and
-    `blocks_per_group` are kept. One group is the same under FULL_SHARD and SHARD_GRAD_OP (torch keeps the root
-    gathered), so it is tried once; NO_SHARD gathers nothing, so "keep_gathered" is "sync_last"
-    there."""
+    `blocks_per_group` are kept. One group is the same under FULL_SHARD and SHARD_GRAD_OP (torch
+    keeps the root gathered), so it is tried once; NO_SHARD gathers nothing, so "keep_gathered"
+    is "sync_last" there."""
     strategies = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
     if nodes > 1:
         strategies[2:2] = ["HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]

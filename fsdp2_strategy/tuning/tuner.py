@@ -298,38 +298,42 @@ def _second_pass(rows: list[TuneRow], measure: Callable) -> None:
 
 
 def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None, str]:
-    """Predict every estimated row from up to three measured ones (`ComputeProfile.fit`): the
-    first (its phases), the one whose collective calls differ most from it, of the same shard size
-    where there is one (the cost per call; the same shard size keeps the optimizer step out of
-    it), and the first of another shard size that took all its timed steps (its optimizer step:
-    the part that does not shrink with the shard; its step: the cost per byte of a collective
-    only it calls, NO_SHARD's all-reduce)."""
+    """Predict every estimated row from up to three measured ones (`_references`,
+    `ComputeProfile.fit`); the second value names them."""
     measured = [r for r in rows if r.measured is not None and r.estimate is not None]
     if not measured:
         return None, ""
-    ref = measured[0]
-    size = _shard_size(ref)
-    same = [r for r in measured if _shard_size(r) == size and _call_count(r) != _call_count(ref)]
-    other = max(same or measured, key=lambda r: abs(_call_count(r) - _call_count(ref)))
-    others = [r for r in measured if _shard_size(r) != size]
-    third = min(others, key=lambda r: r.measured.stopped, default=None)  # type: ignore[union-attr]
-    m = ref.measured
-    assert m is not None and ref.estimate is not None and other.measured is not None and other.estimate is not None
-    phases = (m.forward_s, m.backward_s, m.optimizer_s)
+    ref, other, third = _references(measured)
+    m, o = ref.measured, other.measured
+    assert m is not None and ref.estimate is not None and o is not None and other.estimate is not None
     third_ref = None
     if third is not None:
         assert third.measured is not None and third.estimate is not None
         third_ref = (third.measured.optimizer_s, third.measured.step_s, third.estimate)
     device_type = mesh_device_type()
-    compute = ComputeProfile.fit(
-        phases, ref.estimate, other.measured.step_s, other.estimate, link, device_type, third=third_ref
-    )
+    phases = (m.forward_s, m.backward_s, m.optimizer_s)
+    compute = ComputeProfile.fit(phases, ref.estimate, o.step_s, other.estimate, link, device_type, third=third_ref)
     time_model = StepTimeModel(link, compute, device_type)
     for row in rows:
         if row.estimate is not None:
             row.predicted = time_model.predict(row.estimate)
     used = [ref] + ([other] if _call_count(other) != _call_count(ref) else []) + ([third] if third is not None else [])
     return time_model, " + ".join(dict.fromkeys(r.label for r in used))
+
+
+def _references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | None]:
+    """The rows the compute profile comes from: the first measured (its phases); the one whose
+    collective calls differ most from it, of the same shard size where there is one (the cost per
+    call: the same shard size keeps the optimizer step out of it); the first of another shard size
+    that took all its timed steps (its optimizer step: the part that does not shrink with the
+    shard; its step: the cost per byte of a collective only it calls, NO_SHARD's all-reduce)."""
+    ref = measured[0]
+    size = _shard_size(ref)
+    same = [r for r in measured if _shard_size(r) == size and _call_count(r) != _call_count(ref)]
+    other = max(same or measured, key=lambda r: abs(_call_count(r) - _call_count(ref)))
+    others = [r for r in measured if _shard_size(r) != size]
+    third = min(others, key=lambda r: bool(r.measured and r.measured.stopped), default=None)
+    return ref, other, third
 
 
 def _shard_size(row: TuneRow) -> int:
