@@ -399,6 +399,35 @@ def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass(
     assert all(r.skipped == "" for r in rows)
 
 
+def test_third_pass_settles_the_fastest_row_while_its_passes_disagree():
+    from fsdp2_strategy.tuning import tuner
+    from fsdp2_strategy.tuning.candidates import Candidate
+    from fsdp2_strategy.tuning.measure import Measurement
+    from fsdp2_strategy.tuning.result import TuneRow
+
+    def measurement(step, passes, peak=0):
+        return Measurement(step_s=step, forward_s=step, backward_s=0, optimizer_s=0, peak_bytes=peak, passes=passes)
+
+    # a leads on a lucky pass (0.30 against 0.42); once it takes its median, b leads on one; then c,
+    # whose passes agree, leads and nothing more is measured.
+    kept = {"a": [0.30, 0.42], "b": [0.33, 0.45], "c": [0.37, 0.38], "d": [0.50, 0.90]}
+    rows = [
+        TuneRow(Candidate(label, {}), fits=True, measured=measurement(min(p), p, peak=100)) for label, p in kept.items()
+    ]
+    calls = []
+
+    def measure(row, warmup, probe):
+        calls.append((row.label, warmup, probe))
+        return measurement(0.40, [0.40]), ""
+
+    tuner._third_pass(rows, measure)
+    assert calls == [("a", 1, False), ("b", 1, False)]
+    a = rows[0].measured
+    # the median of three; its phases are those of the pass it came from (the third)
+    assert (a.step_s, a.passes, a.forward_s, a.peak_bytes) == (0.40, [0.30, 0.42, 0.40], 0.40, 100)
+    assert [r.measured.step_s for r in rows[1:]] == [0.40, 0.37, 0.50]
+
+
 def test_first_pass_stops_a_row_over_the_recheck_factor_of_the_fastest_so_far():
     from fsdp2_strategy.tuning import tuner
     from fsdp2_strategy.tuning.candidates import Candidate
