@@ -159,10 +159,10 @@ class ComputeProfile:
         p0 = predict_step_time(other, link, profile(0.0), device_type).total_s
         slope = (predict_step_time(other, link, profile(delta), device_type).total_s - p0) / delta
         per_call = (other_step_s - p0) / slope if abs(slope) > 1e-9 else 0.0
-        floor = -min((link.fits[n].latency_s for n in _called(link, estimate, other)), default=0.0)
-        fitted = profile(max(per_call, floor))
+        called = _called(link, estimate, other)
+        fitted = profile(max(per_call, -min((link.fits[n].latency_s for n in called), default=0.0)))
         if third:
-            fitted.per_byte_s = _per_byte(fitted, link, device_type, third[1], third[2], _called(link, estimate, other))
+            fitted.per_byte_s = _per_byte(fitted, link, device_type, third[1], third[2], called)
         return fitted
 
 

@@ -5,8 +5,8 @@ collectives are swept once (`measure_link`); the fitting candidates run one afte
 fresh copy of the model (`measure_candidate`); a second pass in reverse order measures the
 contenders' step time again (one warm-up step, no probe) and each keeps its faster pass
 (`_second_pass`); while the fastest row's two passes disagree, it is measured a third time and
-takes their median (`_third_pass`). Up to three measured rows give the compute profile (`ComputeProfile.fit`)
-from which every row's step time is predicted. A candidate that fails on any rank (out of
+takes their median (`_third_pass`). Up to three measured rows give the compute profile
+(`ComputeProfile.fit`) from which every row's step time is predicted. A candidate that fails on any rank (out of
 memory, an error while sharding) is skipped on every rank, with the reason. The pick is made on
 rank 0 and broadcast; every rank returns the same result.
 """
@@ -41,7 +41,7 @@ from ..groups import block_count
 from ..mesh import collective_device, detect_num_nodes, mesh_device_type
 from .candidates import Candidate, coerce_candidates, default_candidates, with_memory_savers
 from .link import measure_link
-from .measure import collect_only_new_objects, measure_candidate
+from .measure import Measurement, collect_only_new_objects, measure_candidate
 from .result import TuneResult, TuneRow
 
 WARMUP_STEPS = 2
@@ -108,8 +108,8 @@ def tune(
     `steps` again after `SECOND_PASS_WARMUP` in the second. `passes`: 2 measures the contenders
     (within `RECHECK_WITHIN` of the fastest) again in reverse order and keeps each one's faster
     pass (the fastest: the median of three when its two disagree, `DISAGREE`); 1 measures each
-    candidate once. `memory_budget`: bytes per rank (default `config.memory_budget`, else the device's or
-    this rank's share of RAM, less 10 %). `model` is copied per candidate, never changed; nor is
+    candidate once. `memory_budget`: bytes per rank (default `config.memory_budget`, else the
+    device's or this rank's share of RAM, less 10 %). `model` is copied per candidate, never changed; nor is
     the random number generator state.
     """
     start = time.perf_counter()
@@ -298,13 +298,8 @@ def _second_pass(rows: list[TuneRow], measure: Callable) -> None:
         if again is None:  # it ran once: keep that, and say why the second pass did not
             log_rank_zero("f2.tune: %s keeps its first pass; the second %s", row.label, why)
             continue
-        row.measured = dataclasses.replace(
-            min(first, again, key=lambda m: m.step_s),
-            peak_bytes=first.peak_bytes,
-            collectives=first.collectives,
-            cost_s=first.cost_s + again.cost_s,
-            passes=first.passes + again.passes,
-        )
+        faster = min(first, again, key=lambda m: m.step_s)
+        row.measured = _merged(first, again, faster, faster.step_s)
 
 
 def _third_pass(rows: list[TuneRow], measure: Callable) -> None:
@@ -324,17 +319,22 @@ def _third_pass(rows: list[TuneRow], measure: Callable) -> None:
         if again is None:
             log_rank_zero("f2.tune: %s keeps its faster pass; the third %s", best.label, why)
             continue
-        passes = kept.passes + again.passes
-        middle = statistics.median(passes)
+        middle = statistics.median(kept.passes + again.passes)
         base = again if again.step_s == middle else kept  # the phases and steps of that pass, if kept
-        best.measured = dataclasses.replace(
-            base,
-            step_s=middle,
-            peak_bytes=kept.peak_bytes,
-            collectives=kept.collectives,
-            cost_s=kept.cost_s + again.cost_s,
-            passes=passes,
-        )
+        best.measured = _merged(kept, again, base, middle)
+
+
+def _merged(kept: Measurement, again: Measurement, base: Measurement, step_s: float) -> Measurement:
+    """`base`'s phases and steps with the row's `step_s`; every pass and its cost so far; the peak
+    and collectives of `kept`, whose first pass took the probe (the later ones take none)."""
+    return dataclasses.replace(
+        base,
+        step_s=step_s,
+        peak_bytes=kept.peak_bytes,
+        collectives=kept.collectives,
+        cost_s=kept.cost_s + again.cost_s,
+        passes=kept.passes + again.passes,
+    )
 
 
 def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None, str]:
