@@ -355,7 +355,7 @@ def test_the_per_call_cost_is_never_below_minus_the_least_latency():
 
 
 def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass():
-    from fsdp2_strategy.tuning import tuner
+    from fsdp2_strategy.tuning import passes
     from fsdp2_strategy.tuning.candidates import Candidate
     from fsdp2_strategy.tuning.measure import Measurement
     from fsdp2_strategy.tuning.result import TuneRow
@@ -387,7 +387,7 @@ def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass(
         m = Measurement(step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=0, cost_s=2.0, passes=[s])
         return m, ""
 
-    tuner._second_pass(rows, measure)
+    passes.second_pass(rows, measure)
     # last first, one warm-up step, no probe; a and e are not contenders
     assert calls == [("d", 1, False), ("c", 1, False), ("b", 1, False)]
     got = {r.label: (r.measured.step_s, r.measured.passes, r.measured.cost_s) for r in rows}
@@ -400,7 +400,7 @@ def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass(
 
 
 def test_third_pass_settles_the_fastest_row_while_its_passes_disagree():
-    from fsdp2_strategy.tuning import tuner
+    from fsdp2_strategy.tuning import passes
     from fsdp2_strategy.tuning.candidates import Candidate
     from fsdp2_strategy.tuning.measure import Measurement
     from fsdp2_strategy.tuning.result import TuneRow
@@ -420,7 +420,7 @@ def test_third_pass_settles_the_fastest_row_while_its_passes_disagree():
         calls.append((row.label, warmup, probe))
         return measurement(0.40, [0.40]), ""
 
-    tuner._third_pass(rows, measure)
+    passes.third_pass(rows, measure)
     assert calls == [("a", 1, False), ("b", 1, False)]
     a = rows[0].measured
     # the median of three; its phases are those of the pass it came from (the third)
@@ -429,7 +429,7 @@ def test_third_pass_settles_the_fastest_row_while_its_passes_disagree():
 
 
 def test_first_pass_stops_a_row_over_the_recheck_factor_of_the_fastest_so_far():
-    from fsdp2_strategy.tuning import tuner
+    from fsdp2_strategy.tuning import passes
     from fsdp2_strategy.tuning.candidates import Candidate
     from fsdp2_strategy.tuning.measure import Measurement
     from fsdp2_strategy.tuning.result import TuneRow
@@ -443,9 +443,9 @@ def test_first_pass_stops_a_row_over_the_recheck_factor_of_the_fastest_so_far():
         s = times[row.label]
         return Measurement(step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=1, passes=[s]), ""
 
-    tuner._first_pass(rows, measure, 2)
+    passes.first_pass(rows, measure, 2)
     # the first warms the process and is never stopped; then 1.3 x the fastest measured so far
-    assert [(label, extra) for label, extra, _ in seen] == [("a", tuner.FIRST_EXTRA_WARMUP), ("b", 0), ("d", 0)]
+    assert [(label, extra) for label, extra, _ in seen] == [("a", passes.FIRST_EXTRA_WARMUP), ("b", 0), ("d", 0)]
     assert seen[0][2] is None and seen[1][2] == pytest.approx(0.52) and seen[2][2] == pytest.approx(0.26)
     assert rows[2].measured is None
 

@@ -4,8 +4,8 @@ Order: every candidate is estimated (`estimate_memory`: those over the budget ar
 collectives are swept once (`measure_link`); the fitting candidates run one after another on a
 fresh copy of the model (`measure_candidate`); a second pass in reverse order measures the
 contenders' step time again (one warm-up step, no probe) and each keeps its faster pass
-(`_second_pass`); while the fastest row's two passes disagree, it is measured a third time and
-takes their median (`_third_pass`). Up to three measured rows give the compute profile
+(`second_pass`); while the fastest row's two passes disagree, it is measured a third time and
+takes their median (`third_pass`). Up to three measured rows give the compute profile
 (`ComputeProfile.fit`) from which every row's step time is predicted. A candidate that fails on any rank (out of
 memory, an error while sharding) is skipped on every rank, with the reason. The pick is made on
 rank 0 and broadcast; every rank returns the same result.
@@ -14,7 +14,6 @@ rank 0 and broadcast; every rank returns the same result.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,7 +40,8 @@ from ..groups import block_count
 from ..mesh import collective_device, detect_num_nodes, mesh_device_type
 from .candidates import Candidate, coerce_candidates, default_candidates, with_memory_savers
 from .link import measure_link
-from .measure import Measurement, collect_only_new_objects, measure_candidate
+from .measure import collect_only_new_objects, measure_candidate
+from .passes import first_pass, second_pass, third_pass
 from .result import TuneResult, TuneRow
 
 WARMUP_STEPS = 2
@@ -50,29 +50,6 @@ WARMUP_STEPS = 2
 TIMED_STEPS = 3
 """Default timed optimizer steps per candidate and pass: the steps of one pass stayed within about
 5 % of their median (8-block model, 2 ranks); what moves a median is time between passes."""
-
-FIRST_EXTRA_WARMUP = 3
-"""Steps of one micro-batch the first measured candidate takes before its warm-up: the process's
-first steps run slower (measured: a first candidate's 5 timed steps 50 % above the same setting's
-later). One micro-batch warms the process as well as k do, for a k-th of the time."""
-
-RECHECK_WITHIN = 1.3
-"""The second pass measures again the rows whose first-pass step time is within this factor of
-the fastest one's. Measured (8-block model, 2 ranks, each rank pinned to a core): the same
-setting's median step moved by up to 30 % between passes a few seconds apart, while the steps
-within one pass stayed within about 5 % of their median; so a contender is timed twice, apart,
-rather than for longer. A row left out lost by over 30 % once: for the pick to be more than 5 %
-off, the fastest setting must both lead by 5 % and lose over 35 % to noise in its first pass."""
-
-DISAGREE = 1.15
-"""While the fastest row's two passes differ by more than this factor, it is measured a third time
-and takes the median of its three passes (`_third_pass`). Measured (TinyGPT, 2 ranks, k=4):
-NO_SHARD/one group's passes 0.30 and 0.42 s, the interleaved run's median 0.38 s; the faster pass
-alone made it the pick, 12.5 % slower than the fastest setting."""
-
-SECOND_PASS_WARMUP = 1
-"""Warm-up steps of a second-pass measurement (the process is warm by then; the first step of a
-fresh copy creates the optimizer state and is never timed)."""
 
 SKIPPABLE = (RuntimeError, ValueError, torch.OutOfMemoryError)
 """Errors that skip a candidate (on every rank) instead of ending the tuning."""
@@ -105,9 +82,9 @@ def tune(
     `micro_batches`: per optimizer step (gradient accumulation under the candidate's
     `accumulation` mode). `warmup` / `steps`: untimed and timed optimizer steps per candidate
     in the first pass (the last warm-up step is the probe for memory and collectives);
-    `steps` again after `SECOND_PASS_WARMUP` in the second. `passes`: 2 measures the contenders
-    (within `RECHECK_WITHIN` of the fastest) again in reverse order and keeps each one's faster
-    pass (the fastest: the median of three when its two disagree, `DISAGREE`); 1 measures each
+    `steps` again after `passes.SECOND_PASS_WARMUP` in the second. `passes`: 2 measures the contenders
+    (within `passes.RECHECK_WITHIN` of the fastest) again in reverse order and keeps each one's faster
+    pass (the fastest: the median of three when its two disagree, `passes.DISAGREE`); 1 measures each
     candidate once. `memory_budget`: bytes per rank (default `config.memory_budget`, else the
     device's or this rank's share of RAM, less 10 %). `model` is copied per candidate, never changed; nor is
     the random number generator state.
@@ -151,10 +128,10 @@ def tune(
     measure = _measurer(model, base, batch, loss, optimizer_factory(optimizer), run)
     rng = torch.get_rng_state()
     with collect_only_new_objects():
-        _first_pass(rows, measure, warmup)
+        first_pass(rows, measure, warmup)
         if passes == 2:
-            _second_pass(rows, measure)
-            _third_pass(rows, measure)
+            second_pass(rows, measure)
+            third_pass(rows, measure)
     torch.set_rng_state(rng)
     time_model, reference = _predict_rows(rows, link)
     best = _pick(rows)
@@ -266,75 +243,6 @@ def _measurer(model, base, batch, loss, make_opt, run) -> Callable[..., tuple[An
         return _agreed(lambda: measure_candidate(model, cfg, batch, loss, make_opt, **steps))
 
     return measure
-
-
-def _first_pass(rows: list[TuneRow], measure: Callable, warmup: int) -> None:
-    """Measure every fitting row. A row whose first timed step is over `RECHECK_WITHIN` times the
-    fastest median so far takes no more timed steps: it would not be measured again, and one
-    step was within about 5 % of a pass's median."""
-    for row in rows:
-        if row.fits:
-            done = [r.measured.step_s for r in rows if r.measured is not None]
-            # The first candidate also warms the process (allocator, thread pools).
-            extra = 0 if done else FIRST_EXTRA_WARMUP
-            limit = RECHECK_WITHIN * min(done) if done else None
-            row.measured, row.skipped = measure(row, warmup, True, process_warmup=extra, stop_above_s=limit)
-
-
-def _second_pass(rows: list[TuneRow], measure: Callable) -> None:
-    """Measure the contenders' step time again, last first, so no row gains from its place in
-    the order; each keeps its faster pass (a slower pass is noise from outside, not the
-    setting's cost) and its first pass's peak and collectives (the second takes no probe)."""
-    measured = [r for r in rows if r.measured is not None]
-    if len(measured) < 2:
-        return
-    fastest = min(r.measured.step_s for r in measured)  # type: ignore[union-attr]
-    for row in reversed(measured):
-        first = row.measured
-        assert first is not None
-        if first.step_s > RECHECK_WITHIN * fastest:
-            continue
-        again, why = measure(row, SECOND_PASS_WARMUP, False)
-        if again is None:  # it ran once: keep that, and say why the second pass did not
-            log_rank_zero("f2.tune: %s keeps its first pass; the second %s", row.label, why)
-            continue
-        faster = min(first, again, key=lambda m: m.step_s)
-        row.measured = _merged(first, again, faster, faster.step_s)
-
-
-def _third_pass(rows: list[TuneRow], measure: Callable) -> None:
-    """While the fastest row's two passes disagree (`DISAGREE`), measure it once more: it takes the
-    median of its three passes, so one lucky pass no longer makes the pick. A slower row with a
-    lucky pass needs no third: it is not the pick even so. Each row at most once."""
-    done: set[str] = set()
-    while True:
-        best = min((r for r in rows if r.measured is not None), key=lambda r: r.measured.step_s, default=None)  # type: ignore[union-attr]
-        kept = best.measured if best is not None else None
-        if best is None or kept is None or best.label in done or len(kept.passes) != 2:
-            return
-        if max(kept.passes) <= DISAGREE * min(kept.passes):
-            return
-        done.add(best.label)
-        again, why = measure(best, SECOND_PASS_WARMUP, False)
-        if again is None:
-            log_rank_zero("f2.tune: %s keeps its faster pass; the third %s", best.label, why)
-            continue
-        middle = statistics.median(kept.passes + again.passes)
-        base = again if again.step_s == middle else kept  # the phases and steps of that pass, if kept
-        best.measured = _merged(kept, again, base, middle)
-
-
-def _merged(kept: Measurement, again: Measurement, base: Measurement, step_s: float) -> Measurement:
-    """`base`'s phases and steps with the row's `step_s`; every pass and its cost so far; the peak
-    and collectives of `kept`, whose first pass took the probe (the later ones take none)."""
-    return dataclasses.replace(
-        base,
-        step_s=step_s,
-        peak_bytes=kept.peak_bytes,
-        collectives=kept.collectives,
-        cost_s=kept.cost_s + again.cost_s,
-        passes=kept.passes + again.passes,
-    )
 
 
 def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None, str]:

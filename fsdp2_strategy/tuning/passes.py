@@ -1,0 +1,106 @@
+"""The tuner's passes over the fitting rows: `first_pass` measures each (with the probe for memory
+and collectives), `second_pass` measures the contenders again, `third_pass` settles a leader
+whose two passes disagree. Each takes `measure(row, warmup, probe, **more) -> (Measurement or
+None, why)`, which runs on every rank and agrees on the outcome (`tuner._measurer`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable
+
+from ..distributed import log_rank_zero
+from .measure import Measurement
+from .result import TuneRow
+
+FIRST_EXTRA_WARMUP = 3
+"""Steps of one micro-batch the first measured candidate takes before its warm-up: the process's
+first steps run slower (measured: a first candidate's 5 timed steps 50 % above the same setting's
+later). One micro-batch warms the process as well as k do, for a k-th of the time."""
+
+RECHECK_WITHIN = 1.3
+"""The second pass measures again the rows whose first-pass step time is within this factor of
+the fastest one's. Measured (8-block model, 2 ranks, each rank pinned to a core): the same
+setting's median step moved by up to 30 % between passes a few seconds apart, while the steps
+within one pass stayed within about 5 % of their median; so a contender is timed twice, apart,
+rather than for longer. A row left out lost by over 30 % once: for the pick to be more than 5 %
+off, the fastest setting must both lead by 5 % and lose over 35 % to noise in its first pass."""
+
+DISAGREE = 1.15
+"""While the fastest row's two passes differ by more than this factor, it is measured a third time
+and takes the median of its three passes (`third_pass`). Measured (TinyGPT, 2 ranks, k=4):
+NO_SHARD/one group's passes 0.30 and 0.42 s, the interleaved run's median 0.38 s; the faster pass
+alone made it the pick, 12.5 % slower than the fastest setting."""
+
+SECOND_PASS_WARMUP = 1
+"""Warm-up steps of a second-pass measurement (the process is warm by then; the first step of a
+fresh copy creates the optimizer state and is never timed)."""
+
+
+def first_pass(rows: list[TuneRow], measure: Callable, warmup: int) -> None:
+    """Measure every fitting row. A row whose first timed step is over `RECHECK_WITHIN` times the
+    fastest median so far takes no more timed steps: it would not be measured again, and one
+    step was within about 5 % of a pass's median."""
+    for row in rows:
+        if row.fits:
+            done = [r.measured.step_s for r in rows if r.measured is not None]
+            # The first candidate also warms the process (allocator, thread pools).
+            extra = 0 if done else FIRST_EXTRA_WARMUP
+            limit = RECHECK_WITHIN * min(done) if done else None
+            row.measured, row.skipped = measure(row, warmup, True, process_warmup=extra, stop_above_s=limit)
+
+
+def second_pass(rows: list[TuneRow], measure: Callable) -> None:
+    """Measure the contenders' step time again, last first, so no row gains from its place in
+    the order; each keeps its faster pass (a slower pass is noise from outside, not the
+    setting's cost) and its first pass's peak and collectives (the second takes no probe)."""
+    measured = [r for r in rows if r.measured is not None]
+    if len(measured) < 2:
+        return
+    fastest = min(r.measured.step_s for r in measured)  # type: ignore[union-attr]
+    for row in reversed(measured):
+        first = row.measured
+        assert first is not None
+        if first.step_s > RECHECK_WITHIN * fastest:
+            continue
+        again, why = measure(row, SECOND_PASS_WARMUP, False)
+        if again is None:  # it ran once: keep that, and say why the second pass did not
+            log_rank_zero("f2.tune: %s keeps its first pass; the second %s", row.label, why)
+            continue
+        faster = min(first, again, key=lambda m: m.step_s)
+        row.measured = _merged(first, again, faster, faster.step_s)
+
+
+def third_pass(rows: list[TuneRow], measure: Callable) -> None:
+    """While the fastest row's two passes disagree (`DISAGREE`), measure it once more: it takes the
+    median of its three passes, so one lucky pass no longer makes the pick. A slower row with a
+    lucky pass needs no third: it is not the pick even so. Each row at most once."""
+    done: set[str] = set()
+    while True:
+        best = min((r for r in rows if r.measured is not None), key=lambda r: r.measured.step_s, default=None)  # type: ignore[union-attr]
+        kept = best.measured if best is not None else None
+        if best is None or kept is None or best.label in done or len(kept.passes) != 2:
+            return
+        if max(kept.passes) <= DISAGREE * min(kept.passes):
+            return
+        done.add(best.label)
+        again, why = measure(best, SECOND_PASS_WARMUP, False)
+        if again is None:
+            log_rank_zero("f2.tune: %s keeps its faster pass; the third %s", best.label, why)
+            continue
+        middle = statistics.median(kept.passes + again.passes)
+        base = again if again.step_s == middle else kept  # the phases and steps of that pass, if kept
+        best.measured = _merged(kept, again, base, middle)
+
+
+def _merged(kept: Measurement, again: Measurement, base: Measurement, step_s: float) -> Measurement:
+    """`base`'s phases and steps with the row's `step_s`; every pass and its cost so far; the peak
+    and collectives of `kept`, whose first pass took the probe (the later ones take none)."""
+    return dataclasses.replace(
+        base,
+        step_s=step_s,
+        peak_bytes=kept.peak_bytes,
+        collectives=kept.collectives,
+        cost_s=kept.cost_s + again.cost_s,
+        passes=kept.passes + again.passes,
+    )
