@@ -123,6 +123,35 @@ def _tune_world(cache: str) -> dict:
         ]
     }
 
+    # Candidates measured in turn: each built and given its warm-up step, then one step of each per
+    # round, the order reversed every other round.
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp2_strategy.tuning.measure import measure_interleaved
+
+    order = []
+
+    def in_turn(m, b):
+        order.append("blocks" if isinstance(m.blocks[0], FSDPModule) else "one")
+        return loss(m, b)
+
+    both = [cfg, f2.FSDP2Config(wrap_policy=None, log_plan=False)]
+    got = measure_interleaved(model, both, batch, in_turn, optimizer_factory("sgd"), micro_batches=1, warmup=1, steps=3)
+    out["in_turn"] = (order, [(len(m.steps), m.peak_bytes, m.collectives, m.interleaved) for m in got])
+
+    # The pick is among the rows measured in turn, though another's single pass was faster.
+    from fsdp2_strategy.tuning import tuner
+    from fsdp2_strategy.tuning.candidates import Candidate
+    from fsdp2_strategy.tuning.measure import Measurement
+    from fsdp2_strategy.tuning.result import TuneRow
+
+    timings = {"alone": (0.1, False), "slow": (0.3, True), "quick": (0.2, True)}
+    picks = [
+        TuneRow(Candidate(name, {}), measured=Measurement(s, 0, 0, 0, 0, interleaved=turn))
+        for name, (s, turn) in timings.items()
+    ]
+    out["pick_in_turn"] = tuner._pick(picks).label
+
     # Ranks that disagree get one error each, not a hang.
     mine = FEW[:1] if torch.distributed.get_rank() == 0 else FEW[1:2]
     try:
@@ -219,6 +248,14 @@ def test_the_probe_as_the_last_warm_up_step_measures_the_steady_peak_and_collect
 def test_a_candidate_whose_first_timed_step_is_over_the_limit_takes_no_more(world):
     out, _ = world
     assert out["stops"] == {0.0: (1, True), 60.0: (3, False)}
+
+
+def test_candidates_measured_in_turn_step_alternately_and_the_pick_is_among_them(world):
+    out, _ = world
+    order, got = out["in_turn"]
+    assert order == ["blocks", "one"] + ["blocks", "one", "one", "blocks", "blocks", "one"]
+    assert got == [(3, 0, {}, True), (3, 0, {}, True)]
+    assert out["pick_in_turn"] == "quick"
 
 
 def test_compare_strategies_time_true_adds_predictions(world):
@@ -397,6 +434,56 @@ def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass(
     # d's faster pass is the second, which took no probe: the first pass's peak and collectives stay.
     assert all(r.measured.peak_bytes == 100 and r.measured.collectives == {"x": 3} for r in rows)
     assert all(r.skipped == "" for r in rows)
+
+
+def _first_passes(times: dict, peak: int = 100) -> list:
+    from fsdp2_strategy.tuning.candidates import Candidate
+    from fsdp2_strategy.tuning.measure import Measurement
+    from fsdp2_strategy.tuning.result import TuneRow
+
+    return [
+        TuneRow(
+            Candidate(label, {}),
+            _estimate(peak_bytes=peak, activation_checkpointing=False, micro_batches=1),
+            fits=True,
+            measured=Measurement(s, 0, 0, 0, peak_bytes=7, collectives={"x": 3}, cost_s=1.0, passes=[s]),
+        )
+        for label, s in times.items()
+    ]
+
+
+def test_interleaved_pass_measures_the_contenders_in_turn_when_they_fit_together():
+    from fsdp2_strategy.tuning import passes
+    from fsdp2_strategy.tuning.measure import Measurement
+
+    first = {"a": 0.40, "b": 0.20, "c": 0.25, "d": 0.255}  # a: over 1.3 x the fastest, not a contender
+    in_turn = {"b": 0.24, "c": 0.22, "d": 0.26}
+    asked = []
+
+    def together(rows):
+        asked.append([r.label for r in rows])
+        return [
+            Measurement(in_turn[r.label], 0.01, 0, 0, 0, cost_s=2.0, passes=[in_turn[r.label]], interleaved=True)
+            for r in rows
+        ], ""
+
+    rows = _first_passes(first)
+    assert passes.interleaved_pass(rows, together, budget=300)  # three peaks of 100 fit in 300
+    assert asked == [["b", "c", "d"]]
+    got = {r.label: (r.measured.step_s, r.measured.passes, r.measured.cost_s, r.measured.interleaved) for r in rows}
+    assert got["a"] == (0.40, [0.40], 1.0, False)
+    assert got["b"] == (0.24, [0.20, 0.24], 3.0, True) and got["c"] == (0.22, [0.25, 0.22], 3.0, True)
+    # the in-turn pass's phases, the first pass's peak and collectives (it took the probe)
+    assert all((r.measured.peak_bytes, r.measured.collectives) == (7, {"x": 3}) for r in rows)
+    assert rows[1].measured.forward_s == 0.01
+
+    # Over the budget together (three of 100 B against 299 B), or failed: nothing changes, and the
+    # caller measures them one after another.
+    for budget, answer, calls in ((299, None, 0), (300, (None, "failed: rank 1: OutOfMemoryError"), 1)):
+        asked.clear()
+        rows = _first_passes(first)
+        assert not passes.interleaved_pass(rows, lambda rows, answer=answer: asked.append(1) or answer, budget=budget)
+        assert len(asked) == calls and [r.measured.passes for r in rows] == [[s] for s in first.values()]
 
 
 def test_third_pass_settles_the_fastest_row_while_its_passes_disagree():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import statistics
 import time
@@ -71,6 +72,8 @@ class Measurement:
     """Median step time of each pass (the tuner keeps the faster pass)."""
     stopped: bool = False
     """The pass stopped after its first timed step, which was over `stop_above_s`."""
+    interleaved: bool = False
+    """`step_s` is from steps taken in turn with the other contenders' (`measure_interleaved`)."""
 
 
 class _CountCollectives(TorchDispatchMode):
@@ -217,48 +220,104 @@ def measure_candidate(
     for a k-th of a step's cost. `stop_above_s`: take no more timed steps when the first one
     (the slowest rank's) took longer; every rank stops at the same step."""
     start = time.perf_counter()
-    sharded = shard_model(copy.deepcopy(model), config, log_plan=False)
-    sharded.train()
-    opt = make_optimizer(list(sharded.parameters())) if make_optimizer is not None else None
-    acc = config.accumulation
-    args = (sharded, opt, batch, loss_fn, micro_batches, acc)
+    args = _built(model, config, make_optimizer, batch, loss_fn, micro_batches)
     probe_first = probe and warmup >= 2
     for _ in range(process_warmup):
-        train_step(sharded, opt, batch, loss_fn, 1, acc)
+        train_step(args[0], args[1], batch, loss_fn, 1, config.accumulation)
     for _ in range(warmup - probe_first):
         train_step(*args)
     peak, counts = _probe(*args) if probe_first else (0, {})
     rows: list[list[float]] = []
     stopped = False
     while len(rows) < steps and not stopped:
-        dist.barrier()
-        t0 = time.perf_counter()
-        phases = train_step(*args)
-        rows.append([time.perf_counter() - t0, *phases])
+        rows.append(_timed_step(args))
         stopped = len(rows) == 1 < steps and _slower_than(rows[0][0], stop_above_s)
     if probe and not probe_first:
         peak, counts = _probe(*args)
-    del sharded, opt
+    del args
     gc.collect()
-    cost = time.perf_counter() - start
-    extra = [float(peak), cost, 0.0, 0.0]
-    slowest = torch.tensor(rows + [extra], dtype=torch.float64, device=collective_device())
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # every rank now holds the same numbers
-    cols = list(zip(*slowest[:-1].tolist()))
-    k = micro_batches
-    step_s = statistics.median(cols[0])
-    return Measurement(
-        step_s=step_s,
-        forward_s=statistics.median(cols[1]) / k,
-        backward_s=statistics.median(cols[2]) / k,
-        optimizer_s=statistics.median(cols[3]),
-        peak_bytes=int(slowest[-1, 0].item()),
-        collectives=counts,
-        cost_s=slowest[-1, 1].item(),
-        steps=list(cols[0]),
-        passes=[step_s],
-        stopped=stopped,
-    )
+    (m,) = _agreed_measurements([rows], [time.perf_counter() - start], micro_batches, peak)
+    return dataclasses.replace(m, collectives=counts, stopped=stopped)
+
+
+def measure_interleaved(
+    model: nn.Module,
+    configs: list[FSDP2Config],
+    batch: Any,
+    loss_fn: Callable,
+    make_optimizer: Callable | None,
+    *,
+    micro_batches: int,
+    warmup: int,
+    steps: int,
+) -> list[Measurement]:
+    """Shard a copy of `model` per config, all alive at once, take `warmup` steps of each, then
+    `steps` rounds of one step each, in turn (A B C, C B A, A B C, ...): a change in the machine's
+    speed falls on every config alike, as in an interleaved benchmark. No probe (peak 0, no
+    collectives counted). One `Measurement` per config, in order; `model` is untouched."""
+    built, costs = [], []
+    for cfg in configs:
+        start = time.perf_counter()
+        built.append(_built(model, cfg, make_optimizer, batch, loss_fn, micro_batches))
+        for _ in range(warmup):
+            train_step(*built[-1])
+        costs.append(time.perf_counter() - start)
+    rows: list[list[list[float]]] = [[] for _ in configs]
+    for round_ in range(steps):
+        order = range(len(configs)) if round_ % 2 == 0 else reversed(range(len(configs)))
+        for i in order:
+            rows[i].append(_timed_step(built[i]))
+            costs[i] += rows[i][-1][0]
+    del built
+    gc.collect()
+    return [dataclasses.replace(m, interleaved=True) for m in _agreed_measurements(rows, costs, micro_batches, 0)]
+
+
+def _built(model: nn.Module, config: FSDP2Config, make_optimizer, batch, loss_fn, micro_batches: int) -> tuple:
+    """`train_step`'s arguments for a sharded copy of `model` and a fresh optimizer on it."""
+    sharded = shard_model(copy.deepcopy(model), config, log_plan=False)
+    sharded.train()
+    opt = make_optimizer(list(sharded.parameters())) if make_optimizer is not None else None
+    return sharded, opt, batch, loss_fn, micro_batches, config.accumulation
+
+
+def _timed_step(args: tuple) -> list[float]:
+    """[seconds of the step, forward, backward, optimizer]; after a barrier, so every rank starts
+    the step together and the slowest rank's time is the step's."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    phases = train_step(*args)
+    return [time.perf_counter() - t0, *phases]
+
+
+def _agreed_measurements(
+    runs: list[list[list[float]]], costs: list[float], micro_batches: int, peak: int
+) -> list[Measurement]:
+    """Each run's timed steps (`_timed_step` rows) as a `Measurement`, every number the slowest
+    rank's (one all-reduce for all runs: every rank then holds the same)."""
+    flat = [step for run in runs for step in run] + [[float(peak), cost, 0.0, 0.0] for cost in costs]
+    slowest = torch.tensor(flat, dtype=torch.float64, device=collective_device())
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    table = slowest.tolist()
+    out, at = [], 0
+    for i, run in enumerate(runs):
+        cols = list(zip(*table[at : at + len(run)]))
+        at += len(run)
+        extra = table[len(table) - len(runs) + i]
+        step_s = statistics.median(cols[0])
+        out.append(
+            Measurement(
+                step_s=step_s,
+                forward_s=statistics.median(cols[1]) / micro_batches,
+                backward_s=statistics.median(cols[2]) / micro_batches,
+                optimizer_s=statistics.median(cols[3]),
+                peak_bytes=int(extra[0]),
+                cost_s=extra[1],
+                steps=list(cols[0]),
+                passes=[step_s],
+            )
+        )
+    return out
 
 
 def _slower_than(seconds: float, limit: float | None) -> bool:

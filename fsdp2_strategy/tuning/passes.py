@@ -1,7 +1,9 @@
 """The tuner's passes over the fitting rows: `first_pass` measures each (with the probe for memory
-and collectives), `second_pass` measures the contenders again, `third_pass` settles a leader
-whose two passes disagree. Each takes `measure(row, warmup, probe, **more) -> (Measurement or
-None, why)`, which runs on every rank and agrees on the outcome (`tuner._measurer`)."""
+and collectives); `interleaved_pass` measures the contenders again, all alive at once and
+stepped in turn; where they do not fit in memory together, `second_pass` measures them again one
+after another and `third_pass` settles a leader whose two passes disagree. `measure(row, warmup,
+probe, **more)` and `together(rows)` run on every rank and agree on the outcome: (a Measurement,
+or one per row, or None; why) (`tuner._measurer`)."""
 
 from __future__ import annotations
 
@@ -50,19 +52,54 @@ def first_pass(rows: list[TuneRow], measure: Callable, warmup: int) -> None:
             row.measured, row.skipped = measure(row, warmup, True, process_warmup=extra, stop_above_s=limit)
 
 
+def contenders(rows: list[TuneRow]) -> list[TuneRow]:
+    """The measured rows within `RECHECK_WITHIN` of the fastest one's step time."""
+    measured = [r for r in rows if r.measured is not None]
+    fastest = min((r.measured.step_s for r in measured), default=0.0)  # type: ignore[union-attr]
+    return [r for r in measured if r.measured.step_s <= RECHECK_WITHIN * fastest]  # type: ignore[union-attr]
+
+
+def interleaved_pass(rows: list[TuneRow], together: Callable, budget: int) -> bool:
+    """Measure the contenders again, stepped in turn (`measure_interleaved`): each takes that
+    pass's median, so the pick compares them over the same seconds of the machine's time (run F
+    of the judge: a setting's median moved by 0.70-1.62x between runs minutes apart; 1.6 %
+    apart in the tuner's passes, 9.9 % in an interleaved run). The pick is among these rows.
+    False, with nothing changed, when their estimated peaks together exceed `budget` or the pass
+    failed: the caller then measures them one after another (`second_pass`)."""
+    again = contenders(rows)
+    if len(again) < 2:
+        return True
+    together_bytes = sum(r.estimate.peak_bytes for r in again if r.estimate is not None)
+    if together_bytes > budget:
+        log_rank_zero(
+            "f2.tune: the %d contenders' estimated peaks together (%d B) exceed the budget (%d B); "
+            "they are measured again one after another, not in turn",
+            len(again),
+            together_bytes,
+            budget,
+        )
+        return False
+    got, why = together(again)
+    if got is None:
+        log_rank_zero("f2.tune: the contenders are measured again one after another; in turn, %s", why)
+        return False
+    for row, m in zip(again, got):
+        kept = row.measured
+        assert kept is not None
+        row.measured = _merged(kept, m, m, m.step_s)
+    return True
+
+
 def second_pass(rows: list[TuneRow], measure: Callable) -> None:
     """Measure the contenders' step time again, last first, so no row gains from its place in
     the order; each keeps its faster pass (a slower pass is noise from outside, not the
     setting's cost) and its first pass's peak and collectives (the second takes no probe)."""
-    measured = [r for r in rows if r.measured is not None]
-    if len(measured) < 2:
+    contending = contenders(rows)
+    if len(contending) < 2:
         return
-    fastest = min(r.measured.step_s for r in measured)  # type: ignore[union-attr]
-    for row in reversed(measured):
+    for row in reversed(contending):
         first = row.measured
         assert first is not None
-        if first.step_s > RECHECK_WITHIN * fastest:
-            continue
         again, why = measure(row, SECOND_PASS_WARMUP, False)
         if again is None:  # it ran once: keep that, and say why the second pass did not
             log_rank_zero("f2.tune: %s keeps its first pass; the second %s", row.label, why)

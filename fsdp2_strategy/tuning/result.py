@@ -47,7 +47,8 @@ class TuneResult:
     rows: list[TuneRow]
     """Every candidate, in the order tried."""
     best: TuneRow
-    """The measured row with the least median step time (decided on rank 0)."""
+    """The measured row with the least median step time, among the rows measured in turn where
+    there are (decided on rank 0)."""
     base_config: FSDP2Config
     """The config every candidate's settings were applied to (`config_of`, `best_config`)."""
     time_model: StepTimeModel | None
@@ -149,6 +150,7 @@ class TuneResult:
                     "measured_s": r.measured.step_s if r.measured else None,
                     "passes_s": r.measured.passes if r.measured else None,
                     "stopped": r.measured.stopped if r.measured else None,
+                    "interleaved": r.measured.interleaved if r.measured else None,
                     "collectives": r.measured.collectives if r.measured else None,
                     "cost_s": r.measured.cost_s if r.measured else None,
                     "skipped": r.skipped,
@@ -168,12 +170,14 @@ class TuneResult:
 
 
 def _passes(m: Measurement | None) -> str:
-    """Each pass's median when there were two; "1 step" when the pass stopped after one."""
+    """Each pass's median when there were two or more, the last marked "in turn" when it was
+    interleaved with the other contenders; "1 step" when the pass stopped after one."""
     if m is None:
         return "-"
     if m.stopped:
         return "1 step"
-    return " / ".join(f"{t:.4f}" for t in m.passes) if len(m.passes) > 1 else "-"
+    medians = " / ".join(f"{t:.4f}" for t in m.passes) if len(m.passes) > 1 else "-"
+    return medians + (" in turn" if m.interleaved else "")
 
 
 def _plain(value: Any) -> bool:

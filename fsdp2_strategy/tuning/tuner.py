@@ -2,10 +2,11 @@
 
 Order: every candidate is estimated (`estimate_memory`: those over the budget are not run); the
 collectives are swept once (`measure_link`); the fitting candidates run one after another on a
-fresh copy of the model (`measure_candidate`); a second pass in reverse order measures the
-contenders' step time again (one warm-up step, no probe) and each keeps its faster pass
-(`second_pass`); while the fastest row's two passes disagree, it is measured a third time and
-takes their median (`third_pass`). Up to three measured rows give the compute profile
+fresh copy of the model (`measure_candidate`); a second pass measures the contenders' step time
+again (one warm-up step, no probe), all alive at once and stepped in turn, and each takes that
+pass's median (`interleaved_pass`); where they do not fit in memory together, one after
+another in reverse order, each keeping its faster pass (`second_pass`), and while the fastest
+row's two passes disagree, it is measured a third time and takes their median (`third_pass`). Up to three measured rows give the compute profile
 (`ComputeProfile.fit`) from which every row's step time is predicted. A candidate that fails on any rank (out of
 memory, an error while sharding) is skipped on every rank, with the reason. The pick is made on
 rank 0 and broadcast; every rank returns the same result.
@@ -40,8 +41,8 @@ from ..groups import block_count
 from ..mesh import collective_device, detect_num_nodes, mesh_device_type
 from .candidates import Candidate, coerce_candidates, default_candidates, with_memory_savers
 from .link import measure_link
-from .measure import collect_only_new_objects, measure_candidate
-from .passes import first_pass, second_pass, third_pass
+from .measure import collect_only_new_objects, measure_candidate, measure_interleaved
+from .passes import SECOND_PASS_WARMUP, first_pass, interleaved_pass, second_pass, third_pass
 from .result import TuneResult, TuneRow
 
 WARMUP_STEPS = 2
@@ -82,10 +83,11 @@ def tune(
     `micro_batches`: per optimizer step (gradient accumulation under the candidate's
     `accumulation` mode). `warmup` / `steps`: untimed and timed optimizer steps per candidate
     in the first pass (the last warm-up step is the probe for memory and collectives);
-    `steps` again after `passes.SECOND_PASS_WARMUP` in the second. `passes`: 2 measures the contenders
-    (within `passes.RECHECK_WITHIN` of the fastest) again in reverse order and keeps each one's faster
-    pass (the fastest: the median of three when its two disagree, `passes.DISAGREE`); 1 measures each
-    candidate once. `memory_budget`: bytes per rank (default `config.memory_budget`, else the
+    `steps` again after `passes.SECOND_PASS_WARMUP` in the second. `passes`: 2 measures the
+    contenders (within `passes.RECHECK_WITHIN` of the fastest) again, stepped in turn, and picks
+    among them by that pass (where they do not fit together: one after another, each keeping
+    its faster pass, the fastest the median of three when its two disagree, `passes.DISAGREE`);
+    1 measures each candidate once. `memory_budget`: bytes per rank (default `config.memory_budget`, else the
     device's or this rank's share of RAM, less 10 %). `model` is copied per candidate, never changed; nor is
     the random number generator state.
     """
@@ -125,11 +127,11 @@ def tune(
     link = measure_link(collectives=base.collectives)
     sweep_s = time.perf_counter() - sweep_start
     run = dict(micro_batches=micro_batches, warmup=warmup, steps=steps)
-    measure = _measurer(model, base, batch, loss, optimizer_factory(optimizer), run)
+    measure, together = _measurer(model, base, batch, loss, optimizer_factory(optimizer), run)
     rng = torch.get_rng_state()
     with collect_only_new_objects():
         first_pass(rows, measure, warmup)
-        if passes == 2:
+        if passes == 2 and not interleaved_pass(rows, together, budget):
             second_pass(rows, measure)
             third_pass(rows, measure)
     torch.set_rng_state(rng)
@@ -233,16 +235,22 @@ def _agreed(fn: Callable[[], Any]) -> tuple[Any, str]:
     return (None, "failed: " + "; ".join(failed)) if failed else (value, "")
 
 
-def _measurer(model, base, batch, loss, make_opt, run) -> Callable[..., tuple[Any, str]]:
+def _measurer(model, base, batch, loss, make_opt, run) -> tuple[Callable[..., tuple[Any, str]], Callable]:
     """`measure(row, warmup, probe, **more)`: the row's candidate measured on every rank (`more`:
-    `measure_candidate`'s `process_warmup`, `stop_above_s`), or why it failed."""
+    `measure_candidate`'s `process_warmup`, `stop_above_s`), or why it failed; `together(rows)`:
+    the rows' candidates measured in turn (`measure_interleaved`), or why that failed."""
 
     def measure(row: TuneRow, warmup: int, probe: bool, **more: Any) -> tuple[Any, str]:
         cfg = row.candidate.config(base)
         steps = {**run, "warmup": warmup, "probe": probe, **more}
         return _agreed(lambda: measure_candidate(model, cfg, batch, loss, make_opt, **steps))
 
-    return measure
+    def together(rows: list[TuneRow]) -> tuple[Any, str]:
+        cfgs = [r.candidate.config(base) for r in rows]
+        steps = {**run, "warmup": SECOND_PASS_WARMUP}
+        return _agreed(lambda: measure_interleaved(model, cfgs, batch, loss, make_opt, **steps))
+
+    return measure, together
 
 
 def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None, str]:
@@ -293,12 +301,15 @@ def _call_count(row: TuneRow) -> int:
 
 
 def _pick(rows: list[TuneRow]) -> TuneRow:
+    """The fastest measured row, among those measured in turn where there are (`interleaved_pass`),
+    decided on rank 0."""
     measured = [r for r in rows if r.measured is not None]
     if not measured:
         raise RuntimeError(
             "tune: every fitting candidate failed:\n" + "\n".join(f"  {r.label}: {r.skipped}" for r in rows)
         )
-    label = min(measured, key=lambda r: r.measured.step_s).label if dist.get_rank() == 0 else None  # type: ignore[union-attr]
+    final = [r for r in measured if r.measured.interleaved] or measured  # type: ignore[union-attr]
+    label = min(final, key=lambda r: r.measured.step_s).label if dist.get_rank() == 0 else None  # type: ignore[union-attr]
     box = [label]
     dist.broadcast_object_list(box, src=0)
     return next(r for r in rows if r.label == box[0])
