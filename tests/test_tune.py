@@ -100,8 +100,8 @@ def _tune_world(cache: str) -> dict:
     out["failing"] = [(r.label, r.measured is not None, r.skipped.split(":")[0]) for r in failing.rows]
     out["failing_reason"] = failing.rows[1].skipped
 
-    # The probe as the last of 2 warm-up steps measures what a probe after the timed steps does:
-    # the second step is already a steady one. Without a probe, nothing is measured.
+    # The probe, after the timed steps, measures a steady step: the same after 2 warm-up steps as
+    # after 1 (the first creates the optimizer state). Without a probe, nothing is measured.
     from fsdp2_strategy.estimate import optimizer_factory
     from fsdp2_strategy.tuning.measure import measure_candidate
 
@@ -111,7 +111,7 @@ def _tune_world(cache: str) -> dict:
         name: measure_candidate(
             model, cfg, batch, loss, optimizer_factory("adamw"), micro_batches=2, warmup=warmup, steps=1, probe=probe
         )
-        for name, warmup, probe in (("warm-up", 2, True), ("after", 1, True), ("none", 2, False))
+        for name, warmup, probe in (("after 2", 2, True), ("after 1", 1, True), ("none", 2, False))
     }
     out["probes"] = {name: (m.peak_bytes, m.collectives) for name, m in probes.items()}
     # A first timed step over stop_above_s (the slowest rank's) ends the timed steps on every rank.
@@ -237,11 +237,11 @@ def test_a_failing_candidate_is_skipped_with_its_reason_and_disagreeing_ranks_ge
     assert out["disagree"].startswith("tune: ranks disagree on candidates: rank 0 has ['FULL_SHARD/blocks'], rank 1")
 
 
-def test_the_probe_as_the_last_warm_up_step_measures_the_steady_peak_and_collectives(world):
+def test_the_probe_after_the_timed_steps_measures_the_steady_peak_and_collectives(world):
     out, _ = world
-    peak, collectives = out["probes"]["warm-up"]
+    peak, collectives = out["probes"]["after 2"]
     assert peak > 0 and sum(collectives.values()) > 0
-    assert out["probes"]["after"] == (peak, collectives)
+    assert out["probes"]["after 1"] == (peak, collectives)
     assert out["probes"]["none"] == (0, {})
 
 
@@ -426,7 +426,8 @@ def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass(
 
     passes.second_pass(rows, measure)
     # last first, one warm-up step, no probe; a and e are not contenders
-    assert calls == [("d", 1, False), ("c", 1, False), ("b", 1, False)]
+    w = passes.SECOND_PASS_WARMUP
+    assert calls == [("d", w, False), ("c", w, False), ("b", w, False)]
     got = {r.label: (r.measured.step_s, r.measured.passes, r.measured.cost_s) for r in rows}
     assert got["b"] == (0.20, [0.20, 0.21], 3.0) and got["d"] == (0.25, [0.255, 0.25], 3.0)
     assert got["c"] == (0.25, [0.25], 1.0) and got["e"] == (0.27, [0.27], 1.0)  # c keeps its only pass
@@ -543,7 +544,7 @@ def test_third_pass_settles_the_fastest_row_while_its_passes_disagree():
         return measurement(0.40, [0.40]), ""
 
     passes.third_pass(rows, measure)
-    assert calls == [("a", 1, False), ("b", 1, False)]
+    assert calls == [("a", passes.SECOND_PASS_WARMUP, False), ("b", passes.SECOND_PASS_WARMUP, False)]
     a = rows[0].measured
     # the median of three; its phases are those of the pass it came from (the third)
     assert (a.step_s, a.passes, a.forward_s, a.peak_bytes) == (0.40, [0.30, 0.42, 0.40], 0.40, 100)

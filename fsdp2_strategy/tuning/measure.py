@@ -4,11 +4,13 @@ one untimed step is the probe for the peak memory and the collectives.
 Times are per rank with a barrier before each step; every step's time is the slowest rank's (one
 all-reduce at the end). The peak is the device allocator's on accelerators and the live tensor
 bytes on CPU (torch's `MemTracker`); collectives are counted by the c10d operations dispatched.
-Both in the probe step, which is the last warm-up step when there are two or more (the first
-creates the optimizer state, so the second is already a steady step): a probe step costs about
-two plain ones on CPU, and as a warm-up step it costs one plain step less. Warm-up steps take all
-k micro-batches: a sharded model's first step of k > 1 makes more collectives than its later ones
-(3-layer model, 2 ranks, k=2: 20 ring sends against 16), also after a step of one micro-batch.
+Both in the probe step, taken after the timed steps: the 1-3 steps after a probe ran up to 1.5x
+slower than the rest (8-block model, 2 ranks: 0.43 s against 0.33 s, NO_SHARD), which biased a
+row stopped after its first timed step. Two warm-up steps before timing: the first creates the
+optimizer state, and a NO_SHARD model's second step ran 1.3-1.7x its later ones. Warm-up steps
+take all k micro-batches: a sharded model's first step of k > 1 makes more collectives than its
+later ones (3-layer model, 2 ranks, k=2: 20 ring sends against 16), also after a step of one
+micro-batch.
 """
 
 from __future__ import annotations
@@ -214,26 +216,23 @@ def measure_candidate(
     stop_above_s: float | None = None,
 ) -> Measurement:
     """Shard a copy of `model` with `config`, step it, and free it again; `model` is untouched.
-    `probe`: take the probe step (the last of two or more warm-up steps, else one more step after
-    the timed ones); without it the peak is 0 and no collectives are counted. `process_warmup`:
+    `probe`: take the probe step after the timed ones; without it the peak is 0 and no
+    collectives are counted. `process_warmup`:
     steps of one micro-batch before the warm-up, which warm the process (allocator, thread pools)
     for a k-th of a step's cost. `stop_above_s`: take no more timed steps when the first one
     (the slowest rank's) took longer; every rank stops at the same step."""
     start = time.perf_counter()
     args = _built(model, config, make_optimizer, batch, loss_fn, micro_batches)
-    probe_first = probe and warmup >= 2
     for _ in range(process_warmup):
         train_step(args[0], args[1], batch, loss_fn, 1, config.accumulation)
-    for _ in range(warmup - probe_first):
+    for _ in range(warmup):
         train_step(*args)
-    peak, counts = _probe(*args) if probe_first else (0, {})
     rows: list[list[float]] = []
     stopped = False
     while len(rows) < steps and not stopped:
         rows.append(_timed_step(args))
         stopped = len(rows) == 1 < steps and _slower_than(rows[0][0], stop_above_s)
-    if probe and not probe_first:
-        peak, counts = _probe(*args)
+    peak, counts = _probe(*args) if probe else (0, {})
     del args
     gc.collect()
     (m,) = _agreed_measurements([rows], [time.perf_counter() - start], micro_batches, peak)

@@ -34,9 +34,10 @@ and takes the median of its three passes (`third_pass`). Measured (TinyGPT, 2 ra
 NO_SHARD/one group's passes 0.30 and 0.42 s, the interleaved run's median 0.38 s; the faster pass
 alone made it the pick, 12.5 % slower than the fastest setting."""
 
-SECOND_PASS_WARMUP = 1
-"""Warm-up steps of a second-pass measurement (the process is warm by then; the first step of a
-fresh copy creates the optimizer state and is never timed)."""
+SECOND_PASS_WARMUP = 2
+"""Warm-up steps of a second-pass measurement: the process is warm by then, but the first step of
+a fresh copy creates the optimizer state, and a NO_SHARD copy's second step ran 1.3-1.7x its
+later ones (8-block model, 2 ranks)."""
 
 
 def first_pass(rows: list[TuneRow], measure: Callable, warmup: int) -> None:

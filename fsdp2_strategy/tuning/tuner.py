@@ -3,7 +3,7 @@
 Order: every candidate is estimated (`estimate_memory`: those over the budget are not run); the
 collectives are swept once (`measure_link`); the fitting candidates run one after another on a
 fresh copy of the model (`measure_candidate`); a second pass measures the contenders' step time
-again (one warm-up step, no probe), all alive at once and stepped in turn, and each takes that
+again (two warm-up steps, no probe), all alive at once and stepped in turn, and each takes that
 pass's median (`interleaved_pass`); where they do not fit in memory together, one after
 another in reverse order, each keeping its faster pass (`second_pass`), and while the fastest
 row's two passes disagree, it is measured a third time and takes their median (`third_pass`). Up to three measured rows give the compute profile
@@ -46,7 +46,7 @@ from .passes import SECOND_PASS_WARMUP, first_pass, interleaved_pass, second_pas
 from .result import TuneResult, TuneRow
 
 WARMUP_STEPS = 2
-"""Default untimed optimizer steps per candidate (the last is the probe for memory and collectives)."""
+"""Default untimed optimizer steps per candidate before its timed ones (`measure_candidate`)."""
 
 TIMED_STEPS = 3
 """Default timed optimizer steps per candidate and pass: the steps of one pass stayed within about
@@ -82,7 +82,7 @@ def tune(
     `loss_fn(model, batch)`: default the output's `.loss`, else its first tensor's mean.
     `micro_batches`: per optimizer step (gradient accumulation under the candidate's
     `accumulation` mode). `warmup` / `steps`: untimed and timed optimizer steps per candidate
-    in the first pass (the last warm-up step is the probe for memory and collectives);
+    in the first pass (one more step after them is the probe for memory and collectives);
     `steps` again after `passes.SECOND_PASS_WARMUP` in the second. `passes`: 2 measures the
     contenders (within `passes.RECHECK_WITHIN` of the fastest) again, stepped in turn, and picks
     among them by that pass (where they do not fit together: one after another, each keeping
