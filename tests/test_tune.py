@@ -487,41 +487,6 @@ def test_interleaved_pass_measures_the_contenders_in_turn_when_they_fit_together
         assert len(asked) == calls and [r.measured.passes for r in rows] == [[s] for s in first.values()]
 
 
-def test_reference_rows_come_from_the_rows_measured_in_turn_where_there_are_two():
-    from fsdp2_strategy.tuning import tuner
-    from fsdp2_strategy.tuning.candidates import Candidate
-    from fsdp2_strategy.tuning.measure import Measurement
-    from fsdp2_strategy.tuning.result import TuneRow
-
-    def rows(in_turn: set) -> list:
-        # label: (shard size, collective calls, stopped after one step)
-        shapes = {"a": (2, 25, False), "b": (2, 2, False), "c": (2, 10, False), "d": (1, 9, True), "e": (1, 1, False)}
-        return [
-            TuneRow(
-                Candidate(label, {}),
-                _estimate(
-                    shard_size=size,
-                    collective_calls={"all_gather": calls},
-                    activation_checkpointing=False,
-                    micro_batches=1,
-                ),
-                fits=True,
-                measured=Measurement(0.1, 0, 0, 0, 0, stopped=stopped, interleaved=label in in_turn),
-            )
-            for label, (size, calls, stopped) in shapes.items()
-        ]
-
-    def labels(refs):
-        return [r.label if r is not None else None for r in refs]
-
-    # In turn: the first of them, the one of its shard size whose calls differ most among them (c,
-    # not a), and of another shard size the one measured in turn.
-    assert labels(tuner._references(rows({"b", "c", "e"}))) == ["b", "c", "e"]
-    # None in turn: the first row, the most different calls (a against b), the first of another
-    # shard size that took all its timed steps.
-    assert labels(tuner._references(rows(set()))) == ["a", "b", "e"]
-
-
 def test_third_pass_settles_the_fastest_row_while_its_passes_disagree():
     from fsdp2_strategy.tuning import passes
     from fsdp2_strategy.tuning.candidates import Candidate

@@ -278,22 +278,17 @@ def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None,
 
 
 def _references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | None]:
-    """The rows the compute profile comes from, taken among those measured in turn where there
-    are two or more (one window of the machine's time: a fit across windows that ran at
-    different speeds is off for every row): the first (its phases); the one whose collective
-    calls differ most from it, of the same shard size where there is one (the cost per call:
-    the same shard size keeps the optimizer step out of it); the first of another shard size,
-    measured in turn or else with all its timed steps where there is one (its optimizer step:
-    the part that does not shrink with the shard; its step: the cost per byte of a collective
-    only it calls, NO_SHARD's all-reduce)."""
-    in_turn = [r for r in measured if r.measured is not None and r.measured.interleaved]
-    pool = in_turn if len(in_turn) >= 2 else measured
-    ref = pool[0]
+    """The rows the compute profile comes from: the first measured (its phases); the one whose
+    collective calls differ most from it, of the same shard size where there is one (the cost per
+    call: the same shard size keeps the optimizer step out of it); the first of another shard size
+    that took all its timed steps (its optimizer step: the part that does not shrink with the
+    shard; its step: the cost per byte of a collective only it calls, NO_SHARD's all-reduce)."""
+    ref = measured[0]
     size = _shard_size(ref)
-    same = [r for r in pool if _shard_size(r) == size and _call_count(r) != _call_count(ref)]
-    other = max(same or pool, key=lambda r: abs(_call_count(r) - _call_count(ref)))
-    others = [r for r in measured if _shard_size(r) != size and r.measured is not None]
-    third = min(others, key=lambda r: (not r.measured.interleaved, r.measured.stopped), default=None)  # type: ignore[union-attr]
+    same = [r for r in measured if _shard_size(r) == size and _call_count(r) != _call_count(ref)]
+    other = max(same or measured, key=lambda r: abs(_call_count(r) - _call_count(ref)))
+    others = [r for r in measured if _shard_size(r) != size]
+    third = min(others, key=lambda r: bool(r.measured and r.measured.stopped), default=None)
     return ref, other, third
 
 
