@@ -516,14 +516,22 @@ def test_third_pass_settles_the_fastest_row_while_its_passes_disagree():
     assert [r.measured.step_s for r in rows[1:]] == [0.40, 0.37, 0.50]
 
 
-def test_first_pass_stops_a_row_over_the_recheck_factor_of_the_fastest_so_far():
+def test_first_pass_measures_fewest_calls_first_and_stops_a_row_over_the_recheck_factor():
     from fsdp2_strategy.tuning import passes
     from fsdp2_strategy.tuning.candidates import Candidate
     from fsdp2_strategy.tuning.measure import Measurement
     from fsdp2_strategy.tuning.result import TuneRow
 
     times = {"a": 0.40, "b": 0.20, "c": 0.30, "d": 0.10}
-    rows = [TuneRow(Candidate(label, {}), fits=label != "c") for label in times]  # c does not fit
+    calls = {"a": 30, "b": 5, "c": 1, "d": 10}
+    rows = [
+        TuneRow(
+            Candidate(label, {}),
+            _estimate(collective_calls={"all_gather": calls[label]}, activation_checkpointing=False, micro_batches=1),
+            fits=label != "c",  # c does not fit: never measured, though it has the fewest calls
+        )
+        for label in times
+    ]
     seen = []
 
     def measure(row, warmup, probe, process_warmup, stop_above_s):
@@ -532,10 +540,39 @@ def test_first_pass_stops_a_row_over_the_recheck_factor_of_the_fastest_so_far():
         return Measurement(step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=1, passes=[s]), ""
 
     passes.first_pass(rows, measure, 2)
-    # the first warms the process and is never stopped; then 1.3 x the fastest measured so far
-    assert [(label, extra) for label, extra, _ in seen] == [("a", passes.FIRST_EXTRA_WARMUP), ("b", 0), ("d", 0)]
-    assert seen[0][2] is None and seen[1][2] == pytest.approx(0.52) and seen[2][2] == pytest.approx(0.26)
+    # fewest calls first; the first warms the process and is never stopped; then 1.3 x the fastest so far
+    assert [(label, extra) for label, extra, _ in seen] == [("b", passes.FIRST_EXTRA_WARMUP), ("d", 0), ("a", 0)]
+    assert seen[0][2] is None and seen[1][2] == pytest.approx(0.26) and seen[2][2] == pytest.approx(0.13)
     assert rows[2].measured is None
+
+
+def test_reference_rows_follow_the_measuring_order():
+    from fsdp2_strategy.tuning import tuner
+    from fsdp2_strategy.tuning.candidates import Candidate
+    from fsdp2_strategy.tuning.measure import Measurement
+    from fsdp2_strategy.tuning.result import TuneRow
+
+    # label: (shard size, collective calls, stopped after one step), in table order
+    shapes = {"a": (2, 25, True), "b": (2, 2, False), "c": (2, 10, False), "d": (1, 1, False), "e": (1, 9, False)}
+    rows = [
+        TuneRow(
+            Candidate(label, {}),
+            _estimate(
+                shard_size=size, collective_calls={"all_gather": calls}, activation_checkpointing=False, micro_batches=1
+            ),
+            fits=True,
+            measured=Measurement(0.1, 0, 0, 0, 0, stopped=stopped),
+        )
+        for label, (size, calls, stopped) in shapes.items()
+    ]
+    # d makes the fewest calls: measured first, the phases; e: its shard size's most different
+    # calls (not a, of another size); b: the first of another size, in measuring order, that took
+    # all its timed steps (a stopped after one).
+    ref, other, third = tuner._references(rows)
+    assert (ref.label, other.label, third.label) == ("d", "e", "b")
+    # Without d and e: b (fewest calls) with a (most different), no other shard size.
+    ref, other, third = tuner._references(rows[:3])
+    assert (ref.label, other.label, third) == ("b", "a", None)
 
 
 def test_fit_line_recovers_latency_and_bandwidth():

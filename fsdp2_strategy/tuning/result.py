@@ -33,6 +33,11 @@ class TuneRow:
         return self.candidate.label
 
     @property
+    def estimated_calls(self) -> int:
+        """Collective calls per optimizer step the estimate counts (0 when not estimated)."""
+        return sum(self.estimate.collective_calls.values()) if self.estimate is not None else 0
+
+    @property
     def error(self) -> float | None:
         """(predicted - measured) / measured step time."""
         if self.predicted is None or self.measured is None or not self.measured.step_s:

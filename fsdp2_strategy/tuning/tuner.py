@@ -42,7 +42,7 @@ from ..mesh import collective_device, detect_num_nodes, mesh_device_type
 from .candidates import Candidate, coerce_candidates, default_candidates, with_memory_savers
 from .link import measure_link
 from .measure import collect_only_new_objects, measure_candidate, measure_interleaved
-from .passes import SECOND_PASS_WARMUP, first_pass, interleaved_pass, second_pass, third_pass
+from .passes import SECOND_PASS_WARMUP, first_pass, interleaved_pass, measuring_order, second_pass, third_pass
 from .result import TuneResult, TuneRow
 
 WARMUP_STEPS = 2
@@ -273,20 +273,26 @@ def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None,
     for row in rows:
         if row.estimate is not None:
             row.predicted = time_model.predict(row.estimate)
-    used = [ref] + ([other] if _call_count(other) != _call_count(ref) else []) + ([third] if third is not None else [])
+    used = (
+        [ref]
+        + ([other] if other.estimated_calls != ref.estimated_calls else [])
+        + ([third] if third is not None else [])
+    )
     return time_model, " + ".join(dict.fromkeys(r.label for r in used))
 
 
 def _references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | None]:
-    """The rows the compute profile comes from: the first measured (its phases); the one whose
-    collective calls differ most from it, of the same shard size where there is one (the cost per
-    call: the same shard size keeps the optimizer step out of it); the first of another shard size
-    that took all its timed steps (its optimizer step: the part that does not shrink with the
-    shard; its step: the cost per byte of a collective only it calls, NO_SHARD's all-reduce)."""
+    """The rows the compute profile comes from: the first measured (`measuring_order`: it took
+    all its timed steps; its phases); the one whose collective calls differ most from it, of the
+    same shard size where there is one (the cost per call: the same shard size keeps the
+    optimizer step out of it); the first of another shard size that took all its timed steps
+    (its optimizer step: the part that does not shrink with the shard; its step: the cost per
+    byte of a collective only it calls, NO_SHARD's all-reduce)."""
+    measured = measuring_order(measured)
     ref = measured[0]
     size = _shard_size(ref)
-    same = [r for r in measured if _shard_size(r) == size and _call_count(r) != _call_count(ref)]
-    other = max(same or measured, key=lambda r: abs(_call_count(r) - _call_count(ref)))
+    same = [r for r in measured if _shard_size(r) == size and r.estimated_calls != ref.estimated_calls]
+    other = max(same or measured, key=lambda r: abs(r.estimated_calls - ref.estimated_calls))
     others = [r for r in measured if _shard_size(r) != size]
     third = min(others, key=lambda r: bool(r.measured and r.measured.stopped), default=None)
     return ref, other, third
@@ -294,10 +300,6 @@ def _references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | No
 
 def _shard_size(row: TuneRow) -> int:
     return row.estimate.shard_size if row.estimate is not None else 0
-
-
-def _call_count(row: TuneRow) -> int:
-    return sum(row.estimate.collective_calls.values()) if row.estimate is not None else 0
 
 
 def _pick(rows: list[TuneRow]) -> TuneRow:
