@@ -565,14 +565,17 @@ def test_reference_rows_follow_the_measuring_order():
         )
         for label, (size, calls, stopped) in shapes.items()
     ]
-    # d makes the fewest calls: measured first, the phases; e: its shard size's most different
-    # calls (not a, of another size); b: the first of another size, in measuring order, that took
-    # all its timed steps (a stopped after one).
+    # Of the largest shard size (2), in measuring order b, c, a: b, the first that took all its
+    # steps, and a, whose calls differ most; of another size, d, the first in measuring order.
     ref, other, third = tuner._references(rows)
-    assert (ref.label, other.label, third.label) == ("d", "e", "b")
-    # Without d and e: b (fewest calls) with a (most different), no other shard size.
-    ref, other, third = tuner._references(rows[:3])
-    assert (ref.label, other.label, third) == ("b", "a", None)
+    assert (ref.label, other.label, third.label) == ("b", "a", "d")
+    # b stopped after one step: c, then a (15 calls apart, against b's 8); d stopped: e.
+    for row in (rows[1], rows[3]):
+        row.measured.stopped = True
+    ref, other, third = tuner._references(rows)
+    assert (ref.label, other.label, third.label) == ("c", "a", "e")
+    # One shard size: no third.
+    assert tuner._references(rows[:3])[2] is None
 
 
 def test_fit_line_recovers_latency_and_bandwidth():

@@ -282,20 +282,24 @@ def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None,
 
 
 def _references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | None]:
-    """The rows the compute profile comes from: the first measured (`measuring_order`: it took
-    all its timed steps; its phases); the one whose collective calls differ most from it, of the
-    same shard size where there is one (the cost per call: the same shard size keeps the
-    optimizer step out of it); the first of another shard size that took all its timed steps
-    (its optimizer step: the part that does not shrink with the shard; its step: the cost per
-    byte of a collective only it calls, NO_SHARD's all-reduce)."""
+    """The rows the compute profile comes from. Of the largest shard size (FULL_SHARD's and
+    SHARD_GRAD_OP's, most rows): the first in `measuring_order` that took all its timed steps (its
+    phases) and the one whose collective calls differ most from it (the cost per call; within one
+    shard size, the optimizer step stays out of it). Of another shard size, the first that took
+    all its timed steps (its optimizer step: the part that does not shrink with the shard; its
+    step: the cost per byte of a collective only it calls, NO_SHARD's all-reduce)."""
     measured = measuring_order(measured)
-    ref = measured[0]
-    size = _shard_size(ref)
-    same = [r for r in measured if _shard_size(r) == size and r.estimated_calls != ref.estimated_calls]
+    size = max(_shard_size(r) for r in measured)
+    largest = [r for r in measured if _shard_size(r) == size]
+    ref = min(largest, key=_stopped)
+    same = [r for r in largest if r.estimated_calls != ref.estimated_calls]
     other = max(same or measured, key=lambda r: abs(r.estimated_calls - ref.estimated_calls))
-    others = [r for r in measured if _shard_size(r) != size]
-    third = min(others, key=lambda r: bool(r.measured and r.measured.stopped), default=None)
+    third = min((r for r in measured if _shard_size(r) != size), key=_stopped, default=None)
     return ref, other, third
+
+
+def _stopped(row: TuneRow) -> bool:
+    return bool(row.measured and row.measured.stopped)
 
 
 def _shard_size(row: TuneRow) -> int:
