@@ -217,9 +217,8 @@ def measure_candidate(
 ) -> Measurement:
     """Shard a copy of `model` with `config`, step it, and free it again; `model` is untouched.
     `probe`: take the probe step after the timed ones; without it the peak is 0 and no
-    collectives are counted. `process_warmup`:
-    steps of one micro-batch before the warm-up, which warm the process (allocator, thread pools)
-    for a k-th of a step's cost. `stop_above_s`: take no more timed steps when the first one
+    collectives are counted. `process_warmup`: steps of one micro-batch before the warm-up,
+    which warm the process (allocator, thread pools) for a k-th of a step's cost. `stop_above_s`: take no more timed steps when the first one
     (the slowest rank's) took longer; every rank stops at the same step."""
     start = time.perf_counter()
     args = _built(model, config, make_optimizer, batch, loss_fn, micro_batches)
