@@ -71,7 +71,7 @@ class Measurement:
     steps: list[float] = field(default_factory=list)
     """Every timed step (seconds) of the pass kept."""
     passes: list[float] = field(default_factory=list)
-    """Median step time of each pass (the tuner keeps the faster pass)."""
+    """Median step time of each pass (the tuner takes the pass in turn's, else the faster one's)."""
     stopped: bool = False
     """The pass stopped after its first timed step, which was over `stop_above_s`."""
     interleaved: bool = False
@@ -218,8 +218,9 @@ def measure_candidate(
     """Shard a copy of `model` with `config`, step it, and free it again; `model` is untouched.
     `probe`: take the probe step after the timed ones; without it the peak is 0 and no
     collectives are counted. `process_warmup`: steps of one micro-batch before the warm-up,
-    which warm the process (allocator, thread pools) for a k-th of a step's cost. `stop_above_s`: take no more timed steps when the first one
-    (the slowest rank's) took longer; every rank stops at the same step."""
+    which warm the process (allocator, thread pools) for a k-th of a step's cost.
+    `stop_above_s`: take no more timed steps when the first one (the slowest rank's) took longer;
+    every rank stops at the same step."""
     start = time.perf_counter()
     args = _built(model, config, make_optimizer, batch, loss_fn, micro_batches)
     for _ in range(process_warmup):

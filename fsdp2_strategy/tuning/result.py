@@ -50,7 +50,7 @@ class TuneResult:
     """Every candidate of one `f2.tune` run, the fastest measured one and its config."""
 
     rows: list[TuneRow]
-    """Every candidate, in the order tried."""
+    """Every candidate, in the order given (measured fewest estimated collective calls first)."""
     best: TuneRow
     """The measured row with the least median step time, among the rows measured in turn where
     there are (decided on rank 0)."""
