@@ -425,7 +425,7 @@ def test_second_pass_remeasures_contenders_last_first_and_keeps_the_faster_pass(
         return m, ""
 
     passes.second_pass(rows, measure)
-    # last first, one warm-up step, no probe; a and e are not contenders
+    # last first, SECOND_PASS_WARMUP warm-up steps, no probe; a and e are not contenders
     w = passes.SECOND_PASS_WARMUP
     assert calls == [("d", w, False), ("c", w, False), ("b", w, False)]
     got = {r.label: (r.measured.step_s, r.measured.passes, r.measured.cost_s) for r in rows}
