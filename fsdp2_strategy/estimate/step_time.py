@@ -160,7 +160,8 @@ class ComputeProfile:
         slope = (predict_step_time(other, link, profile(delta), device_type).total_s - p0) / delta
         per_call = (other_step_s - p0) / slope if abs(slope) > 1e-9 else 0.0
         called = _called(link, estimate, other)
-        fitted = profile(max(per_call, -min((link.fits[n].latency_s for n in called), default=0.0)))
+        floor = -min((link.fits[n].latency_s for n in called), default=0.0)
+        fitted = profile(max(per_call, floor))
         if third:
             fitted.per_byte_s = _per_byte(fitted, link, device_type, third[1], third[2], called)
         return fitted

@@ -6,10 +6,11 @@ fresh copy of the model (`measure_candidate`); a second pass measures the conten
 again (two warm-up steps, no probe), all alive at once and stepped in turn, and each takes that
 pass's median (`interleaved_pass`); where they do not fit in memory together, one after
 another in reverse order, each keeping its faster pass (`second_pass`), and while the fastest
-row's two passes disagree, it is measured a third time and takes their median (`third_pass`). Up to three measured rows give the compute profile
-(`ComputeProfile.fit`) from which every row's step time is predicted. A candidate that fails on any rank (out of
-memory, an error while sharding) is skipped on every rank, with the reason. The pick is made on
-rank 0 and broadcast; every rank returns the same result.
+row's two passes disagree, it is measured a third time and takes their median (`third_pass`).
+Up to three measured rows give the compute profile (`ComputeProfile.fit`) from which every
+row's step time is predicted. A candidate that fails on any rank (out of memory, an error while
+sharding) is skipped on every rank, with the reason. The pick is made on rank 0 and broadcast;
+every rank returns the same result.
 """
 
 from __future__ import annotations
@@ -87,9 +88,9 @@ def tune(
     contenders (within `passes.RECHECK_WITHIN` of the fastest) again, stepped in turn, and picks
     among them by that pass (where they do not fit together: one after another, each keeping
     its faster pass, the fastest the median of three when its two disagree, `passes.DISAGREE`);
-    1 measures each candidate once. `memory_budget`: bytes per rank (default `config.memory_budget`, else the
-    device's or this rank's share of RAM, less 10 %). `model` is copied per candidate, never changed; nor is
-    the random number generator state.
+    1 measures each candidate once. `memory_budget`: bytes per rank (default
+    `config.memory_budget`, else the device's or this rank's share of RAM, less 10 %). `model` is
+    copied per candidate, never changed; nor is the random number generator state.
     """
     start = time.perf_counter()
     _check_inputs(model, example_batch, micro_batches, warmup, steps, passes)
