@@ -249,11 +249,14 @@ def measure_interleaved(
     micro_batches: int,
     warmup: int,
     steps: int,
+    close: float | None = None,
 ) -> list[Measurement]:
     """Shard a copy of `model` per config, all alive at once, take `warmup` steps of each, then
     `steps` rounds of one step each, in turn (A B C, C B A, A B C, ...): a change in the machine's
-    speed falls on every config alike, as in an interleaved benchmark. No probe (peak 0, no
-    collectives counted). One `Measurement` per config, in order; `model` is untouched."""
+    speed falls on every config alike, as in an interleaved benchmark. `close`: then the configs
+    whose median is within this factor of the fastest one's take `steps` more rounds, if there
+    are two or more (every rank decides alike, on the slowest rank's steps). No probe (peak 0,
+    no collectives counted). One `Measurement` per config, in order; `model` is untouched."""
     built, costs = [], []
     for cfg in configs:
         start = time.perf_counter()
@@ -262,14 +265,24 @@ def measure_interleaved(
             train_step(*built[-1])
         costs.append(time.perf_counter() - start)
     rows: list[list[list[float]]] = [[] for _ in configs]
-    for round_ in range(steps):
-        order = range(len(configs)) if round_ % 2 == 0 else reversed(range(len(configs)))
-        for i in order:
-            rows[i].append(_timed_step(built[i]))
-            costs[i] += rows[i][-1][0]
+    _rounds_in_turn(built, rows, costs, list(range(len(configs))), steps)
+    if close is not None:
+        medians = [m.step_s for m in _agreed_measurements(rows, costs, micro_batches, 0)]
+        near = [i for i, s in enumerate(medians) if s <= close * min(medians)]
+        if len(near) > 1:
+            _rounds_in_turn(built, rows, costs, near, steps)
     del built
     gc.collect()
     return [dataclasses.replace(m, interleaved=True) for m in _agreed_measurements(rows, costs, micro_batches, 0)]
+
+
+def _rounds_in_turn(built: list, rows: list, costs: list[float], which: list[int], rounds: int) -> None:
+    """`rounds` rounds of one timed step of each of `which` (indices into `built`), the order
+    reversed every other round; each step's row goes to `rows[i]`, its seconds to `costs[i]`."""
+    for round_ in range(rounds):
+        for i in which if round_ % 2 == 0 else which[::-1]:
+            rows[i].append(_timed_step(built[i]))
+            costs[i] += rows[i][-1][0]
 
 
 def _built(model: nn.Module, config: FSDP2Config, make_optimizer, batch, loss_fn, micro_batches: int) -> tuple:

@@ -34,6 +34,13 @@ and takes the median of its three passes (`third_pass`). Measured (TinyGPT, 2 ra
 NO_SHARD/one group's passes 0.30 and 0.42 s, the interleaved run's median 0.38 s; the faster pass
 alone made it the pick, 12.5 % slower than the fastest setting."""
 
+CLOSE_CALL = 1.05
+"""In the pass in turn, the contenders whose medians are within this factor of the fastest one's
+(the judge's margin) take as many rounds again, so a close call is decided on twice the steps.
+Measured (TinyGPT, 2 ranks, k=4): a median of 3 steps in turn moved by about 4 % (the quartiles
+of 18 such steps 0.376-0.405 s); FULL_SHARD/one group and its keep_gathered variant came 2 %
+apart in one tuning, 6-9 % apart over 18 steps in turn each, three times."""
+
 SECOND_PASS_WARMUP = 2
 """Warm-up steps of a second-pass measurement: the process is warm by then, but the first step of
 a fresh copy creates the optimizer state, and a NO_SHARD copy's second step ran 1.3-1.7x its
@@ -71,7 +78,8 @@ def interleaved_pass(rows: list[TuneRow], together: Callable, budget: int) -> bo
     """Measure the contenders again, stepped in turn (`measure_interleaved`): each takes that
     pass's median, so the pick compares them over the same seconds of the machine's time (run F
     of the judge: a setting's median moved by 0.70-1.62x between runs minutes apart; 1.6 %
-    apart in the tuner's passes, 9.9 % in an interleaved run). The pick is among these rows.
+    apart in the tuner's passes, 9.9 % in an interleaved run); those within `CLOSE_CALL` of the
+    fastest take twice the steps. The pick is among these rows.
     False, with nothing changed, when their estimated peaks together exceed `budget` or the pass
     failed: the caller then measures them one after another (`second_pass`)."""
     again = contenders(rows)

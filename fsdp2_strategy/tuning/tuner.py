@@ -4,9 +4,10 @@ Order: every candidate is estimated (`estimate_memory`: those over the budget ar
 collectives are swept once (`measure_link`); the fitting candidates run one after another on a
 fresh copy of the model (`measure_candidate`); a second pass measures the contenders' step time
 again (two warm-up steps, no probe), all alive at once and stepped in turn, and each takes that
-pass's median (`interleaved_pass`); where they do not fit in memory together, one after
-another in reverse order, each keeping its faster pass (`second_pass`), and while the fastest
-row's two passes disagree, it is measured a third time and takes their median (`third_pass`).
+pass's median (`interleaved_pass`; those within `CLOSE_CALL` of the fastest take twice the
+steps); where they do not fit in memory together, one after another in reverse order, each
+keeping its faster pass (`second_pass`), and while the fastest row's two passes disagree, it is
+measured a third time and takes their median (`third_pass`).
 Up to three measured rows give the compute profile (`ComputeProfile.fit`) from which every
 row's step time is predicted. A candidate that fails on any rank (out of memory, an error while
 sharding) is skipped on every rank, with the reason. The pick is made on rank 0 and broadcast;
@@ -43,7 +44,15 @@ from ..mesh import collective_device, detect_num_nodes, mesh_device_type
 from .candidates import Candidate, coerce_candidates, default_candidates, with_memory_savers
 from .link import measure_link
 from .measure import collect_only_new_objects, measure_candidate, measure_interleaved
-from .passes import SECOND_PASS_WARMUP, first_pass, interleaved_pass, measuring_order, second_pass, third_pass
+from .passes import (
+    CLOSE_CALL,
+    SECOND_PASS_WARMUP,
+    first_pass,
+    interleaved_pass,
+    measuring_order,
+    second_pass,
+    third_pass,
+)
 from .result import TuneResult, TuneRow
 
 WARMUP_STEPS = 2
@@ -84,13 +93,14 @@ def tune(
     `micro_batches`: per optimizer step (gradient accumulation under the candidate's
     `accumulation` mode). `warmup` / `steps`: untimed and timed optimizer steps per candidate
     in the first pass (one more step after them is the probe for memory and collectives);
-    `steps` again after `passes.SECOND_PASS_WARMUP` in the second. `passes`: 2 measures the
-    contenders (within `passes.RECHECK_WITHIN` of the fastest) again, stepped in turn, and picks
-    among them by that pass (where they do not fit together: one after another, each keeping
-    its faster pass, the fastest the median of three when its two disagree, `passes.DISAGREE`);
-    1 measures each candidate once. `memory_budget`: bytes per rank (default
-    `config.memory_budget`, else the device's or this rank's share of RAM, less 10 %). `model` is
-    copied per candidate, never changed; nor is the random number generator state.
+    `steps` again after `passes.SECOND_PASS_WARMUP` in the second (twice for a close call,
+    `passes.CLOSE_CALL`). `passes`: 2 measures the contenders (within `passes.RECHECK_WITHIN` of
+    the fastest) again, stepped in turn, and picks among them by that pass (where they do not
+    fit together: one after another, each keeping its faster pass, the fastest the median of
+    three when its two disagree, `passes.DISAGREE`); 1 measures each candidate once.
+    `memory_budget`: bytes per rank (default `config.memory_budget`, else the device's or this
+    rank's share of RAM, less 10 %). `model` is copied per candidate, never changed; nor is the
+    random number generator state.
     """
     start = time.perf_counter()
     _check_inputs(model, example_batch, micro_batches, warmup, steps, passes)
@@ -248,7 +258,7 @@ def _measurer(model, base, batch, loss, make_opt, run) -> tuple[Callable[..., tu
 
     def together(rows: list[TuneRow]) -> tuple[Any, str]:
         cfgs = [r.candidate.config(base) for r in rows]
-        steps = {**run, "warmup": SECOND_PASS_WARMUP}
+        steps = {**run, "warmup": SECOND_PASS_WARMUP, "close": CLOSE_CALL}
         return _agreed(lambda: measure_interleaved(model, cfgs, batch, loss, make_opt, **steps))
 
     return measure, together
