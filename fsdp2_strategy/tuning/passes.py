@@ -39,7 +39,7 @@ CLOSE_CALL = 1.05
 (the judge's margin) take as many rounds again, so a close call is decided on twice the steps.
 Measured (TinyGPT, 2 ranks, k=4): a median of 3 steps in turn moved by about 4 % (the quartiles
 of 18 such steps 0.376-0.405 s); FULL_SHARD/one group and its keep_gathered variant came 2 %
-apart in one tuning, 6-9 % apart over 18 steps in turn each, three times."""
+apart in one tuning, the other way round, and 5-9 % apart over 9-18 steps in turn each."""
 
 SECOND_PASS_WARMUP = 2
 """Warm-up steps of a second-pass measurement: the process is warm by then, but the first step of
