@@ -115,13 +115,15 @@ def _tune_world(cache: str) -> dict:
     }
     out["probes"] = {name: (m.peak_bytes, m.collectives) for name, m in probes.items()}
     # A first timed step over stop_above_s (the slowest rank's) ends the timed steps on every rank.
-    out["stops"] = {
-        limit: (len(m.steps), m.stopped)
+    stops = {
+        limit: measure_candidate(model, cfg, batch, loss, None, micro_batches=2, warmup=0, steps=3, stop_above_s=limit)
         for limit in (0.0, 60.0)
-        for m in [
-            measure_candidate(model, cfg, batch, loss, None, micro_batches=1, warmup=0, steps=3, stop_above_s=limit)
-        ]
     }
+    out["stops"] = {limit: (len(m.steps), m.stopped) for limit, m in stops.items()}
+    # The phases are the median step's (each the slowest rank's, scaled to the step's time): they
+    # add up to the median step, not more.
+    m = stops[60.0]
+    out["phases_add_up"] = (2 * (m.forward_s + m.backward_s) + m.optimizer_s, m.step_s)
 
     # Candidates measured in turn: each built and given its warm-up step, then one step of each per
     # round, the order reversed every other round.
@@ -264,6 +266,22 @@ def test_the_probe_after_the_timed_steps_measures_the_steady_peak_and_collective
 def test_a_candidate_whose_first_timed_step_is_over_the_limit_takes_no_more(world):
     out, _ = world
     assert out["stops"] == {0.0: (1, True), 60.0: (3, False)}
+
+
+def test_a_measurement_s_phases_add_up_to_its_median_step(world):
+    out, _ = world
+    phases, step = out["phases_add_up"]
+    assert phases == pytest.approx(step, rel=1e-9)
+
+
+def test_the_phases_are_the_median_step_s_scaled_to_its_time():
+    from fsdp2_strategy.tuning.measure import _median_step_phases
+
+    # [step, forward, backward, optimizer], each column the slowest rank's: phases over the step
+    steps = [[2.0, 1.0, 2.0, 1.0], [1.0, 0.3, 0.6, 0.6], [0.5, 0.1, 0.3, 0.1]]
+    assert _median_step_phases(steps) == pytest.approx((0.2, 0.4, 0.4))
+    # an even count: the mean of the two middle steps' (1.0 and 2.0 s, scaled), adding up to 1.5 s
+    assert _median_step_phases(steps + [[4.0, 1.0, 1.0, 2.0]]) == pytest.approx((0.35, 0.7, 0.45))
 
 
 def test_candidates_measured_in_turn_step_alternately_close_calls_twice_and_the_pick_is_among_them(world):
