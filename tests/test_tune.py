@@ -558,12 +558,18 @@ def test_first_pass_measures_fewest_calls_first_and_stops_a_row_over_the_recheck
     from fsdp2_strategy.tuning.measure import Measurement
     from fsdp2_strategy.tuning.result import TuneRow
 
-    times = {"a": 0.40, "b": 0.20, "c": 0.30, "d": 0.10}
-    calls = {"a": 30, "b": 5, "c": 1, "d": 10}
+    times = {"a": 0.40, "b": 0.20, "c": 0.30, "d": 0.10, "e": 0.50, "f": 0.60}
+    calls = {"a": 30, "b": 5, "c": 1, "d": 10, "e": 40, "f": 50}
+    sizes = {"f": 1}  # the others shard over 2 ranks
     rows = [
         TuneRow(
             Candidate(label, {}),
-            _estimate(collective_calls={"all_gather": calls[label]}, activation_checkpointing=False, micro_batches=1),
+            _estimate(
+                shard_size=sizes.get(label, 2),
+                collective_calls={"all_gather": calls[label]},
+                activation_checkpointing=False,
+                micro_batches=1,
+            ),
             fits=label != "c",  # c does not fit: never measured, though it has the fewest calls
         )
         for label in times
@@ -576,10 +582,19 @@ def test_first_pass_measures_fewest_calls_first_and_stops_a_row_over_the_recheck
         return Measurement(step_s=s, forward_s=0, backward_s=0, optimizer_s=0, peak_bytes=1, passes=[s]), ""
 
     passes.first_pass(rows, measure, 2)
-    # fewest calls first; the first warms the process and is never stopped; then 1.3 x the fastest so far
-    assert [(label, extra) for label, extra, _ in seen] == [("b", passes.FIRST_EXTRA_WARMUP), ("d", 0), ("a", 0)]
-    assert seen[0][2] is None and seen[1][2] == pytest.approx(0.26) and seen[2][2] == pytest.approx(0.13)
-    assert rows[2].measured is None
+    # fewest calls first; the first warms the process and is never stopped; then 1.3 x the fastest
+    # so far, but for e, the most calls of the largest shard size (f makes more on a smaller one)
+    assert [(label, extra) for label, extra, _ in seen] == [
+        ("b", passes.FIRST_EXTRA_WARMUP),
+        ("d", 0),
+        ("a", 0),
+        ("e", 0),
+        ("f", 0),
+    ]
+    limits = [limit for _, _, limit in seen]
+    assert limits[0] is None and limits[1:3] == pytest.approx([0.26, 0.13]) and limits[3] is None
+    assert limits[4] == pytest.approx(0.13)
+    assert passes.per_call_row(rows).label == "e" and rows[2].measured is None
 
 
 def test_reference_rows_follow_the_measuring_order():
@@ -602,11 +617,15 @@ def test_reference_rows_follow_the_measuring_order():
         for label, (size, calls, stopped) in shapes.items()
     ]
     # Of the largest shard size (2), in measuring order b, c, a: b, the first that took all its
-    # steps, and a, whose calls differ most; of another size, d, the first in measuring order.
+    # steps, and of those that took all theirs, c, whose calls differ most (a stopped after one
+    # step); of another size, d, the first in measuring order.
     ref, other, third = tuner._references(rows)
-    assert (ref.label, other.label, third.label) == ("b", "a", "d")
-    # b stopped after one step: c, then a (15 calls apart, against b's 8); d stopped: e.
-    for row in (rows[1], rows[3]):
+    assert (ref.label, other.label, third.label) == ("b", "c", "d")
+    rows[0].measured.stopped = False  # a took all its steps: a, 23 calls apart
+    assert tuner._references(rows)[1].label == "a"
+    # b and a stopped after one step: c, then a stopped one rather than none (15 calls apart,
+    # against b's 8); d stopped: e.
+    for row in (rows[0], rows[1], rows[3]):
         row.measured.stopped = True
     ref, other, third = tuner._references(rows)
     assert (ref.label, other.label, third.label) == ("c", "a", "e")

@@ -50,13 +50,26 @@ later ones (8-block model, 2 ranks)."""
 def first_pass(rows: list[TuneRow], measure: Callable, warmup: int) -> None:
     """Measure every fitting row, in `measuring_order`. A row whose first timed step is over
     `RECHECK_WITHIN` times the fastest median so far takes no more timed steps: it would not be
-    measured again, and one step was within about 5 % of a pass's median."""
+    measured again, and one step was within about 5 % of a pass's median. The `per_call_row`
+    takes all its steps: the step-time model's cost per collective call is fitted to it."""
+    full = per_call_row(rows)
     for row in measuring_order(rows):
         done = [r.measured.step_s for r in rows if r.measured is not None]
         # The first candidate also warms the process (allocator, thread pools).
         extra = 0 if done else FIRST_EXTRA_WARMUP
-        limit = RECHECK_WITHIN * min(done) if done else None
+        limit = RECHECK_WITHIN * min(done) if done and row is not full else None
         row.measured, row.skipped = measure(row, warmup, True, process_warmup=extra, stop_above_s=limit)
+
+
+def per_call_row(rows: list[TuneRow]) -> TuneRow | None:
+    """The fitting row of the largest shard size with the most estimated collective calls (the
+    first such in table order): the one whose calls differ most from the few-call rows that lead
+    (`tuner._references`). A slow row stopped after one step is biased high, for being stopped."""
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        return None
+    size = max(r.shard_size for r in fitting)
+    return max((r for r in fitting if r.shard_size == size), key=lambda r: r.estimated_calls)
 
 
 def measuring_order(rows: list[TuneRow]) -> list[TuneRow]:

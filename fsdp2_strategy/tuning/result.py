@@ -38,6 +38,11 @@ class TuneRow:
         return sum(self.estimate.collective_calls.values()) if self.estimate is not None else 0
 
     @property
+    def shard_size(self) -> int:
+        """Ranks each parameter is sharded over, as estimated (0 when not estimated)."""
+        return self.estimate.shard_size if self.estimate is not None else 0
+
+    @property
     def error(self) -> float | None:
         """(predicted - measured) / measured step time."""
         if self.predicted is None or self.measured is None or not self.measured.step_s:

@@ -295,26 +295,26 @@ def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None,
 def _references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | None]:
     """The rows the compute profile comes from. Of the largest shard size (FULL_SHARD's and
     SHARD_GRAD_OP's, most rows): the first in `measuring_order` that took all its timed steps (its
-    phases) and the one whose collective calls differ most from it (the cost per call; within one
-    shard size, the optimizer step stays out of it). Of another shard size, the first that took
-    all its timed steps (its optimizer step: the part that does not shrink with the shard; its
-    step: the cost per byte of a collective only it calls, NO_SHARD's all-reduce)."""
+    phases) and, of those that took all theirs, the one whose collective calls differ most from
+    it (the cost per call; within one shard size, the optimizer step stays out of it;
+    `passes.first_pass` never stops the one with the most calls). A row stopped after one step
+    was stopped for being slow, so its one step is biased high: as the per-call reference (8-block
+    model, 4 ranks, TinyGPT, 4 ranks) it was 1.6-1.85x the interleaved run's median and every
+    prediction followed it, 28-78 % above the tuner's own steps. Of another shard size, the first
+    that took all its timed steps (its optimizer step: the part that does not shrink with the
+    shard; its step: the cost per byte of a collective only it calls, NO_SHARD's all-reduce)."""
     measured = measuring_order(measured)
-    size = max(_shard_size(r) for r in measured)
-    largest = [r for r in measured if _shard_size(r) == size]
+    size = max(r.shard_size for r in measured)
+    largest = [r for r in measured if r.shard_size == size]
     ref = min(largest, key=_stopped)
     same = [r for r in largest if r.estimated_calls != ref.estimated_calls]
-    other = max(same or measured, key=lambda r: abs(r.estimated_calls - ref.estimated_calls))
-    third = min((r for r in measured if _shard_size(r) != size), key=_stopped, default=None)
+    other = max(same or measured, key=lambda r: (not _stopped(r), abs(r.estimated_calls - ref.estimated_calls)))
+    third = min((r for r in measured if r.shard_size != size), key=_stopped, default=None)
     return ref, other, third
 
 
 def _stopped(row: TuneRow) -> bool:
     return bool(row.measured and row.measured.stopped)
-
-
-def _shard_size(row: TuneRow) -> int:
-    return row.estimate.shard_size if row.estimate is not None else 0
 
 
 def _pick(rows: list[TuneRow]) -> TuneRow:
