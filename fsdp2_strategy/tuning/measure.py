@@ -314,11 +314,12 @@ def _agreed_measurements(
     table = slowest.tolist()
     out, at = [], 0
     for i, run in enumerate(runs):
-        cols = list(zip(*table[at : at + len(run)]))
-        forward_s, backward_s, optimizer_s = _median_step_phases(table[at : at + len(run)])
+        mine = table[at : at + len(run)]
         at += len(run)
+        steps = [row[0] for row in mine]
+        forward_s, backward_s, optimizer_s = _median_step_phases(mine)
         extra = table[len(table) - len(runs) + i]
-        step_s = statistics.median(cols[0])
+        step_s = statistics.median(steps)
         out.append(
             Measurement(
                 step_s=step_s,
@@ -327,7 +328,7 @@ def _agreed_measurements(
                 optimizer_s=optimizer_s,
                 peak_bytes=int(extra[0]),
                 cost_s=extra[1],
-                steps=list(cols[0]),
+                steps=steps,
                 passes=[step_s],
             )
         )
