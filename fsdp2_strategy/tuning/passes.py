@@ -65,11 +65,15 @@ def per_call_row(rows: list[TuneRow]) -> TuneRow | None:
     """The fitting row of the largest shard size with the most estimated collective calls (the
     first such in table order): the one whose calls differ most from the few-call rows that lead
     (`tuner._references`). A slow row stopped after one step is biased high, for being stopped."""
-    fitting = [r for r in rows if r.fits]
-    if not fitting:
-        return None
-    size = max(r.shard_size for r in fitting)
-    return max((r for r in fitting if r.shard_size == size), key=lambda r: r.estimated_calls)
+    largest = of_largest_shard([r for r in rows if r.fits])
+    return max(largest, key=lambda r: r.estimated_calls) if largest else None
+
+
+def of_largest_shard(rows: list[TuneRow]) -> list[TuneRow]:
+    """The rows of the largest estimated shard size (FULL_SHARD's and SHARD_GRAD_OP's: most rows),
+    in the given order; the step-time model's phase and per-call references come from these."""
+    size = max((r.shard_size for r in rows), default=0)
+    return [r for r in rows if r.shard_size == size]
 
 
 def measuring_order(rows: list[TuneRow]) -> list[TuneRow]:

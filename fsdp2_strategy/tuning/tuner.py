@@ -50,6 +50,7 @@ from .passes import (
     first_pass,
     interleaved_pass,
     measuring_order,
+    of_largest_shard,
     second_pass,
     third_pass,
 )
@@ -304,12 +305,11 @@ def _references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | No
     that took all its timed steps (its optimizer step: the part that does not shrink with the
     shard; its step: the cost per byte of a collective only it calls, NO_SHARD's all-reduce)."""
     measured = measuring_order(measured)
-    size = max(r.shard_size for r in measured)
-    largest = [r for r in measured if r.shard_size == size]
+    largest = of_largest_shard(measured)
     ref = min(largest, key=_stopped)
     same = [r for r in largest if r.estimated_calls != ref.estimated_calls]
     other = max(same or measured, key=lambda r: (not _stopped(r), abs(r.estimated_calls - ref.estimated_calls)))
-    third = min((r for r in measured if r.shard_size != size), key=_stopped, default=None)
+    third = min((r for r in measured if r not in largest), key=_stopped, default=None)
     return ref, other, third
 
 
