@@ -627,6 +627,63 @@ def test_reference_rows_follow_the_measuring_order():
     assert tuner._references(rows[:3])[2] is None
 
 
+def test_a_row_measured_in_turn_is_expected_at_the_geometric_mean_of_its_passes():
+    from fsdp2_strategy.tuning.measure import Measurement
+
+    in_turn = Measurement(0.9, 0.2, 0.6, 0.1, 0, passes=[0.4, 0.9], interleaved=True)
+    assert in_turn.expected_s == pytest.approx(0.6)
+    # one after another (the faster or median pass), or one pass only: the step time itself
+    assert Measurement(0.4, 0, 0, 0, 0, passes=[0.4, 0.9]).expected_s == 0.4
+    assert Measurement(0.5, 0, 0, 0, 0, passes=[0.5], interleaved=True).expected_s == 0.5
+
+
+def test_the_step_time_model_takes_the_reference_rows_at_their_expected_step():
+    from fsdp2_strategy.tuning import tuner
+    from fsdp2_strategy.tuning.candidates import Candidate
+    from fsdp2_strategy.tuning.measure import Measurement
+    from fsdp2_strategy.tuning.result import TuneRow
+
+    def estimate(**fields):
+        return _estimate(activation_checkpointing=False, micro_batches=1, **fields)
+
+    few = estimate(
+        collective_calls={"all_gather": 1, "reduce_scatter": 1, "all_reduce": 0},
+        communication={"all_gather": 1_500_000, "reduce_scatter": 2_000_000, "all_reduce": 0},
+    )
+    many = estimate(
+        collective_calls={"all_gather": 7, "reduce_scatter": 4, "all_reduce": 0},
+        communication={"all_gather": 3_000_000, "reduce_scatter": 2_000_000, "all_reduce": 0},
+    )
+    replicated = estimate(
+        strategy="NO_SHARD",
+        shard_size=1,
+        collective_calls={"all_gather": 0, "reduce_scatter": 0, "all_reduce": 3},
+        communication={"all_gather": 0, "reduce_scatter": 0, "all_reduce": 4_000_000},
+    )
+    # label: (estimate, phases of the kept pass's median step, passes, measured in turn)
+    shapes = {
+        "few": (few, (0.12, 0.28, 0.1), [0.45, 0.5], True),  # expected 0.474...
+        "many": (many, (0.2, 0.5, 0.1), [0.4, 0.8], True),  # expected 0.566...
+        "replicated": (replicated, (0.15, 0.35, 0.2), [0.7], False),
+    }
+    rows = [
+        TuneRow(
+            Candidate(label, {}),
+            est,
+            fits=True,
+            measured=Measurement(sum(phases), *phases, 0, passes=passes, interleaved=in_turn),
+        )
+        for label, (est, phases, passes, in_turn) in shapes.items()
+    ]
+    _, reference = tuner._predict_rows(rows, LINK)
+    assert reference == "few + many + replicated"
+    # Each reference row is predicted at its expected step, the geometric mean of its first pass
+    # and its pass in turn (in turn alone: 0.5 and 0.8 s), its phases scaled to it.
+    expected = [(0.45 * 0.5) ** 0.5, (0.4 * 0.8) ** 0.5, 0.7]
+    assert [r.predicted.total_s for r in rows] == pytest.approx(expected, rel=1e-9)
+    assert [r.error for r in rows] == pytest.approx([0, 0, 0], abs=1e-9)
+
+
 def test_fit_line_recovers_latency_and_bandwidth():
     points = [(x, 2e-4 + x / 3e8) for x in (1e4, 1e6, 8e6)]
     fit = fit_line(points)

@@ -34,7 +34,10 @@ def add_parser(sub: Any) -> None:
     cmd.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps per optimizer step")
     cmd.add_argument("--steps", type=int, default=TIMED_STEPS, help="timed optimizer steps per candidate and pass")
     cmd.add_argument(
-        "--warmup", type=int, default=WARMUP_STEPS, help="untimed optimizer steps per candidate (the last is the probe)"
+        "--warmup",
+        type=int,
+        default=WARMUP_STEPS,
+        help="untimed optimizer steps per candidate before the timed ones (the probe step comes after them)",
     )
     cmd.add_argument(
         "--passes", type=int, choices=(1, 2), default=2, help="2: measure the contenders again, in reverse order"

@@ -63,7 +63,7 @@ def resolve_throughput(
     result = tune(model, example_batch, config=base, loss_fn=loss_fn, warmup=STEPS["warmup"], steps=STEPS["steps"])
     changes = result.best.candidate.changes
     if dist.get_rank() == 0:
-        entry = {"label": result.best.label, "changes": changes, "step_s": result.best.measured.step_s}  # type: ignore[union-attr]
+        entry = {"label": result.best.label, "changes": changes, "step_s": result.best.measured.expected_s}  # type: ignore[union-attr]
         write_decision(path, key, {**entry, "table": result.to_dict()})
         log_rank_zero("objective='throughput' chose %s; decision cached in %s (key %s).", result.best.label, path, key)
     dist.barrier()

@@ -44,10 +44,10 @@ class TuneRow:
 
     @property
     def error(self) -> float | None:
-        """(predicted - measured) / measured step time."""
-        if self.predicted is None or self.measured is None or not self.measured.step_s:
+        """(predicted - measured) / measured step time (`Measurement.expected_s`)."""
+        if self.predicted is None or self.measured is None or not self.measured.expected_s:
             return None
-        return (self.predicted.total_s - self.measured.step_s) / self.measured.step_s
+        return (self.predicted.total_s - self.measured.expected_s) / self.measured.expected_s
 
 
 @dataclass
@@ -117,8 +117,8 @@ class TuneResult:
         notes = [f"  {r.label}: {r.skipped}" for r in self.rows if r.skipped]
         text += (["not run:"] + notes) if notes else []
         text.append(
-            f"picked {self.best.label} ({self.best.measured.step_s:.4f} s/step measured) on {self.world_size} "
-            f"{self.device_type} rank(s), budget {human_bytes(self.budget)}/rank; compute profile from "
+            f"picked {self.best.label} ({self.best.measured.step_s:.4f} s/step {_compared(self.best.measured)}) "
+            f"on {self.world_size} {self.device_type} rank(s), budget {human_bytes(self.budget)}/rank; compute profile from "
             f"{self.reference}; collective sweep {self.sweep_s:.2f} s; tuning took {self.cost_s:.1f} s in all."
             if self.best.measured
             else "nothing measured"
@@ -137,10 +137,10 @@ class TuneResult:
             human_bytes(m.peak_bytes) if m and m.peak_bytes else "-",
             f"{m.peak_bytes / e.peak_bytes:.2f}" if m and e and m.peak_bytes and e.peak_bytes else "-",
             f"{p.total_s:.4f}" if p else "-",
-            f"{m.step_s:.4f}" if m else "-",
+            f"{m.expected_s:.4f}" if m else "-",
             _passes(m),
             f"{r.error:+.0%}{ref}" if r.error is not None else "-",
-            f"{per_step / m.step_s:,.0f}" if m and m.step_s else "-",
+            f"{per_step / m.expected_s:,.0f}" if m and m.expected_s else "-",
             " ".join(f"{k} {v}" for k, v in sorted(m.collectives.items())) if m else "-",
             f"{m.cost_s:.2f}" if m else "-",
         )
@@ -157,7 +157,8 @@ class TuneResult:
                     "estimated_peak_bytes": r.estimate.peak_bytes if r.estimate else None,
                     "measured_peak_bytes": r.measured.peak_bytes if r.measured else None,
                     "predicted_s": r.predicted.total_s if r.predicted else None,
-                    "measured_s": r.measured.step_s if r.measured else None,
+                    "measured_s": r.measured.expected_s if r.measured else None,
+                    "compared_s": r.measured.step_s if r.measured else None,
                     "passes_s": r.measured.passes if r.measured else None,
                     "stopped": r.measured.stopped if r.measured else None,
                     "interleaved": r.measured.interleaved if r.measured else None,
@@ -188,6 +189,11 @@ def _passes(m: Measurement | None) -> str:
         return "1 step"
     medians = " / ".join(f"{t:.4f}" for t in m.passes) if len(m.passes) > 1 else "-"
     return medians + (" in turn" if m.interleaved else "")
+
+
+def _compared(m: Measurement) -> str:
+    """What the pick compared: the pass in turn's median, or the row's measured step."""
+    return "in turn, the fastest" if m.interleaved else "measured"
 
 
 def _plain(value: Any) -> bool:

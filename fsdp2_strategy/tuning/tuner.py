@@ -43,7 +43,7 @@ from ..groups import block_count
 from ..mesh import collective_device, detect_num_nodes, mesh_device_type
 from .candidates import Candidate, coerce_candidates, default_candidates, with_memory_savers
 from .link import measure_link
-from .measure import collect_only_new_objects, measure_candidate, measure_interleaved
+from .measure import Measurement, collect_only_new_objects, measure_candidate, measure_interleaved
 from .passes import (
     CLOSE_CALL,
     SECOND_PASS_WARMUP,
@@ -277,10 +277,10 @@ def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None,
     third_ref = None
     if third is not None:
         assert third.measured is not None and third.estimate is not None
-        third_ref = (third.measured.optimizer_s, third.measured.step_s, third.estimate)
+        third_ref = (_expected_phases(third.measured)[2], third.measured.expected_s, third.estimate)
     device_type = mesh_device_type()
-    phases = (m.forward_s, m.backward_s, m.optimizer_s)
-    compute = ComputeProfile.fit(phases, ref.estimate, o.step_s, other.estimate, link, device_type, third=third_ref)
+    phases = _expected_phases(m)
+    compute = ComputeProfile.fit(phases, ref.estimate, o.expected_s, other.estimate, link, device_type, third=third_ref)
     time_model = StepTimeModel(link, compute, device_type)
     for row in rows:
         if row.estimate is not None:
@@ -311,6 +311,13 @@ def _references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | No
     other = max(same or measured, key=lambda r: (not _stopped(r), abs(r.estimated_calls - ref.estimated_calls)))
     third = min((r for r in measured if r not in largest), key=_stopped, default=None)
     return ref, other, third
+
+
+def _expected_phases(m: Measurement) -> tuple[float, float, float]:
+    """Forward, backward (per micro-batch) and optimizer seconds of `m`'s median step, scaled to
+    add up to its expected step (`Measurement.expected_s`) instead of the pass it was taken in."""
+    scale = m.expected_s / m.step_s if m.step_s > 0 else 1.0
+    return m.forward_s * scale, m.backward_s * scale, m.optimizer_s * scale
 
 
 def _stopped(row: TuneRow) -> bool:
