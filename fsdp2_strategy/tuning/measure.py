@@ -56,7 +56,8 @@ class Measurement:
     """What one candidate's timed steps measured (every rank holds the same numbers)."""
 
     step_s: float
-    """Median seconds per optimizer step (each step the slowest rank's)."""
+    """Median seconds per optimizer step (each step the slowest rank's) of the pass the pick
+    compares (`interleaved`: the pass in turn); `expected_s` is what training is expected to see."""
     forward_s: float
     """Seconds of forward per micro-batch (loss included) in the median step, whose phases add up
     to `step_s` (`_median_step_phases`)."""
