@@ -150,6 +150,23 @@ def _tune_world(cache: str) -> dict:
             model, both, batch, in_turn, optimizer_factory("sgd"), micro_batches=1, warmup=0, steps=2, close=close
         )
         out["close_calls"][close] = (list(order), [len(m.steps) for m in got])
+    # Where the earlier passes disagree with the rounds in turn, both take as many rounds again: one
+    # group sleeps 0.2 s a step, so blocks leads in turn (steps of a few ms); one group's earlier
+    # pass beat blocks' (first_s), or did not.
+    import time
+
+    def one_sleeps(m, b):
+        if not isinstance(m.blocks[0], FSDPModule):
+            time.sleep(0.2)
+        return in_turn(m, b)
+
+    out["disagreements"] = {}
+    for first_s in ((1.0, 0.5), (0.5, 1.0)):
+        order.clear()
+        got = measure_interleaved(
+            model, both, batch, one_sleeps, None, micro_batches=1, warmup=0, steps=2, close=1.05, first_s=list(first_s)
+        )
+        out["disagreements"][first_s] = [len(m.steps) for m in got]
 
     # The pick is among the rows measured in turn, though another's single pass was faster.
     from fsdp2_strategy.tuning import tuner
@@ -285,7 +302,20 @@ def test_candidates_measured_in_turn_step_alternately_close_calls_twice_and_the_
     assert got == [(3, 0, {}, True), (3, 0, {}, True)]
     twice = ["blocks", "one", "one", "blocks"]
     assert out["close_calls"] == {100.0: (twice + twice, [4, 4]), 1.0: (twice, [2, 2])}
+    assert out["disagreements"] == {(1.0, 0.5): [4, 4], (0.5, 1.0): [2, 2]}
     assert out["pick_in_turn"] == "quick"
+
+
+def test_the_rounds_in_turn_are_unsettled_for_close_calls_and_where_the_first_pass_disagrees():
+    from fsdp2_strategy.tuning.measure import unsettled
+
+    in_turn = [0.30, 0.32, 0.40, 0.50]
+    # close calls only: within 1.1x of the fastest in turn (0.30); none but the fastest itself
+    assert unsettled(in_turn, None, 1.1) == [0, 1] and unsettled(in_turn, None, 1.05) == []
+    # c's first pass beat the leader's by more than 1.05x (0.20 against 0.25): c takes more rounds
+    assert unsettled(in_turn, [0.25, 0.30, 0.20, 0.24], 1.05) == [0, 2]
+    # by less (d: 0.24 * 1.05 > 0.25), or slower: settled
+    assert unsettled(in_turn, [0.25, 0.30, 0.26, 0.24], 1.05) == []
 
 
 def test_compare_strategies_time_true_adds_predictions(world):

@@ -39,7 +39,8 @@ CLOSE_CALL = 1.05
 (the judge's margin) take as many rounds again, so a close call is decided on twice the steps.
 Measured (TinyGPT, 2 ranks, k=4): a median of 3 steps in turn moved by about 4 % (the quartiles
 of 18 such steps 0.376-0.405 s); FULL_SHARD/one group and its keep_gathered variant came 2 %
-apart in one tuning, the other way round, and 5-9 % apart over 9-18 steps in turn each."""
+apart in one tuning, the other way round, and 5-9 % apart over 9-18 steps in turn each. So do
+those whose first pass beat the fastest one's by more than this factor (`measure.unsettled`)."""
 
 SECOND_PASS_WARMUP = 2
 """Warm-up steps of a second-pass measurement: the process is warm by then, but the first step of
@@ -96,7 +97,8 @@ def interleaved_pass(rows: list[TuneRow], together: Callable, budget: int) -> bo
     pass's median, so the pick compares them over the same seconds of the machine's time (run F
     of the judge: a setting's median moved by 0.70-1.62x between runs minutes apart; 1.6 %
     apart in the tuner's passes, 9.9 % in an interleaved run); those within `CLOSE_CALL` of the
-    fastest take twice the steps. The pick is among these rows.
+    fastest, or whose first pass beat its first pass by more, take twice the steps. The pick is
+    among these rows.
     False, with nothing changed, when their estimated peaks together exceed `budget` or the pass
     failed: the caller then measures them one after another (`second_pass`)."""
     again = contenders(rows)

@@ -259,7 +259,8 @@ def _measurer(model, base, batch, loss, make_opt, run) -> tuple[Callable[..., tu
 
     def together(rows: list[TuneRow]) -> tuple[Any, str]:
         cfgs = [r.candidate.config(base) for r in rows]
-        steps = {**run, "warmup": SECOND_PASS_WARMUP, "close": CLOSE_CALL}
+        first_s = [r.measured.step_s for r in rows]  # type: ignore[union-attr]
+        steps = {**run, "warmup": SECOND_PASS_WARMUP, "close": CLOSE_CALL, "first_s": first_s}
         return _agreed(lambda: measure_interleaved(model, cfgs, batch, loss, make_opt, **steps))
 
     return measure, together
