@@ -298,7 +298,7 @@ def unsettled(medians: list[float], first_s: list[float] | None, close: float) -
     those within `close` of its median (a close call), and those whose earlier median (`first_s`)
     beat the fastest's by more than `close` (the two measurements disagree on the order: TinyGPT,
     2 ranks, k=4, runs H and M, keep_gathered one group 9-11 % ahead of one group alone, 2-8 %
-    behind it in 3 rounds in turn, 10-23 % ahead in the separate run and in 12 steps in turn).
+    behind it in 3 rounds in turn, 10-23 % ahead in the separate runs and 7 % over 12 steps in turn).
     Empty when that leaves the fastest alone."""
     lead = min(range(len(medians)), key=medians.__getitem__)
     near = [
