@@ -16,10 +16,11 @@ reads FSDP2's private state, and a few other private torch helpers; only through
   `MixedPrecision._module_classes_to_ignore`, `torch.distributed.utils._apply_to_tensors`.
 - Elsewhere: `torch.distributed._composable.checkpoint` (activation checkpointing without a
   wrapper module, so parameter names stay), `torch.distributed.tensor._utils.
-  compute_local_shape_and_global_offset`, `torch.utils._python_dispatch.TorchDispatchMode` and
-  `_disable_current_modes`, `torch.utils._pytree`, `torch._fused_sdp_choice`,
-  `aten._scaled_dot_product_flash_attention_for_cpu` and `UntypedStorage._cdata` (the memory
-  simulation), `torch._foreach_mul_` (clipping), `nn.Module._parameters` / `._buffers` (moving a
+  compute_local_shape_and_global_offset`, `torch.utils._python_dispatch.TorchDispatchMode`,
+  `_disable_current_modes` and `is_traceable_wrapper_subclass`, `torch.utils._pytree`,
+  `torch._fused_sdp_choice`, `aten._scaled_dot_product_flash_attention_for_cpu` and
+  `UntypedStorage._cdata` (the memory simulation), `torch._guards.active_fake_mode` (the
+  tuner's live-bytes probe), `torch._foreach_mul_` (clipping), `nn.Module._parameters` / `._buffers` (moving a
   model to meta without untying shared weights).
 
 `check_private_api()` runs when this module is imported (so at `import fsdp2_strategy`) and raises
@@ -65,6 +66,8 @@ compute_local_shape_and_global_offset = _private(
 apply_to_tensors = _private("torch.distributed.utils", "_apply_to_tensors")
 TorchDispatchMode = _private("torch.utils._python_dispatch", "TorchDispatchMode")
 disable_current_modes = _private("torch.utils._python_dispatch", "_disable_current_modes")
+is_traceable_wrapper_subclass = _private("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
+active_fake_mode = _private("torch._guards", "active_fake_mode")
 tree_flatten = _private("torch.utils._pytree", "tree_flatten")
 tree_map_only = _private("torch.utils._pytree", "tree_map_only")
 WrapPolicy = _private("torch.distributed.fsdp.wrap", "_Policy")

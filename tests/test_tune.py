@@ -114,6 +114,7 @@ def _tune_world(cache: str) -> dict:
         for name, warmup, probe in (("after 2", 2, True), ("after 1", 1, True), ("none", 2, False))
     }
     out["probes"] = {name: (m.peak_bytes, m.collectives) for name, m in probes.items()}
+    out["probe_vs_memtracker"] = _probe_and_memtracker_peaks()
     # A first timed step over stop_above_s (the slowest rank's) ends the timed steps on every rank.
     stops = {
         limit: measure_candidate(model, cfg, batch, loss, None, micro_batches=2, warmup=0, steps=3, stop_above_s=limit)
@@ -272,6 +273,49 @@ def test_the_probe_after_the_timed_steps_measures_the_steady_peak_and_collective
     assert peak > 0 and sum(collectives.values()) > 0
     assert out["probes"]["after 1"] == (peak, collectives)
     assert out["probes"]["none"] == (0, {})
+
+
+def _probe_and_memtracker_peaks() -> tuple[int, int]:
+    """The probe's live-bytes peak and torch's MemTracker's (`_memtrack.measure_peak`) for the same
+    steady step: TinyGPT, per-block FULL_SHARD (FSDP2 frees each gathered block with a storage
+    resize), 2 micro-batches, AdamW."""
+    from _memtrack import MODELS, measure_peak
+
+    from fsdp2_strategy.estimate import optimizer_factory
+    from fsdp2_strategy.tuning.measure import _built, _probe, train_step
+
+    make_model, make_batch, loss_fn = MODELS["gpt"]
+    cfg = f2.FSDP2Config(log_plan=False)
+    args = _built(make_model(), cfg, optimizer_factory("adamw"), make_batch(8), loss_fn, 2)
+    train_step(*args)
+    return _probe(*args)[0], measure_peak("gpt", {}, micro_batches=2)
+
+
+def test_the_probe_counts_the_live_bytes_memtracker_counts(world):
+    out, _ = world
+    probe, memtracker = out["probe_vs_memtracker"]
+    assert probe == pytest.approx(memtracker, rel=1e-3)
+
+
+def test_live_tensor_bytes_counts_each_storage_once_until_it_dies_or_is_resized():
+    from fsdp2_strategy.tuning.probe import LiveTensorBytes
+
+    resize = torch.UntypedStorage.resize_
+    kept = torch.zeros(100, dtype=torch.uint8)
+    with LiveTensorBytes([kept]) as live:
+        assert live.now == 100  # a root's storage, alive from the start
+        a = torch.empty(1000, dtype=torch.uint8)
+        view = a[10:]
+        assert live.now == 1100  # a view shares its base's storage
+        del a, view
+        assert live.now == 100
+        b = torch.empty(2000, dtype=torch.uint8)
+        b.untyped_storage().resize_(0)  # how FSDP2 frees a gathered parameter, unseen by dispatch
+        assert live.now == 100
+        b.untyped_storage().resize_(500)
+        assert live.now == 600
+    assert live.peak == 2100
+    assert torch.UntypedStorage.resize_ is resize
 
 
 def test_a_candidate_whose_first_timed_step_is_over_the_limit_takes_no_more(world):

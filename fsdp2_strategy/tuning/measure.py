@@ -3,7 +3,7 @@ one untimed step is the probe for the peak memory and the collectives.
 
 Times are per rank with a barrier before each step; every step's time is the slowest rank's (one
 all-reduce at the end). The peak is the device allocator's on accelerators and the live tensor
-bytes on CPU (torch's `MemTracker`); collectives are counted by the c10d operations dispatched.
+bytes on CPU (`probe.LiveTensorBytes`); collectives are counted by the c10d operations dispatched.
 Both in the probe step, taken after the timed steps: the 1-3 steps after a probe ran up to 1.5x
 slower than the rest (8-block model, 2 ranks: 0.43 s against 0.33 s, NO_SHARD), which biased a
 row stopped after its first timed step. Two warm-up steps before timing: the first creates the
@@ -22,7 +22,6 @@ import gc
 import math
 import statistics
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,25 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config import FSDP2Config
 from ..mesh import collective_device
 from ..shard import shard_model
 from ..train import no_sync
-
-C10D_NAMES = {
-    "allgather_": "all_gather",
-    "_allgather_base_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather",
-    "reduce_scatter_": "reduce_scatter",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce",
-    "send": "p2p_send",
-}
-"""c10d operations counted, by the name shown ("p2p_send": one step of a gloo ring)."""
+from .probe import CountCollectives, LiveTensorBytes
 
 
 @dataclass
@@ -68,7 +54,7 @@ class Measurement:
     peak_bytes: int
     """Measured peak on the device (highest rank); 0 when the pass took no probe step."""
     collectives: dict[str, int] = field(default_factory=dict)
-    """Collective operations per optimizer step (`C10D_NAMES`); empty when the pass took no probe step."""
+    """Collective operations per optimizer step (`probe.C10D_NAMES`); empty when the pass took no probe step."""
     cost_s: float = 0.0
     """Seconds this candidate took to tune: build, warm-up, timed and probe steps (slowest rank)."""
     steps: list[float] = field(default_factory=list)
@@ -92,19 +78,6 @@ class Measurement:
         if self.interleaved and len(self.passes) >= 2:
             return math.sqrt(self.passes[0] * self.passes[-1])
         return self.step_s
-
-
-class _CountCollectives(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            name = C10D_NAMES.get(func.__name__.split(".")[0])
-            if name:
-                self.counts[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
@@ -135,14 +108,11 @@ def train_step(
     loss_fn: Callable,
     micro_batches: int,
     accumulation: str,
-    between: Callable[[], Any] | None = None,
 ) -> tuple[float, float, float]:
     """One optimizer step of `micro_batches` micro-batches; seconds of forward, backward (both
-    summed over the micro-batches) and the optimizer step. `between` runs between micro-batches."""
+    summed over the micro-batches) and the optimizer step."""
     fwd = bwd = 0.0
     for i in range(micro_batches):
-        if between is not None and i:
-            between()
         skip_sync = i < micro_batches - 1 and accumulation != "sync_each"
         with no_sync(model) if skip_sync else contextlib.nullcontext():
             t0 = time.perf_counter()
@@ -162,58 +132,16 @@ def train_step(
     return fwd, bwd, time.perf_counter() - t2
 
 
-def _peak_tracker(model: nn.Module, opt: Any) -> Any:
-    """torch's MemTracker for a CPU step, keeping only the step's peak (`.peak`, bytes); None if
-    this torch lacks it."""
-    try:
-        from torch.distributed._tools.mem_tracker import MemTracker
-    except ImportError:  # a private tool: the peak is then not measured
-        return None
-
-    class StepPeak(MemTracker):
-        peak = 0
-
-        # MemTracker hooks every parameter's gradient, which a frozen one refuses; those hooks only
-        # label storages the dispatch mode counts anyway.
-        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
-            frozen = any(not p.requires_grad for p in module.parameters())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks and not frozen)
-
-        # Called after every op. MemTracker's own also keeps each active module's peak, a loop over
-        # every module per op: most of the probe step's cost (1.16 s against a plain step's 0.42 s,
-        # 8-block model, k=4), for numbers the tuner never reads.
-        def _update_peak_stats(self, peak_state):
-            snaps = getattr(self, "_curr_mem_snap", None)
-            if snaps is None:  # a torch whose MemTracker keeps it elsewhere: its own bookkeeping
-                super()._update_peak_stats(peak_state)
-                self.peak = max(s["Total"] for s in self.get_tracker_snapshot("peak").values())
-                return
-            self.peak = max([self.peak, *(snap["Total"] for snap in snaps.values())])
-
-    tracker = StepPeak()
-    tracker.track_external(model, *([opt] if opt is not None else []))
-    return tracker
-
-
 def _probe(model, opt, batch, loss_fn, micro_batches, accumulation) -> tuple[int, dict[str, int]]:
     """Peak bytes (CPU: live tensors; accelerators: the allocator's peak) and collective counts
     of one step."""
-    counter = _CountCollectives()
     on_cpu = collective_device().type == "cpu"
-    tracker = _peak_tracker(model, opt) if on_cpu else None
+    counter = LiveTensorBytes(model, opt, batch) if on_cpu else CountCollectives()
     if not on_cpu:
         torch.accelerator.reset_peak_memory_stats()
-    # MemTracker refuses a module's second forward unless its module statistics are reset between
-    # micro-batches (the totals are kept).
-    between = tracker.reset_mod_stats if tracker is not None else None
-    with tracker if tracker is not None else contextlib.nullcontext(), counter:
-        train_step(model, opt, batch, loss_fn, micro_batches, accumulation, between)
-    if tracker is not None:
-        peak = tracker.peak
-    elif not on_cpu:
-        peak = torch.accelerator.max_memory_allocated()
-    else:
-        peak = 0
+    with counter:
+        train_step(model, opt, batch, loss_fn, micro_batches, accumulation)
+    peak = counter.peak if isinstance(counter, LiveTensorBytes) else torch.accelerator.max_memory_allocated()
     return int(peak), dict(counter.counts)
 
 
