@@ -100,20 +100,27 @@ def _tune_world(cache: str) -> dict:
     out["failing"] = [(r.label, r.measured is not None, r.skipped.split(":")[0]) for r in failing.rows]
     out["failing_reason"] = failing.rows[1].skipped
 
-    # The probe, after the timed steps, measures a steady step: the same after 2 warm-up steps as
-    # after 1 (the first creates the optimizer state). Without a probe, nothing is measured.
+    # The probe measures a steady step, as the last of 2 warm-up steps (after the first, which creates
+    # the optimizer state) as after the timed step with 1 warm-up step; in both, no step more than
+    # asked for. Without a probe, nothing is measured.
     from fsdp2_strategy.estimate import optimizer_factory
     from fsdp2_strategy.tuning.measure import measure_candidate
 
     cfg = f2.FSDP2Config(log_plan=False)
-    loss = lambda m, b: m(b).square().mean()  # noqa: E731
-    probes = {
-        name: measure_candidate(
+    forwards = []
+
+    def loss(m, b):
+        forwards.append(1)
+        return m(b).square().mean()
+
+    probes = {}
+    for name, warmup, probe in (("warm-up 2", 2, True), ("warm-up 1", 1, True), ("none", 2, False)):
+        forwards.clear()
+        m = measure_candidate(
             model, cfg, batch, loss, optimizer_factory("adamw"), micro_batches=2, warmup=warmup, steps=1, probe=probe
         )
-        for name, warmup, probe in (("after 2", 2, True), ("after 1", 1, True), ("none", 2, False))
-    }
-    out["probes"] = {name: (m.peak_bytes, m.collectives) for name, m in probes.items()}
+        probes[name] = (m.peak_bytes, m.collectives, len(forwards))
+    out["probes"] = probes
     out["probe_vs_memtracker"] = _probe_and_memtracker_peaks()
     # A first timed step over stop_above_s (the slowest rank's) ends the timed steps on every rank.
     stops = {
@@ -267,12 +274,13 @@ def test_a_failing_candidate_is_skipped_with_its_reason_and_disagreeing_ranks_ge
     assert out["disagree"].startswith("tune: ranks disagree on candidates: rank 0 has ['FULL_SHARD/blocks'], rank 1")
 
 
-def test_the_probe_after_the_timed_steps_measures_the_steady_peak_and_collectives(world):
+def test_the_probe_measures_a_steady_step_within_the_steps_asked_for(world):
     out, _ = world
-    peak, collectives = out["probes"]["after 2"]
+    peak, collectives, forwards = out["probes"]["warm-up 2"]
     assert peak > 0 and sum(collectives.values()) > 0
-    assert out["probes"]["after 1"] == (peak, collectives)
-    assert out["probes"]["none"] == (0, {})
+    assert forwards == (2 + 1) * 2  # 2 micro-batches per step: the probe is the second warm-up step
+    assert out["probes"]["warm-up 1"] == (peak, collectives, (1 + 1 + 1) * 2)  # the probe after the timed step
+    assert out["probes"]["none"] == (0, {}, (2 + 1) * 2)
 
 
 def _probe_and_memtracker_peaks() -> tuple[int, int]:

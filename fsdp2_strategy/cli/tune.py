@@ -37,7 +37,8 @@ def add_parser(sub: Any) -> None:
         "--warmup",
         type=int,
         default=WARMUP_STEPS,
-        help="untimed optimizer steps per candidate before the timed ones (the probe step comes after them)",
+        help="untimed optimizer steps per candidate before the timed ones (the last is the probe; with fewer than 2, "
+        "one more step after the timed ones)",
     )
     cmd.add_argument(
         "--passes", type=int, choices=(1, 2), default=2, help="2: measure the contenders again, in reverse order"

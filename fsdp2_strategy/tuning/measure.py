@@ -1,13 +1,15 @@
 """Run one candidate for real: shard a copy of the model, take warm-up and timed optimizer steps;
-one untimed step is the probe for the peak memory and the collectives.
+the last warm-up step is the probe for the peak memory and the collectives.
 
 Times are per rank with a barrier before each step; every step's time is the slowest rank's (one
 all-reduce at the end). The peak is the device allocator's on accelerators and the live tensor
 bytes on CPU (`probe.LiveTensorBytes`); collectives are counted by the c10d operations dispatched.
-Both in the probe step, taken after the timed steps: the 1-3 steps after a probe ran up to 1.5x
-slower than the rest (8-block model, 2 ranks: 0.43 s against 0.33 s, NO_SHARD), which biased a
-row stopped after its first timed step. Two warm-up steps before timing: the first creates the
-optimizer state, and a NO_SHARD model's second step ran 1.3-1.7x its later ones. Warm-up steps
+Both in the probe step, the last warm-up step when there are two or more (the first creates the
+optimizer state, so the probe sees a steady step), else one more step after the timed ones. The
+first timed step after a probe ran 0.81-1.07x one after a plain step (medians of 4, 8-block
+model and TinyGPT, 2 and 4 ranks, k=1 and 4); under torch's MemTracker, which the probe used
+until then, the 1-3 steps after it ran up to 1.5x slower. Two warm-up steps before timing: a
+NO_SHARD model's second step ran 1.3-1.7x its later ones. Warm-up steps
 take all k micro-batches: a sharded model's first step of k > 1 makes more collectives than its
 later ones (3-layer model, 2 ranks, k=2: 20 ring sends against 16), also after a step of one
 micro-batch.
@@ -160,8 +162,8 @@ def measure_candidate(
     stop_above_s: float | None = None,
 ) -> Measurement:
     """Shard a copy of `model` with `config`, step it, and free it again; `model` is untouched.
-    `probe`: take the probe step after the timed ones; without it the peak is 0 and no
-    collectives are counted. `process_warmup`: steps of one micro-batch before the warm-up,
+    `probe`: the last of 2 or more warm-up steps is the probe (with fewer, one more step after the
+    timed ones); without it the peak is 0 and no collectives are counted. `process_warmup`: steps of one micro-batch before the warm-up,
     which warm the process (allocator, thread pools) for a k-th of a step's cost.
     `stop_above_s`: take no more timed steps when the first one (the slowest rank's) took longer;
     every rank stops at the same step."""
@@ -169,14 +171,19 @@ def measure_candidate(
     args = _built(model, config, make_optimizer, batch, loss_fn, micro_batches)
     for _ in range(process_warmup):
         train_step(args[0], args[1], batch, loss_fn, 1, config.accumulation)
-    for _ in range(warmup):
-        train_step(*args)
+    peak, counts = 0, {}
+    for i in range(warmup):
+        if probe and i == warmup - 1 >= 1:  # a step after the first: the optimizer state exists
+            peak, counts = _probe(*args)
+        else:
+            train_step(*args)
     rows: list[list[float]] = []
     stopped = False
     while len(rows) < steps and not stopped:
         rows.append(_timed_step(args))
         stopped = len(rows) == 1 < steps and _slower_than(rows[0][0], stop_above_s)
-    peak, counts = _probe(*args) if probe else (0, {})
+    if probe and warmup < 2:
+        peak, counts = _probe(*args)
     del args
     gc.collect()
     (m,) = _agreed_measurements([rows], [time.perf_counter() - start], micro_batches, peak)

@@ -94,7 +94,8 @@ def tune(
     `loss_fn(model, batch)`: default the output's `.loss`, else its first tensor's mean.
     `micro_batches`: per optimizer step (gradient accumulation under the candidate's
     `accumulation` mode). `warmup` / `steps`: untimed and timed optimizer steps per candidate
-    in the first pass (one more step after them is the probe for memory and collectives);
+    in the first pass (the last warm-up step is the probe for memory and collectives; with fewer
+    than 2, one more step after the timed ones);
     `steps` again after `passes.SECOND_PASS_WARMUP` in the second (twice for a close call,
     `passes.CLOSE_CALL`). `passes`: 2 measures the contenders (within `passes.RECHECK_WITHIN` of
     the fastest) again, stepped in turn, and picks among them by that pass (where they do not
