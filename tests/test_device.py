@@ -69,3 +69,23 @@ def test_accelerate_on_the_accelerator(work):
     assert "nccl" in r["fp32"]["backend"] and r["fp32"]["param_rel"] < TOL
     assert ".metadata" in r["state_listing"] and "model.safetensors" in r["model_files"]
     assert r["fp16"]["scaler"] == "ShardedGradScaler" and not r["fp16"]["skipped"] and r["fp16"]["update_rel"] < 1e-2
+
+
+def test_tuner_on_a_1b_model_built_on_meta(work):
+    """Issue 29's accelerator check: every fitting candidate of a 1 B GPT measured, each prediction
+    within 25 % of its measured step (printed: run with -s to see the table)."""
+    r = _run("tune", work)
+    print(r["table"])
+    assert r["params"] >= 1_000_000_000 and r["still_meta"] and r["device_type"] != "cpu"
+    measured = [row for row in r["rows"] if row["measured_s"] is not None]
+    assert measured and all(row["measured_s"] for row in r["rows"] if row["fits"]), [
+        (row["label"], row["skipped"]) for row in r["rows"]
+    ]
+    assert r["best"] in [row["label"] for row in measured]
+    for row in measured:
+        assert row["measured_peak_bytes"] > 0, row["label"]
+        assert abs(row["predicted_s"] / row["measured_s"] - 1) <= 0.25, (
+            row["label"],
+            row["predicted_s"],
+            row["measured_s"],
+        )

@@ -95,6 +95,14 @@ def _tune_world(cache: str) -> dict:
     out["rng_unchanged"] = torch.equal(rng, torch.get_rng_state())
     out["grads_unchanged"] = all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
 
+    # A model built on the meta device: each candidate is materialised on its copy and measured;
+    # the model itself stays on meta.
+    with torch.device("meta"):
+        on_meta = Tiny()
+    tuned = f2.tune(on_meta, batch, candidates=FEW[:2], steps=1, warmup=0, passes=1)
+    out["meta"] = [(r.label, r.measured is not None and r.measured.peak_bytes > 0) for r in tuned.rows]
+    out["still_meta"] = all(p.is_meta for p in on_meta.parameters())
+
     # A candidate failing on every rank is skipped with its reason; the tuning goes on.
     failing = f2.tune(model, batch, candidates=FEW[:2], loss_fn=_fails_without_block_groups, steps=1, warmup=0)
     out["failing"] = [(r.label, r.measured is not None, r.skipped.split(":")[0]) for r in failing.rows]
@@ -265,6 +273,12 @@ def test_candidates_over_the_budget_are_reported_not_run(world):
 def test_tuning_leaves_the_model_the_optimizer_and_the_rng_as_they_were(world):
     out, _ = world
     assert out["unchanged"] and out["rng_unchanged"] and out["grads_unchanged"]
+
+
+def test_a_model_on_the_meta_device_is_materialised_per_candidate_and_stays_on_meta(world):
+    out, _ = world
+    assert out["meta"] == [("FULL_SHARD/blocks", True), ("FULL_SHARD/one group", True)]
+    assert out["still_meta"]
 
 
 def test_a_failing_candidate_is_skipped_with_its_reason_and_disagreeing_ranks_get_an_error(world):

@@ -1,6 +1,6 @@
 """One process on one accelerator (nccl and gloo side by side): the paths a CPU run never takes.
 
-Usage: python one_device.py {core,lightning,accelerate} OUT.json WORKDIR
+Usage: python one_device.py {core,lightning,accelerate,tune} OUT.json WORKDIR
 
 Each mode runs in its own process (each framework starts its own process group) and records
 numbers in JSON; tests/test_device.py asserts them. CPU-only machines skip it.
@@ -153,6 +153,39 @@ def core(out: dict, work: Path) -> None:
     out["load_full_weights_equal"] = all(torch.equal(full(p), saved[n]) for n, p in meta.named_parameters())
 
 
+GPT_1B = {"vocab": 32000, "dim": 2048, "heads": 16, "layers": 20, "seq": 512}
+"""A TinyGPT of 1.07 B parameters (20 blocks of 50 M, a tied 32000-token embedding)."""
+
+
+def tune(out: dict, work: Path) -> None:
+    """`f2.tune` on the 1 B GPT built on the meta device, bf16 mixed precision: every fitting
+    candidate materialised and measured on the accelerator, predicted against measured."""
+    _init_world1()
+    out.update(tune_meta_gpt(GPT_1B, batch_size=4, micro_batches=2))
+    (work / "tune.txt").write_text(out["table"])
+
+
+def tune_meta_gpt(dims: dict, batch_size: int, micro_batches: int) -> dict:
+    """Tune a TinyGPT of `dims` built on the meta device; the table, each row as data, and what
+    became of the meta model."""
+    with torch.device("meta"):
+        model = TinyGPT(**dims)
+    idx, target = make_batch(batch_size, seq=dims["seq"], vocab=dims["vocab"])
+    result = f2.tune(
+        model,
+        {"idx": idx, "target": target},
+        config={"mixed_precision": "bf16"},
+        loss_fn=lambda m, b: loss_fn(m, b["idx"], b["target"]),
+        micro_batches=micro_batches,
+    )
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "still_meta": all(p.is_meta for p in model.parameters()),
+        "table": str(result),
+        **result.to_dict(),
+    }
+
+
 def lightning(out: dict, work: Path) -> None:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
@@ -260,7 +293,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out: dict = {}
     try:
-        {"core": core, "lightning": lightning, "accelerate": accelerate}[mode](out, work)
+        {"core": core, "lightning": lightning, "accelerate": accelerate, "tune": tune}[mode](out, work)
     except BaseException:  # DCP's CheckpointException is a BaseException
         out["error"] = traceback.format_exc()
     out_path.write_text(json.dumps(out, indent=1, default=str))
