@@ -9,10 +9,9 @@ optimizer state, so the probe sees a steady step), else one more step after the 
 first timed step after a probe ran 0.81-1.07x one after a plain step (medians of 4, 8-block
 model and TinyGPT, 2 and 4 ranks, k=1 and 4); under torch's MemTracker, which the probe used
 until then, the 1-3 steps after it ran up to 1.5x slower. Two warm-up steps before timing: a
-NO_SHARD model's second step ran 1.3-1.7x its later ones. Warm-up steps
-take all k micro-batches: a sharded model's first step of k > 1 makes more collectives than its
-later ones (3-layer model, 2 ranks, k=2: 20 ring sends against 16), also after a step of one
-micro-batch.
+NO_SHARD model's second step ran 1.3-1.7x its later ones. Warm-up steps take all k micro-batches:
+a sharded model's first step of k > 1 makes more collectives than its later ones (3-layer model,
+2 ranks, k=2: 20 ring sends against 16), also after a step of one micro-batch.
 """
 
 from __future__ import annotations
@@ -171,7 +170,7 @@ def measure_candidate(
     args = _built(model, config, make_optimizer, batch, loss_fn, micro_batches)
     for _ in range(process_warmup):
         train_step(args[0], args[1], batch, loss_fn, 1, config.accumulation)
-    peak, counts = 0, {}
+    peak, counts = 0, dict[str, int]()
     for i in range(warmup):
         if probe and i == warmup - 1 >= 1:  # a step after the first: the optimizer state exists
             peak, counts = _probe(*args)

@@ -91,6 +91,8 @@ class LiveTensorBytes(CountCollectives):
 
     def __exit__(self, *args: Any) -> None:
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        # The weak references go: no callback runs (nor keeps this mode alive) once the peak is known.
+        self._sizes.clear()
         super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
