@@ -1,5 +1,6 @@
 """Measured throughput: `tune` runs candidate settings on the process group and picks the fastest
-that fits (`tuner`, `passes`, `measure`, `candidates`, `result`); `measure_link` sweeps the
+that fits (`tuner`, `passes`, `measure` and its probe step's counters `probe`, `candidates`,
+`result`); `measure_link` sweeps the
 collectives (`link`); `example_batch_from` takes the adapters' example batch from a DataLoader
 (`example`); decisions are cached by model, world and device (`cache`); `resolve` serves
 `FSDP2Config(sharding_strategy="auto", objective="throughput")` and `compare_strategies(time=True)`.
