@@ -1,8 +1,9 @@
 """Measured throughput: `tune` runs candidate settings on the process group and picks the fastest
 that fits (`tuner`, `passes`, `measure` and its probe step's counters `probe`, `candidates`,
 `result`); `measure_link` sweeps the collectives (`link`); `example_batch_from` takes the
-adapters' example batch from a DataLoader (`example`); decisions are cached by model, world and device (`cache`); `resolve` serves
-`FSDP2Config(sharding_strategy="auto", objective="throughput")` and `compare_strategies(time=True)`.
+adapters' example batch from a DataLoader (`example`); decisions are cached by model, world and
+device (`cache`); `resolve` serves `FSDP2Config(sharding_strategy="auto",
+objective="throughput")` and `compare_strategies(time=True)`.
 
 Imports the base modules, `train`, `estimate` and `shard` (it shards copies of the model). On
 import it registers the "throughput" objective and the time-model source with `estimate`.
