@@ -22,10 +22,20 @@ from fsdp2_strategy.checkpoint import async_save
 
 class SlowStager(DefaultStager):
     delay = 0.6
+    copies_done: list[float] = []
+    """`time.perf_counter()` at the end of each held-back copy, in this process."""
 
     def _stage(self, state_dict, **kwargs):
         time.sleep(self.delay)
-        return super()._stage(state_dict, **kwargs)
+        staged = super()._stage(state_dict, **kwargs)
+        SlowStager.copies_done.append(time.perf_counter())
+        return staged
+
+
+def copied_by(moment: float) -> bool:
+    """Whether a held-back copy had ended by `moment` (a `time.perf_counter()`): a save that returned
+    before its copy ended did not wait for it, however long its own work took on a loaded machine."""
+    return any(done <= moment for done in SlowStager.copies_done)
 
 
 def slow(stager: DefaultStager, delay: float) -> DefaultStager:
@@ -37,6 +47,7 @@ def slow(stager: DefaultStager, delay: float) -> DefaultStager:
 @contextmanager
 def slow_staging(delay: float) -> Iterator[None]:
     original = async_save.default_stager
+    SlowStager.copies_done.clear()
     async_save.default_stager = lambda mode: slow(original(mode), delay)
     try:
         yield

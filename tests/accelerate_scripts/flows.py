@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from _comm import collective_dtypes, count_collectives
 from _precision import policy_grads, tied_names
-from _slow_staging import differing, full_state, slow_staging
+from _slow_staging import copied_by, differing, full_state, slow_staging
 from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 from common import (
@@ -509,7 +509,8 @@ def overlap_save(out: dict, work: Path) -> None:
     with slow_staging(0.5):
         start = time.perf_counter()
         path = Path(acc.save_state(work / "overlap_state"))
-        out["returned"] = time.perf_counter() - start
+        returned_at = time.perf_counter()
+        out["returned"], out["copied_before_return"] = returned_at - start, copied_by(returned_at)
         continued = train(acc, model, opt, sched, range(2, 4))
         out["waited"] = time.perf_counter() - start
     out["changed_by_next_step"] = len(differing(full_state(model, opt), at_save)) == len(at_save)

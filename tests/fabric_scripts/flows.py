@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _
 import torch
 from _comm import collective_dtypes, count_collectives
 from _precision import policy_grads, true_precision_update
-from _slow_staging import differing, full_state, slow_staging
+from _slow_staging import copied_by, differing, full_state, slow_staging
 from common import (
     LR,
     MLP,
@@ -357,7 +357,8 @@ def overlap_save(out: dict, work: Path) -> None:
     with slow_staging(DELAY):
         start = time.perf_counter()
         fabric.save(ck, {"model": model, "optimizer": optimizer, "step": 1})
-        out["returned"] = time.perf_counter() - start
+        returned_at = time.perf_counter()
+        out["returned"], out["copied_before_return"] = returned_at - start, copied_by(returned_at)
         _train(fabric, model, optimizer, batches=BATCHES[1:])
         out["waited"] = time.perf_counter() - start
     out["changed_by_next_step"] = len(differing(full_state(model, optimizer), at_save))
