@@ -20,8 +20,8 @@ reads FSDP2's private state, and a few other private torch helpers; only through
   `_disable_current_modes` and `is_traceable_wrapper_subclass`, `torch.utils._pytree`,
   `torch._fused_sdp_choice`, `aten._scaled_dot_product_flash_attention_for_cpu` and
   `UntypedStorage._cdata` (the memory simulation), `torch._guards.active_fake_mode` (the
-  tuner's live-bytes probe), `torch._foreach_mul_` (clipping), `nn.Module._parameters` / `._buffers` (moving a
-  model to meta without untying shared weights).
+  tuner's live-bytes probe), `torch._foreach_mul_` (clipping), `nn.Module._parameters` /
+  `._buffers` (moving a model to meta without untying shared weights).
 
 `check_private_api()` runs when this module is imported (so at `import fsdp2_strategy`) and raises
 ImportError naming every name that moved and the torch releases known to work

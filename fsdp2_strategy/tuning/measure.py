@@ -162,26 +162,26 @@ def measure_candidate(
 ) -> Measurement:
     """Shard a copy of `model` with `config`, step it, and free it again; `model` is untouched.
     `probe`: the last of 2 or more warm-up steps is the probe (with fewer, one more step after the
-    timed ones); without it the peak is 0 and no collectives are counted. `process_warmup`: steps of one micro-batch before the warm-up,
-    which warm the process (allocator, thread pools) for a k-th of a step's cost.
+    timed ones); without it the peak is 0 and no collectives are counted. `process_warmup`: steps
+    of one micro-batch before the warm-up, which warm the process (allocator, thread pools) for a
+    k-th of a step's cost.
     `stop_above_s`: take no more timed steps when the first one (the slowest rank's) took longer;
     every rank stops at the same step."""
     start = time.perf_counter()
     args = _built(model, config, make_optimizer, batch, loss_fn, micro_batches)
     for _ in range(process_warmup):
         train_step(args[0], args[1], batch, loss_fn, 1, config.accumulation)
-    peak, counts = 0, dict[str, int]()
-    for i in range(warmup):
-        if probe and i == warmup - 1 >= 1:  # a step after the first: the optimizer state exists
-            peak, counts = _probe(*args)
-        else:
-            train_step(*args)
+    # The probe needs a step before it (the optimizer state exists); the last warm-up step has one.
+    probe_in_warmup = probe and warmup >= 2
+    for _ in range(warmup - probe_in_warmup):
+        train_step(*args)
+    peak, counts = _probe(*args) if probe_in_warmup else (0, {})
     rows: list[list[float]] = []
     stopped = False
     while len(rows) < steps and not stopped:
         rows.append(_timed_step(args))
         stopped = len(rows) == 1 < steps and _slower_than(rows[0][0], stop_above_s)
-    if probe and warmup < 2:
+    if probe and not probe_in_warmup:
         peak, counts = _probe(*args)
     del args
     gc.collect()
