@@ -445,9 +445,66 @@ def test_the_step_time_formula():
     assert p.compute_s == pytest.approx(0.8) and p.optimizer_s == pytest.approx(0.2)
     assert p.communication_s == pytest.approx(0.066 + 0.004 + 0.024 + 0.002)
     assert p.exposed_s == p.communication_s and p.total_s == pytest.approx(0.8 + 0.2 + 0.096)
-    # On an accelerator only one all-gather is exposed when compute covers the rest.
+    # On an accelerator only one all-gather is exposed when compute covers the rest, but all of
+    # FSDP's per-call overhead is (8 calls x 10 ms): it delays the compute.
     cuda = predict_step_time(est, LINK, compute, "cuda")
-    assert cuda.exposed_s == pytest.approx(0.001 + 0.004 / 6 + 0.01)
+    assert cuda.exposed_s == pytest.approx(0.001 + 0.004 / 6 + 8 * 0.01)
+    assert cuda.total_s == pytest.approx(0.8 + 0.2 + cuda.exposed_s)
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_the_per_call_cost_is_fitted_from_local_calls_where_nothing_is_communicated(device_type):
+    """World size 1: no collective runs, but every unshard and sync is a copy with FSDP's hooks
+    around it (one group per block was 1.27x one group in all on an H200)."""
+
+    def estimate(unshards: int, syncs: int, groups: int) -> MemoryEstimate:
+        return _estimate(
+            world_size=1,
+            shard_size=1,
+            micro_batches=2,
+            activation_checkpointing=False,
+            collective_calls={"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0},
+            local_calls={"all_gather": unshards, "reduce_scatter": syncs},
+            local_groups=groups,
+        )
+
+    blocks, one_group, groups_of_4 = estimate(84, 21, 21), estimate(2, 1, 1), estimate(22, 6, 6)
+    no_link = Link({}, world_size=1)
+    truth = ComputeProfile(forward_s=0.02, backward_s=0.03, optimizer_s=0.01, local_call_s=3e-4)
+    # The phases a step of `one_group` shows: its 2 forward unshards in forward, the sync in backward.
+    phases = (0.02 + 3e-4, 0.03 + 3e-4 / 2, 0.01)
+    measured_blocks = predict_step_time(blocks, no_link, truth, device_type).total_s
+    assert measured_blocks == pytest.approx(2 * 0.05 + 0.01 + 105 * 3e-4)
+    fitted = ComputeProfile.fit(phases, one_group, measured_blocks, blocks, no_link, device_type)
+    assert fitted.local_call_s == pytest.approx(3e-4) and fitted.per_call_s == 0
+    assert (fitted.forward_s, fitted.backward_s) == pytest.approx((0.02, 0.03))
+    assert predict_step_time(groups_of_4, no_link, fitted, device_type).total_s == pytest.approx(0.11 + 28 * 3e-4)
+
+
+def test_local_calls_are_the_unshards_and_syncs_no_collective_carries():
+    model, batch = Tiny(layers=3), torch.randn(8, 64)
+
+    def estimate(strategy: str, world: int, mode: str = "sync_last"):
+        return f2.estimate_memory(
+            model,
+            {"sharding_strategy": strategy},
+            world_size=world,
+            example_batch=batch,
+            accumulation=mode,
+            micro_batches=2,
+        )
+
+    for mode in ("sync_last", "sync_each", "keep_gathered"):
+        one, two = estimate("FULL_SHARD", 1, mode), estimate("FULL_SHARD", 2, mode)
+        # One rank makes every unshard and sync two ranks make, none of them a collective.
+        assert sum(one.collective_calls.values()) == 0 and sum(two.local_calls.values()) == 0
+        assert one.local_calls == {k: two.collective_calls[k] for k in ("all_gather", "reduce_scatter")}
+        assert one.local_groups == two.gathering_groups == 4 and one.gathering_groups == two.local_groups == 0
+    # NO_SHARD on 2 ranks: the unshards are local (3 blocks and the root, once per forward), the
+    # syncs are all-reduces.
+    replicated = estimate("NO_SHARD", 2)
+    assert replicated.local_calls == {"all_gather": 4 * 2, "reduce_scatter": 0}
+    assert replicated.collective_calls == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 4}
 
 
 @pytest.mark.parametrize("per_call", [0.004, -0.0005])
@@ -465,11 +522,15 @@ def test_per_call_and_per_byte_costs_and_fixed_optimizer_part_are_recovered_from
         communication={"all_gather": 1_500_000, "reduce_scatter": 2_000_000, "all_reduce": 0},
         gathering_groups=1,
     )
+    # NO_SHARD's unshards are local calls: on several ranks they cost nothing of their own (its
+    # per-byte cost takes them in).
     replicated = estimate(
         strategy="NO_SHARD",
         shard_size=1,
         collective_calls={"all_gather": 0, "reduce_scatter": 0, "all_reduce": 3},
         communication={"all_gather": 0, "reduce_scatter": 0, "all_reduce": 4_000_000},
+        local_calls={"all_gather": 3, "reduce_scatter": 0},
+        local_groups=3,
     )
     # AdamW's per-tensor work does not shrink with the shard: 0.01 s + 0.08 s / shard size; the
     # all-reduce costs 2 ns per byte more in a step than in the sweep.
@@ -488,7 +549,7 @@ def test_per_call_and_per_byte_costs_and_fixed_optimizer_part_are_recovered_from
     measured_one = predict_step_time(one, LINK, truth).total_s
     third = (0.01 + 0.08, predict_step_time(replicated, LINK, truth).total_s, replicated)
     fitted = ComputeProfile.fit(phases, many, measured_one, one, LINK, third=third)
-    assert fitted.per_call_s == pytest.approx(per_call, rel=1e-6)
+    assert fitted.per_call_s == pytest.approx(per_call, rel=1e-6) and fitted.local_call_s == 0
     assert (fitted.forward_s, fitted.backward_s) == pytest.approx((0.05, 0.1))
     assert (fitted.optimizer_s, fitted.optimizer_fixed_s) == pytest.approx((0.08, 0.01))
     assert fitted.per_byte_s == {"all_reduce": pytest.approx(2e-9)}

@@ -24,6 +24,7 @@ from .step_time import (
     Link,
     StepTimeModel,
     StepTimePrediction,
+    fsdp_calls,
     predict_step_time,
     register_time_model_source,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "PlanRow",
     "default_budget",
     "default_loss",
+    "fsdp_calls",
     "nothing_fits_message",
     "optimizer_factory",
     "predict_step_time",

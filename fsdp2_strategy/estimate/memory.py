@@ -85,6 +85,15 @@ class MemoryEstimate:
     gathering_groups: int = 0
     """FSDP groups that all-gather (parameters sharded over more than one rank): the all-gathers
     of one forward."""
+    local_calls: dict = field(default_factory=dict)
+    """FSDP's per-group operations per optimizer step that no collective carries, by the name of
+    the collective they stand in for: unshards ("all_gather") of groups sharded over one rank,
+    which FSDP still makes by copying each shard into its unsharded parameter (cast to the
+    compute dtype), and their gradient syncs ("reduce_scatter") when no replica all-reduces them.
+    They cost no latency or bandwidth, but the same copies and hooks as a call (every one of them
+    on one rank)."""
+    local_groups: int = 0
+    """FSDP groups with parameters sharded over one rank: the local unshards of one forward."""
 
     @property
     def communication_bytes(self) -> int:
@@ -278,6 +287,8 @@ def _result(
         communication=communication_bytes(sizes, config, shard, replicate, accumulation, micro_batches),
         collective_calls=collective_calls(sizes, accumulation, micro_batches),
         gathering_groups=sum(1 for g in sizes.values() if g.params and g.shard_size > 1),
+        local_calls=local_calls(sizes, accumulation, micro_batches),
+        local_groups=sum(1 for g in sizes.values() if g.params and g.shard_size == 1),
     )
 
 
@@ -312,16 +323,34 @@ def collective_calls(sizes: dict[str, GroupSizes], accumulation: str, micro_batc
     their bytes: per group with parameters, one all-gather per forward and one more per backward
     unless it stays gathered ("keep_gathered": one per step); one reduce-scatter per gradient sync
     (sharded groups), one all-reduce per sync across replicas."""
-    kept = accumulation == "keep_gathered" and micro_batches > 1
-    gathers = 1 if kept else micro_batches
     syncs = micro_batches if accumulation == "sync_each" else 1
     ag = rs = ar = 0
     for g in sizes.values():
         if not g.params:
             continue
         if g.shard_size > 1:
-            ag += gathers * (1 if g.keep_after_forward or kept else 2)
+            ag += _unshards(g, accumulation, micro_batches)
             rs += syncs if g.reduce_bytes else 0
         if g.replicate_size > 1 and g.reduce_bytes:
             ar += syncs
     return {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar}
+
+
+def local_calls(sizes: dict[str, GroupSizes], accumulation: str, micro_batches: int) -> dict[str, int]:
+    """`MemoryEstimate.local_calls`: what `collective_calls` counts for a group sharded over
+    several ranks, for the groups sharded over one rank, less the all-reduces it does count."""
+    syncs = micro_batches if accumulation == "sync_each" else 1
+    ag = rs = 0
+    for g in sizes.values():
+        if g.params and g.shard_size == 1:
+            ag += _unshards(g, accumulation, micro_batches)
+            rs += syncs if g.reduce_bytes and g.replicate_size == 1 else 0
+    return {"all_gather": ag, "reduce_scatter": rs}
+
+
+def _unshards(group: GroupSizes, accumulation: str, micro_batches: int) -> int:
+    """Times per optimizer step `group` is unsharded: once per forward, and again in backward
+    unless it stays gathered after forward; once per step under "keep_gathered" (k > 1)."""
+    if accumulation == "keep_gathered" and micro_batches > 1:
+        return 1
+    return micro_batches * (1 if group.keep_after_forward else 2)

@@ -7,21 +7,30 @@ The model, per optimizer step of `k` micro-batches on one rank:
                                                       (each rank steps its shard only; the
                                                        per-tensor part does not shrink)
     communication = sum over all_gather, reduce_scatter, all_reduce of
-                    calls * (latency + per_call) + bytes / bandwidth
+                    calls * latency + bytes / bandwidth
+    overhead      = per_call * calls + local_call * local calls
+                                                      (FSDP's copies and hooks at every unshard
+                                                       and gradient sync, collective or not)
     exposed       = communication                     ("none": gloo's synchronous CPU path)
                   | c1 + max(0, communication - c1 - compute)
                                                       ("prefetch": accelerators; c1 = one
                                                        all-gather, which nothing hides)
-    step          = compute + optimizer + exposed
+    step          = compute + optimizer + overhead + exposed
 
 `calls` and `bytes` (what each rank sends, ring-counted) come from `estimate_memory`
-(`MemoryEstimate.collective_calls`, `.communication`); latency and bandwidth per collective from a
-sweep on the process group (`Link`, measured by `fsdp2_strategy.tuning.measure_link`); forward,
-backward and the optimizer step from one measured step (`ComputeProfile.from_step`);
-`per_call` - what a call costs inside a step beyond the sweep's latency (FSDP's buffer copies
-and hooks, ranks waiting for each other) - from a second measured step with another number of
-calls, and from a third setting with another shard size `optimizer_fixed` (its optimizer step)
-and an extra cost per byte of the collectives only it calls (its step time; `ComputeProfile.fit`).
+(`MemoryEstimate.collective_calls`, `.communication`), the local calls (groups sharded over one
+rank: an unshard is a copy, no collective) from `MemoryEstimate.local_calls`; latency and
+bandwidth per collective from a sweep on the process group (`Link`, measured by
+`fsdp2_strategy.tuning.measure_link`); forward, backward and the optimizer step from one measured
+step (`ComputeProfile.from_step`); `per_call` - what a collective call costs inside a step beyond
+the sweep's latency (FSDP's buffer copies and hooks, ranks waiting for each other) - from a second
+measured step with another number of calls (`local_call`, for a local one, where the two differ
+only in those: world size 1), and from a third setting with another shard size `optimizer_fixed`
+(its optimizer step) and an extra cost per byte of the collectives only it calls (its step time;
+`ComputeProfile.fit`). The overhead is not hidden behind compute on accelerators either: FSDP's
+copies run in the compute stream's order and its hooks on the CPU that launches the compute (on
+one H200, a 1 B GPT at world size 1, where nothing is communicated, stepped 1.27x slower with one
+group per block than with one group in all).
 """
 
 from __future__ import annotations
@@ -96,6 +105,14 @@ class ComputeProfile:
     """Seconds per byte sent added to a collective the first two reference settings never call
     (NO_SHARD's all-reduce when they are FULL_SHARD's), so that a third is predicted exactly:
     FSDP's copies in and out of its buffers, which the sweep does not make (`fit`)."""
+    local_call_s: float = 0.0
+    """What each local call (`MemoryEstimate.local_calls`: an unshard or sync of a group sharded
+    over one rank, a copy and FSDP's hooks) costs, fitted where the reference settings differ in
+    those calls only (world size 1); 0 otherwise. On several ranks the local calls are NO_SHARD's
+    unshards, whose cost the third reference's `per_byte_s` takes in. Charging them `per_call_s`
+    (which includes ranks waiting for each other) moved NO_SHARD/blocks' prediction further from
+    the tuner's own step in 4 of 8 cells (by 1-8 points, up to +13 %) and closer in 2 (by 2-6),
+    on 2 and 4 CPU ranks (TinyGPT and the 8-block model, k=1 and 4)."""
 
     @classmethod
     def from_step(
@@ -107,28 +124,29 @@ class ComputeProfile:
         link: Link,
         per_call_s: float = 0.0,
         optimizer_fixed_s: float = 0.0,
+        local_call_s: float = 0.0,
     ) -> ComputeProfile:
         """The compute of a measured step (seconds per micro-batch in forward and backward, and of
         the optimizer step) of the setting `estimate` describes, its communication taken out:
-        forward holds the first all-gather of every group, backward the rest and the reductions;
-        each call also costs `per_call_s`; `optimizer_fixed_s` of the optimizer step does not
-        shrink with the shard. Never below zero."""
+        forward holds the first unshard of every group, backward the rest and the reductions;
+        each collective call also costs `per_call_s`, each local call `local_call_s`;
+        `optimizer_fixed_s` of the optimizer step does not shrink with the shard. Never below
+        zero."""
         k = estimate.micro_batches
         calls, sent = estimate.collective_calls, estimate.communication
         gathers = calls.get("all_gather", 0)
         share = _forward_gathers(estimate) / gathers if gathers else 0.0
         ag = link.seconds({"all_gather": gathers}, {"all_gather": sent.get("all_gather", 0)})["all_gather"]
-        ag += gathers * per_call_s
         rest = link.seconds({**calls, "all_gather": 0}, {**sent, "all_gather": 0})
-        reduce_calls = calls.get("reduce_scatter", 0) + calls.get("all_reduce", 0)
-        reductions = rest["reduce_scatter"] + rest["all_reduce"] + reduce_calls * per_call_s
-        fwd_comm = ag * share / k
-        bwd_comm = (ag * (1 - share) + reductions) / k
+        fwd_calls, bwd_calls = _call_costs(estimate, per_call_s, local_call_s)
+        fwd_comm = (ag * share + fwd_calls) / k
+        bwd_comm = (ag * (1 - share) + rest["reduce_scatter"] + rest["all_reduce"] + bwd_calls) / k
         recompute = 1 if estimate.activation_checkpointing else 0
         fwd = max(forward_s - fwd_comm, 0.0)
         bwd = max(backward_s - bwd_comm - recompute * fwd, 0.0)
         fixed = min(max(optimizer_fixed_s, 0.0), optimizer_s)
-        return cls(fwd, bwd, (optimizer_s - fixed) * estimate.shard_size, per_call_s, fixed)
+        shrinking = (optimizer_s - fixed) * estimate.shard_size
+        return cls(fwd, bwd, shrinking, per_call_s=per_call_s, local_call_s=local_call_s, optimizer_fixed_s=fixed)
 
     @classmethod
     def fit(
@@ -146,14 +164,20 @@ class ComputeProfile:
         with `per_call_s` chosen so that a second setting with another number of collective calls
         (`other`, measured at `other_step_s` per step) is predicted exactly: 0 when the two make as
         many calls, never below minus the sweep's least latency among the collectives they call
-        (a call costs no less than nothing). `third`: (optimizer seconds, step seconds, estimate)
+        (a call costs no less than nothing). Where the two make as many collective calls but not
+        as many local ones (world size 1), `local_call_s` is chosen so instead, never below 0. `third`: (optimizer seconds, step seconds, estimate)
         of a setting with another shard size. Its optimizer step splits the optimizer into the
         part that shrinks with the shard and the part that does not (`optimizer_fixed_s`); its
         step time gives `per_byte_s` to the collectives it calls and the other two do not."""
         fixed = _optimizer_fixed(phases[2], estimate.shard_size, third[0], third[2]) if third else 0.0
 
-        def profile(per_call_s: float) -> ComputeProfile:
-            return cls.from_step(*phases, estimate, link, per_call_s=per_call_s, optimizer_fixed_s=fixed)
+        local = _collective_count(estimate) == _collective_count(other)
+
+        def profile(cost: float) -> ComputeProfile:
+            per_call, local_call = (0.0, cost) if local else (cost, 0.0)
+            return cls.from_step(
+                *phases, estimate, link, per_call_s=per_call, optimizer_fixed_s=fixed, local_call_s=local_call
+            )
 
         delta = 1e-3
         p0 = predict_step_time(other, link, profile(0.0), device_type).total_s
@@ -197,16 +221,35 @@ def _optimizer_fixed(optimizer_s: float, shard_size: int, other_optimizer_s: flo
     return min(max(optimizer_s - shrinking / max(shard_size, 1), 0.0), optimizer_s)
 
 
-def _calls(estimate: MemoryEstimate) -> list[int]:
-    return [estimate.collective_calls.get(name, 0) for name in COLLECTIVES]
+def fsdp_calls(estimate: MemoryEstimate) -> int:
+    """FSDP's unshards and gradient syncs per optimizer step, collective calls and local ones
+    (`MemoryEstimate.local_calls`): what the per-call costs are paid for."""
+    return _collective_count(estimate) + sum(estimate.local_calls.values())
+
+
+def _collective_count(estimate: MemoryEstimate) -> int:
+    return sum(estimate.collective_calls.get(n, 0) for n in COLLECTIVES)
+
+
+def _call_costs(estimate: MemoryEstimate, per_call_s: float, local_call_s: float) -> tuple[float, float]:
+    """Seconds of FSDP's per-call overhead in one step: in its forward passes (the first unshard
+    of every group), and in the rest."""
+    local_unshards = estimate.local_calls.get("all_gather", 0)
+    forward = _forward_gathers(estimate) * per_call_s
+    forward += min(estimate.local_groups * _per_forward(estimate), local_unshards) * local_call_s
+    total = _collective_count(estimate) * per_call_s + sum(estimate.local_calls.values()) * local_call_s
+    return forward, total - forward
+
+
+def _per_forward(estimate: MemoryEstimate) -> int:
+    return 1 if estimate.accumulation == "keep_gathered" else estimate.micro_batches
 
 
 def _forward_gathers(estimate: MemoryEstimate) -> int:
     """All-gather calls made in forward: every gathering group once per forward (once per step
     under "keep_gathered"); the rest of `collective_calls["all_gather"]` happen in backward."""
     gathers = estimate.collective_calls.get("all_gather", 0)
-    per_forward = 1 if estimate.accumulation == "keep_gathered" else estimate.micro_batches
-    return min(estimate.gathering_groups * per_forward, gathers)
+    return min(estimate.gathering_groups * _per_forward(estimate), gathers)
 
 
 @dataclass
@@ -218,9 +261,9 @@ class StepTimePrediction:
     optimizer_s: float
     """This rank's optimizer step."""
     communication_s: float
-    """All collectives, as if none overlapped."""
+    """All collectives, as if none overlapped, and FSDP's per-call overhead (`fsdp_calls`)."""
     exposed_s: float
-    """The part of `communication_s` the step waits for."""
+    """The part of `communication_s` the step waits for (all of the per-call overhead)."""
     by_collective: dict[str, float] = field(default_factory=dict)
     """Seconds per collective."""
 
@@ -257,14 +300,15 @@ def predict_step_time(
     by = link.seconds(estimate.collective_calls, estimate.communication)
     for name, seconds in compute.per_byte_s.items():
         by[name] += seconds * estimate.communication.get(name, 0)
-    comm = sum(by.values()) + compute.per_call_s * sum(_calls(estimate))
+    comm = sum(by.values())
+    overhead = sum(_call_costs(estimate, compute.per_call_s, compute.local_call_s))
     if OVERLAP.get(device_type, "prefetch") == "none":
         exposed = comm
     else:
         calls = estimate.collective_calls.get("all_gather", 0)
-        first = by["all_gather"] / calls + compute.per_call_s if calls else 0.0
+        first = by["all_gather"] / calls if calls else 0.0
         exposed = first + max(0.0, comm - first - compute_s)
-    return StepTimePrediction(compute_s, optimizer_s, comm, exposed, by)
+    return StepTimePrediction(compute_s, optimizer_s, comm + overhead, exposed + overhead, by)
 
 
 TimeModelSource = Callable[..., StepTimeModel]

@@ -63,7 +63,7 @@ def first_pass(rows: list[TuneRow], measure: Callable, warmup: int) -> None:
 
 
 def per_call_row(rows: list[TuneRow]) -> TuneRow | None:
-    """The fitting row of the largest shard size with the most estimated collective calls (the
+    """The fitting row of the largest shard size with the most estimated calls (the
     first such in table order): the one whose calls differ most from the few-call rows that lead
     (`tuner._references`). A slow row stopped after one step is biased high, for being stopped."""
     largest = of_largest_shard([r for r in rows if r.fits])
@@ -78,11 +78,12 @@ def of_largest_shard(rows: list[TuneRow]) -> list[TuneRow]:
 
 
 def measuring_order(rows: list[TuneRow]) -> list[TuneRow]:
-    """The fitting rows, fewest estimated collective calls first (ties in table order): the fastest
-    setting tends to be among them, and the sooner it is measured, the sooner a slower row stops
-    after one timed step. On 2 and 4 CPU ranks the fastest made the fewest calls of its shard
-    size in every cell of the judge's runs F and H; where it does not, only the tuning costs more."""
-    return sorted((r for r in rows if r.fits), key=lambda r: r.estimated_calls)
+    """The fitting rows, fewest estimated collective calls first, then fewest calls in all (local
+    ones too: world size 1, where none is collective), then in table order: the fastest setting
+    tends to be among them, and the sooner it is measured, the sooner a slower row stops after
+    one timed step. On 2 and 4 CPU ranks the fastest made the fewest calls of its shard size in
+    every cell of the judge's runs F and H; where it does not, only the tuning costs more."""
+    return sorted((r for r in rows if r.fits), key=lambda r: (r.estimated_collective_calls, r.estimated_calls))
 
 
 def contenders(rows: list[TuneRow]) -> list[TuneRow]:

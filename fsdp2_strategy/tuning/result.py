@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import FSDP2Config
-from ..estimate import MemoryEstimate, StepTimeModel, StepTimePrediction, human_bytes
+from ..estimate import MemoryEstimate, StepTimeModel, StepTimePrediction, fsdp_calls, human_bytes
 from .candidates import Candidate
 from .measure import Measurement
 
@@ -34,7 +34,13 @@ class TuneRow:
 
     @property
     def estimated_calls(self) -> int:
-        """Collective calls per optimizer step the estimate counts (0 when not estimated)."""
+        """FSDP's calls per optimizer step the estimate counts (`fsdp_calls`: collective calls
+        and local unshards and syncs; 0 when not estimated)."""
+        return fsdp_calls(self.estimate) if self.estimate is not None else 0
+
+    @property
+    def estimated_collective_calls(self) -> int:
+        """The collective calls among `estimated_calls`."""
         return sum(self.estimate.collective_calls.values()) if self.estimate is not None else 0
 
     @property

@@ -299,7 +299,7 @@ def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None,
 def _references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | None]:
     """The rows the compute profile comes from. Of the largest shard size (FULL_SHARD's and
     SHARD_GRAD_OP's, most rows): the first in `measuring_order` that took all its timed steps (its
-    phases) and, of those that took all theirs, the one whose collective calls differ most from
+    phases) and, of those that took all theirs, the one whose calls (`fsdp_calls`) differ most from
     it (the cost per call; within one shard size, the optimizer step stays out of it;
     `passes.first_pass` never stops the one with the most calls). A row stopped after one step
     was stopped for being slow, so its one step is biased high: as the per-call reference (8-block
