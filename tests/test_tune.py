@@ -703,6 +703,25 @@ def test_third_pass_settles_the_fastest_row_while_its_passes_disagree():
     assert [r.measured.step_s for r in rows[1:]] == [0.40, 0.37, 0.50]
 
 
+def test_a_third_pass_whose_median_is_the_discarded_pass_scales_the_kept_phases_to_it():
+    from fsdp2_strategy.tuning import passes
+    from fsdp2_strategy.tuning.candidates import Candidate
+    from fsdp2_strategy.tuning.measure import Measurement
+    from fsdp2_strategy.tuning.result import TuneRow
+
+    # The faster pass (0.30 s: 0.10 + 0.15 + 0.05) was kept, the second (0.42 s) only as a time;
+    # the third (0.50 s) makes the second the median: the kept phases are scaled to add up to it.
+    kept = Measurement(
+        step_s=0.30, forward_s=0.10, backward_s=0.15, optimizer_s=0.05, peak_bytes=7, passes=[0.30, 0.42]
+    )
+    rows = [TuneRow(Candidate("a", {}), fits=True, measured=kept)]
+    again = Measurement(step_s=0.50, forward_s=0.2, backward_s=0.2, optimizer_s=0.1, peak_bytes=0, passes=[0.50])
+    passes.third_pass(rows, lambda row, warmup, probe: (again, ""))
+    m = rows[0].measured
+    assert (m.step_s, m.passes, m.peak_bytes) == (0.42, [0.30, 0.42, 0.50], 7)
+    assert (m.forward_s, m.backward_s, m.optimizer_s) == pytest.approx((0.14, 0.21, 0.07))
+
+
 def test_first_pass_measures_fewest_calls_first_and_stops_a_row_over_the_recheck_factor():
     from fsdp2_strategy.tuning import passes
     from fsdp2_strategy.tuning.candidates import Candidate

@@ -167,11 +167,18 @@ def third_pass(rows: list[TuneRow], measure: Callable) -> None:
 
 
 def _merged(kept: Measurement, again: Measurement, base: Measurement, step_s: float) -> Measurement:
-    """`base`'s phases and steps with the row's `step_s`; every pass and its cost so far; the peak
-    and collectives of `kept`, whose first pass took the probe (the later ones take none)."""
+    """`base`'s phases and steps with the row's `step_s`, the phases scaled to add up to it (a
+    third pass's median can be the second pass, of which only the time was kept: on one H200 the
+    reference row's phases added up to its first pass, 0.119 s, against its median 0.144 s, and it
+    was predicted 17 % below itself); every pass and its cost so far; the peak and collectives of
+    `kept`, whose first pass took the probe (the later ones take none)."""
+    scale = step_s / base.step_s if base.step_s > 0 else 1.0
     return dataclasses.replace(
         base,
         step_s=step_s,
+        forward_s=base.forward_s * scale,
+        backward_s=base.backward_s * scale,
+        optimizer_s=base.optimizer_s * scale,
         peak_bytes=kept.peak_bytes,
         collectives=kept.collectives,
         cost_s=kept.cost_s + again.cost_s,
