@@ -1,6 +1,6 @@
 """One process on one accelerator (nccl and gloo side by side): the paths a CPU run never takes.
 
-Usage: python one_device.py {core,lightning,accelerate,tune} OUT.json WORKDIR
+Usage: python one_device.py {core,lightning,accelerate,tune,tune_bench} OUT.json WORKDIR
 
 Each mode runs in its own process (each framework starts its own process group) and records
 numbers in JSON; tests/test_device.py asserts them. CPU-only machines skip it.
@@ -165,25 +165,45 @@ def tune(out: dict, work: Path) -> None:
     (work / "tune.txt").write_text(out["table"])
 
 
-def tune_meta_gpt(dims: dict, batch_size: int, micro_batches: int) -> dict:
+def tune_meta_gpt(dims: dict, batch_size: int, micro_batches: int, bench_rounds: int = 0) -> dict:
     """Tune a TinyGPT of `dims` built on the meta device; the table, each row as data, and what
-    became of the meta model."""
+    became of the meta model. With `bench_rounds`, every measured candidate is then timed again
+    in that many interleaved rounds (`benchmarks/tune.py`'s separate run and verdict, "bench")."""
     with torch.device("meta"):
         model = TinyGPT(**dims)
     idx, target = make_batch(batch_size, seq=dims["seq"], vocab=dims["vocab"])
-    result = f2.tune(
-        model,
-        {"idx": idx, "target": target},
-        config={"mixed_precision": "bf16"},
-        loss_fn=lambda m, b: loss_fn(m, b["idx"], b["target"]),
-        micro_batches=micro_batches,
-    )
-    return {
+    batch = {"idx": idx, "target": target}
+
+    def gpt_loss(m, b):
+        return loss_fn(m, b["idx"], b["target"])
+
+    result = f2.tune(model, batch, config={"mixed_precision": "bf16"}, loss_fn=gpt_loss, micro_batches=micro_batches)
+    out = {
         "params": sum(p.numel() for p in model.parameters()),
         "still_meta": all(p.is_meta for p in model.parameters()),
         "table": str(result),
         **result.to_dict(),
     }
+    if bench_rounds:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+        import tune as tune_bench
+
+        from fsdp2_strategy.mesh import collective_device
+
+        on_device = {k: t.to(collective_device()) for k, t in batch.items()}
+        times = tune_bench._interleaved(model, on_device, gpt_loss, result, micro_batches, bench_rounds, steps=5)
+        verdict = tune_bench.judge("gpt", dist.get_world_size(), micro_batches, {"result": out, "bench": times})
+        out["bench"] = {**verdict, "report": tune_bench.report(verdict)}
+    return out
+
+
+def tune_bench(out: dict, work: Path) -> None:
+    """`tune`, then each measured candidate timed again in 3 interleaved rounds of 5 steps: is the
+    pick within 5 % of the fastest on the accelerator too? (Not a test: about 2 minutes on an H200;
+    `python one_device.py tune_bench OUT.json WORKDIR`.)"""
+    _init_world1()
+    out.update(tune_meta_gpt(GPT_1B, batch_size=4, micro_batches=2, bench_rounds=3))
+    (work / "tune_bench.txt").write_text(out["table"] + "\n\n" + out["bench"]["report"])
 
 
 def lightning(out: dict, work: Path) -> None:
@@ -293,7 +313,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out: dict = {}
     try:
-        {"core": core, "lightning": lightning, "accelerate": accelerate, "tune": tune}[mode](out, work)
+        modes = {"core": core, "lightning": lightning, "accelerate": accelerate, "tune": tune, "tune_bench": tune_bench}
+        modes[mode](out, work)
     except BaseException:  # DCP's CheckpointException is a BaseException
         out["error"] = traceback.format_exc()
     out_path.write_text(json.dumps(out, indent=1, default=str))
