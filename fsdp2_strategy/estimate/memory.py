@@ -90,8 +90,8 @@ class MemoryEstimate:
     the collective they stand in for: unshards ("all_gather") of groups sharded over one rank,
     which FSDP still makes by copying each shard into its unsharded parameter (cast to the
     compute dtype), and their gradient syncs ("reduce_scatter") when no replica all-reduces them.
-    They cost no latency or bandwidth, but the same copies and hooks as a call (every one of them
-    on one rank)."""
+    They cost no latency or bandwidth; their copies and hooks are `ComputeProfile.local_call_s`
+    each."""
     local_groups: int = 0
     """FSDP groups with parameters sharded over one rank: the local unshards of one forward."""
 

@@ -165,10 +165,11 @@ class ComputeProfile:
         (`other`, measured at `other_step_s` per step) is predicted exactly: 0 when the two make as
         many calls, never below minus the sweep's least latency among the collectives they call
         (a call costs no less than nothing). Where the two make as many collective calls but not
-        as many local ones (world size 1), `local_call_s` is chosen so instead, never below 0. `third`: (optimizer seconds, step seconds, estimate)
-        of a setting with another shard size. Its optimizer step splits the optimizer into the
-        part that shrinks with the shard and the part that does not (`optimizer_fixed_s`); its
-        step time gives `per_byte_s` to the collectives it calls and the other two do not."""
+        as many local ones (world size 1), `local_call_s` is chosen so instead, never below 0.
+        `third`: (optimizer seconds, step seconds, estimate) of a setting with another shard size.
+        Its optimizer step splits the optimizer into the part that shrinks with the shard and the
+        part that does not (`optimizer_fixed_s`); its step time gives `per_byte_s` to the
+        collectives it calls and the other two do not."""
         fixed = _optimizer_fixed(phases[2], estimate.shard_size, third[0], third[2]) if third else 0.0
 
         local = _collective_count(estimate) == _collective_count(other)
