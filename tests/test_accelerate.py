@@ -561,9 +561,8 @@ def test_peft_state_holds_the_adapter_and_every_save_path_loads(flows):
 
 def test_overlap_save_state_holds_the_saved_state_and_resumes_exactly(flows):
     r = flows["overlap_save"]
-    assert not r["copied_before_return"] and r["waited"] >= 0.45, (
-        r
-    )  # save_state returned before the copy; a step waited
+    # save_state returned before the copy ended; a step waited for it
+    assert not r["copied_before_return"] and r["waited"] >= 0.45, r
     assert r["changed_by_next_step"] and not r["committed_before_end"] and r["committed_after_wait"], r
     assert r["differs"] == [] and r["resumed"] == r["continued"], r
 
