@@ -674,6 +674,61 @@ def test_interleaved_pass_measures_the_contenders_in_turn_when_they_fit_together
         assert len(asked) == calls and [r.measured.passes for r in rows] == [[s] for s in first.values()]
 
 
+def test_the_third_reference_joins_the_pass_in_turn_where_it_fits_beside_the_contenders():
+    from fsdp2_strategy.tuning import passes
+    from fsdp2_strategy.tuning.candidates import Candidate
+    from fsdp2_strategy.tuning.measure import Measurement
+    from fsdp2_strategy.tuning.result import TuneRow
+
+    # label: (shard size, all-gathers, first pass s, estimated peak B). b and c lead (shard size 2);
+    # of shard size 1, d makes the fewest calls: the third reference, over 1.3 x the fastest.
+    shapes = {"b": (2, 2, 0.20, 100), "c": (2, 10, 0.25, 100), "d": (1, 1, 0.40, 150), "e": (1, 9, 0.45, 150)}
+
+    def rows_():
+        return [
+            TuneRow(
+                Candidate(label, {}),
+                _estimate(
+                    shard_size=size,
+                    collective_calls={"all_gather": calls},
+                    peak_bytes=peak,
+                    activation_checkpointing=False,
+                    micro_batches=1,
+                ),
+                fits=True,
+                measured=Measurement(s, 0, 0, 0, peak_bytes=7, cost_s=1.0, passes=[s]),
+            )
+            for label, (size, calls, s, peak) in shapes.items()
+        ]
+
+    asked = []
+
+    def together(rows):
+        asked.append([r.label for r in rows])
+        return [Measurement(0.3, 0, 0, 0, 0, cost_s=2.0, passes=[0.3], interleaved=True) for r in rows], ""
+
+    rows = rows_()
+    assert passes.references(rows)[2].label == "d"
+    assert passes.interleaved_pass(rows, together, budget=350)
+    assert asked == [["b", "c", "d"]]
+    d = rows[2].measured
+    assert d.interleaved and d.passes == [0.40, 0.3] and d.expected_s == pytest.approx((0.40 * 0.3) ** 0.5)
+    assert rows[3].measured.passes == [0.45]  # e: neither a contender nor a reference
+    # No room for d beside the contenders (200 of 349 B taken, d's peak 150): the contenders alone.
+    asked.clear()
+    assert passes.interleaved_pass(rows_(), together, budget=349)
+    assert asked == [["b", "c"]]
+    # One contender: no pass in turn, and none for the reference alone.
+    asked.clear()
+    rows = rows_()
+    rows[1].measured = Measurement(0.5, 0, 0, 0, 0, passes=[0.5])
+    assert passes.interleaved_pass(rows, together, budget=10**6) and asked == []
+    # The reference a contender already: measured once in turn, not twice.
+    rows = rows_()
+    rows[2].measured = Measurement(0.22, 0, 0, 0, 0, passes=[0.22])
+    assert passes.interleaved_pass(rows, together, budget=10**6) and asked == [["b", "c", "d"]]
+
+
 def test_third_pass_settles_the_fastest_row_while_its_passes_disagree():
     from fsdp2_strategy.tuning import passes
     from fsdp2_strategy.tuning.candidates import Candidate
@@ -768,7 +823,7 @@ def test_first_pass_measures_fewest_calls_first_and_stops_a_row_over_the_recheck
 
 
 def test_reference_rows_follow_the_measuring_order():
-    from fsdp2_strategy.tuning import tuner
+    from fsdp2_strategy.tuning import passes
     from fsdp2_strategy.tuning.candidates import Candidate
     from fsdp2_strategy.tuning.measure import Measurement
     from fsdp2_strategy.tuning.result import TuneRow
@@ -789,18 +844,18 @@ def test_reference_rows_follow_the_measuring_order():
     # Of the largest shard size (2), in measuring order b, c, a: b, the first that took all its
     # steps, and of those that took all theirs, c, whose calls differ most (a stopped after one
     # step); of another size, d, the first in measuring order.
-    ref, other, third = tuner._references(rows)
+    ref, other, third = passes.references(rows)
     assert (ref.label, other.label, third.label) == ("b", "c", "d")
     rows[0].measured.stopped = False  # a took all its steps: a, 23 calls apart
-    assert tuner._references(rows)[1].label == "a"
+    assert passes.references(rows)[1].label == "a"
     # b and a stopped after one step: c, then a stopped one rather than none (15 calls apart,
     # against b's 8); d stopped: e.
     for row in (rows[0], rows[1], rows[3]):
         row.measured.stopped = True
-    ref, other, third = tuner._references(rows)
+    ref, other, third = passes.references(rows)
     assert (ref.label, other.label, third.label) == ("c", "a", "e")
     # One shard size: no third.
-    assert tuner._references(rows[:3])[2] is None
+    assert passes.references(rows[:3])[2] is None
 
 
 def test_a_row_measured_in_turn_is_expected_at_the_geometric_mean_of_its_passes():

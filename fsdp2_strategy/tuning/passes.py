@@ -1,9 +1,11 @@
 """The tuner's passes over the fitting rows: `first_pass` measures each (with the probe for memory
 and collectives); `interleaved_pass` measures the contenders again, all alive at once and
-stepped in turn; where they do not fit in memory together, `second_pass` measures them again one
-after another and `third_pass` settles a leader whose two passes disagree. `measure(row, warmup,
-probe, **more)` and `together(rows)` run on every rank and agree on the outcome: (a Measurement,
-or one per row, or None; why) (`tuner._measurer`)."""
+stepped in turn (with the step-time model's third reference, `model_reference`); where they do
+not fit in memory together, `second_pass` measures them again one after another and
+`third_pass` settles a leader whose two passes disagree. `references` names the rows the
+step-time model is fitted to. `measure(row, warmup, probe, **more)` and `together(rows)` run on
+every rank and agree on the outcome: (a Measurement, or one per row, or None; why)
+(`tuner._measurer`)."""
 
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ def first_pass(rows: list[TuneRow], measure: Callable, warmup: int) -> None:
 def per_call_row(rows: list[TuneRow]) -> TuneRow | None:
     """The fitting row of the largest shard size with the most estimated calls (the
     first such in table order): the one whose calls differ most from the few-call rows that lead
-    (`tuner._references`). A slow row stopped after one step is biased high, for being stopped."""
+    (`references`). A slow row stopped after one step is biased high, for being stopped."""
     largest = of_largest_shard([r for r in rows if r.fits])
     return max(largest, key=lambda r: r.estimated_calls) if largest else None
 
@@ -86,6 +88,30 @@ def measuring_order(rows: list[TuneRow]) -> list[TuneRow]:
     return sorted((r for r in rows if r.fits), key=lambda r: (r.estimated_collective_calls, r.estimated_calls))
 
 
+def references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | None]:
+    """The rows the compute profile comes from. Of the largest shard size (FULL_SHARD's and
+    SHARD_GRAD_OP's, most rows): the first in `measuring_order` that took all its timed steps (its
+    phases) and, of those that took all theirs, the one whose calls (`fsdp_calls`) differ most from
+    it (the cost per call; within one shard size, the optimizer step stays out of it;
+    `passes.first_pass` never stops the one with the most calls). A row stopped after one step
+    was stopped for being slow, so its one step is biased high: as the per-call reference (8-block
+    model, 4 ranks, TinyGPT, 4 ranks) it was 1.6-1.85x the interleaved run's median and every
+    prediction followed it, 28-78 % above the tuner's own steps. Of another shard size, the first
+    that took all its timed steps (its optimizer step: the part that does not shrink with the
+    shard; its step: the cost per byte of a collective only it calls, NO_SHARD's all-reduce)."""
+    measured = measuring_order(measured)
+    largest = of_largest_shard(measured)
+    ref = min(largest, key=_stopped)
+    same = [r for r in largest if r.estimated_calls != ref.estimated_calls]
+    other = max(same or measured, key=lambda r: (not _stopped(r), abs(r.estimated_calls - ref.estimated_calls)))
+    third = min((r for r in measured if r not in largest), key=_stopped, default=None)
+    return ref, other, third
+
+
+def _stopped(row: TuneRow) -> bool:
+    return bool(row.measured and row.measured.stopped)
+
+
 def contenders(rows: list[TuneRow]) -> list[TuneRow]:
     """The measured rows within `RECHECK_WITHIN` of the fastest one's step time."""
     measured = [r for r in rows if r.measured is not None]
@@ -99,13 +125,14 @@ def interleaved_pass(rows: list[TuneRow], together: Callable, budget: int) -> bo
     of the judge: a setting's median moved by 0.70-1.62x between runs minutes apart; 1.6 %
     apart in the tuner's passes, 9.9 % in an interleaved run); those within `CLOSE_CALL` of the
     fastest, or whose first pass beat its first pass by more, take twice the steps. The pick is
-    among these rows.
+    among these rows. The third reference (`references`), when not a contender, joins them where
+    it fits beside them (`model_reference`).
     False, with nothing changed, when their estimated peaks together exceed `budget` or the pass
     failed: the caller then measures them one after another (`second_pass`)."""
     again = contenders(rows)
     if len(again) < 2:
         return True
-    together_bytes = sum(r.estimate.peak_bytes for r in again if r.estimate is not None)
+    together_bytes = sum(_peak(r) for r in again)
     if together_bytes > budget:
         log_rank_zero(
             "f2.tune: the %d contenders' estimated peaks together (%d B) exceed the budget (%d B); "
@@ -115,6 +142,7 @@ def interleaved_pass(rows: list[TuneRow], together: Callable, budget: int) -> bo
             budget,
         )
         return False
+    again += model_reference(rows, again, budget - together_bytes)
     got, why = together(again)
     if got is None:
         log_rank_zero("f2.tune: the contenders are measured again one after another; in turn, %s", why)
@@ -124,6 +152,25 @@ def interleaved_pass(rows: list[TuneRow], together: Callable, budget: int) -> bo
         assert kept is not None
         row.measured = _merged(kept, m, m, m.step_s)
     return True
+
+
+def model_reference(rows: list[TuneRow], contending: list[TuneRow], room: int) -> list[TuneRow]:
+    """The third reference (`references`: of another shard size, NO_SHARD's one group on CPU, whose
+    step gives the cost per byte of the collective only it calls), as a list of one when it is not
+    among `contending` and its estimated peak fits in `room`; else empty. Taken from one pass, as
+    the first candidate measured (the fewest collective calls) and seldom a contender, one slow
+    pass misled every NO_SHARD prediction: 8-block model, 4 ranks (run P), 0.765 s against 0.624 s
+    in the separate run and 0.585-0.66 s in four passes of another world, and NO_SHARD/blocks was
+    predicted 65 % above its own step; all-MiniLM-L6-v2, 4 ranks, k=4 (run O): +27 %."""
+    measured = [r for r in rows if r.measured is not None and r.estimate is not None]
+    third = references(measured)[2] if measured else None
+    if third is None or third in contending or _peak(third) > room:
+        return []
+    return [third]
+
+
+def _peak(row: TuneRow) -> int:
+    return row.estimate.peak_bytes if row.estimate is not None else 0
 
 
 def second_pass(rows: list[TuneRow], measure: Callable) -> None:

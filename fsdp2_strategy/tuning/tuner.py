@@ -5,11 +5,12 @@ collectives are swept once (`measure_link`); the fitting candidates run one afte
 fresh copy of the model (`measure_candidate`); a second pass measures the contenders' step time
 again (two warm-up steps, no probe), all alive at once and stepped in turn, and each takes that
 pass's median (`interleaved_pass`; those within `CLOSE_CALL` of the fastest, or whose first
-pass beat its first pass by more, take twice the steps); where they do not fit in memory
+pass beat its first pass by more, take twice the steps; the step-time model's third reference
+joins them, `model_reference`); where they do not fit in memory
 together, one after another in reverse order, each keeping its faster pass (`second_pass`), and
 while the fastest row's two passes disagree, it is measured a third time and takes their median
 (`third_pass`).
-Up to three measured rows give the compute profile (`ComputeProfile.fit`) from which every
+Up to three measured rows (`references`) give the compute profile (`ComputeProfile.fit`) from which every
 row's step time is predicted. A candidate that fails on any rank (out of memory, an error while
 sharding) is skipped on every rank, with the reason. The pick is made on rank 0 and broadcast;
 every rank returns the same result.
@@ -50,8 +51,7 @@ from .passes import (
     SECOND_PASS_WARMUP,
     first_pass,
     interleaved_pass,
-    measuring_order,
-    of_largest_shard,
+    references,
     second_pass,
     third_pass,
 )
@@ -269,12 +269,12 @@ def _measurer(model, base, batch, loss, make_opt, run) -> tuple[Callable[..., tu
 
 
 def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None, str]:
-    """Predict every estimated row from up to three measured ones (`_references`,
+    """Predict every estimated row from up to three measured ones (`passes.references`,
     `ComputeProfile.fit`); the second value names them."""
     measured = [r for r in rows if r.measured is not None and r.estimate is not None]
     if not measured:
         return None, ""
-    ref, other, third = _references(measured)
+    ref, other, third = references(measured)
     m, o = ref.measured, other.measured
     assert m is not None and ref.estimate is not None and o is not None and other.estimate is not None
     third_ref = None
@@ -296,35 +296,11 @@ def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None,
     return time_model, " + ".join(dict.fromkeys(r.label for r in used))
 
 
-def _references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | None]:
-    """The rows the compute profile comes from. Of the largest shard size (FULL_SHARD's and
-    SHARD_GRAD_OP's, most rows): the first in `measuring_order` that took all its timed steps (its
-    phases) and, of those that took all theirs, the one whose calls (`fsdp_calls`) differ most from
-    it (the cost per call; within one shard size, the optimizer step stays out of it;
-    `passes.first_pass` never stops the one with the most calls). A row stopped after one step
-    was stopped for being slow, so its one step is biased high: as the per-call reference (8-block
-    model, 4 ranks, TinyGPT, 4 ranks) it was 1.6-1.85x the interleaved run's median and every
-    prediction followed it, 28-78 % above the tuner's own steps. Of another shard size, the first
-    that took all its timed steps (its optimizer step: the part that does not shrink with the
-    shard; its step: the cost per byte of a collective only it calls, NO_SHARD's all-reduce)."""
-    measured = measuring_order(measured)
-    largest = of_largest_shard(measured)
-    ref = min(largest, key=_stopped)
-    same = [r for r in largest if r.estimated_calls != ref.estimated_calls]
-    other = max(same or measured, key=lambda r: (not _stopped(r), abs(r.estimated_calls - ref.estimated_calls)))
-    third = min((r for r in measured if r not in largest), key=_stopped, default=None)
-    return ref, other, third
-
-
 def _expected_phases(m: Measurement) -> tuple[float, float, float]:
     """Forward, backward (per micro-batch) and optimizer seconds of `m`'s median step, scaled to
     add up to its expected step (`Measurement.expected_s`) instead of the pass it was taken in."""
     scale = m.expected_s / m.step_s if m.step_s > 0 else 1.0
     return m.forward_s * scale, m.backward_s * scale, m.optimizer_s * scale
-
-
-def _stopped(row: TuneRow) -> bool:
-    return bool(row.measured and row.measured.stopped)
 
 
 def _pick(rows: list[TuneRow]) -> TuneRow:
