@@ -81,7 +81,9 @@ def _overlap_world(root: str) -> dict:
 
 def test_overlap_save_returns_at_once_and_holds_the_state_of_the_call(tmp_path):
     for r in run_distributed(_overlap_world, 2, str(tmp_path)):
-        assert r["in_flight"] and r["returned"] < DELAY / 2, r  # save() did not wait for the copy
+        # save() did not wait for the copy: it was still running when save() returned (a statement
+        # about order, not a timing that a loaded machine could break).
+        assert r["in_flight"], r
         assert r["waited"] >= DELAY * 0.9, r  # the optimizer step waited for it
         assert r["differs"] == []  # bit for bit the state at save()
         assert r["on_commit"] == ([], ["step-000001"])  # on_commit ran in wait(), with the committed directory

@@ -172,7 +172,7 @@ class ComputeProfile:
         collectives it calls and the other two do not."""
         fixed = _optimizer_fixed(phases[2], estimate.shard_size, third[0], third[2]) if third else 0.0
 
-        local = _collective_count(estimate) == _collective_count(other)
+        local = collective_count(estimate) == collective_count(other)
 
         def profile(cost: float) -> ComputeProfile:
             per_call, local_call = (0.0, cost) if local else (cost, 0.0)
@@ -225,10 +225,11 @@ def _optimizer_fixed(optimizer_s: float, shard_size: int, other_optimizer_s: flo
 def fsdp_calls(estimate: MemoryEstimate) -> int:
     """FSDP's unshards and gradient syncs per optimizer step, collective calls and local ones
     (`MemoryEstimate.local_calls`): what the per-call costs are paid for."""
-    return _collective_count(estimate) + sum(estimate.local_calls.values())
+    return collective_count(estimate) + sum(estimate.local_calls.values())
 
 
-def _collective_count(estimate: MemoryEstimate) -> int:
+def collective_count(estimate: MemoryEstimate) -> int:
+    """Collective calls per optimizer step (`MemoryEstimate.collective_calls`, all collectives)."""
     return sum(estimate.collective_calls.get(n, 0) for n in COLLECTIVES)
 
 
@@ -238,7 +239,7 @@ def _call_costs(estimate: MemoryEstimate, per_call_s: float, local_call_s: float
     local_unshards = estimate.local_calls.get("all_gather", 0)
     forward = _forward_gathers(estimate) * per_call_s
     forward += min(estimate.local_groups * _per_forward(estimate), local_unshards) * local_call_s
-    total = _collective_count(estimate) * per_call_s + sum(estimate.local_calls.values()) * local_call_s
+    total = collective_count(estimate) * per_call_s + sum(estimate.local_calls.values()) * local_call_s
     return forward, total - forward
 
 

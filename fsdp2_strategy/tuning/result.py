@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import FSDP2Config
-from ..estimate import MemoryEstimate, StepTimeModel, StepTimePrediction, fsdp_calls, human_bytes
+from ..estimate import MemoryEstimate, StepTimeModel, StepTimePrediction, collective_count, fsdp_calls, human_bytes
 from .candidates import Candidate
 from .measure import Measurement
 
@@ -41,7 +41,7 @@ class TuneRow:
     @property
     def estimated_collective_calls(self) -> int:
         """The collective calls among `estimated_calls`."""
-        return sum(self.estimate.collective_calls.values()) if self.estimate is not None else 0
+        return collective_count(self.estimate) if self.estimate is not None else 0
 
     @property
     def shard_size(self) -> int:
