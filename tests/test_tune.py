@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -48,6 +49,10 @@ def tiny_with_batch():
     torch.manual_seed(0)
     return Tiny(), torch.randn(8, 64), lambda model, batch: model(batch).square().mean()
 
+
+SLOW_STEP_S = 1.0
+STOPS = {"all over": (0.0, 0), "none over": (60.0, 0), "first over": (0.5, 1), "second over": (0.5, 2)}
+"""measure_candidate's stop_above_s, and how many of the first timed steps sleep SLOW_STEP_S."""
 
 FEW = [
     {"sharding_strategy": "FULL_SHARD"},
@@ -130,15 +135,30 @@ def _tune_world(cache: str) -> dict:
         probes[name] = (m.peak_bytes, m.collectives, len(forwards))
     out["probes"] = probes
     out["probe_vs_memtracker"] = _probe_and_memtracker_peaks()
-    # A first timed step over stop_above_s (the slowest rank's) ends the timed steps on every rank.
-    stops = {
-        limit: measure_candidate(model, cfg, batch, loss, None, micro_batches=2, warmup=0, steps=3, stop_above_s=limit)
-        for limit in (0.0, 60.0)
-    }
-    out["stops"] = {limit: (len(m.steps), m.stopped) for limit, m in stops.items()}
+
+    # Two first timed steps over stop_above_s (the slowest rank's) end the timed steps on every
+    # rank, and the second alone times the row; a slow first step followed by one under the limit
+    # does not. Steps made slow by sleeping in the first forwards of a step (k=2: forwards 1-2 are
+    # the first timed step; warmup=0, so the probe step comes after the timed ones).
+    def stopping(limit: float, slow_steps: int):
+        """measure_candidate with the first `slow_steps` timed steps sleeping SLOW_STEP_S."""
+
+        def loss_fn(m, b):
+            forwards.append(1)
+            if len(forwards) <= 2 * slow_steps and len(forwards) % 2:
+                time.sleep(SLOW_STEP_S)
+            return m(b).square().mean()
+
+        forwards.clear()
+        m = measure_candidate(model, cfg, batch, loss_fn, None, micro_batches=2, warmup=0, steps=3, stop_above_s=limit)
+        return m, (len(m.steps), m.stopped, len(forwards))
+
+    stops = {name: stopping(*how) for name, how in STOPS.items()}
+    out["stops"] = {name: seen for name, (_, seen) in stops.items()}
+    out["stopped_s"] = stops["second over"][0].step_s
+    m = stops["none over"][0]
     # The phases are the median step's (each the slowest rank's, scaled to the step's time): they
     # add up to the median step, not more.
-    m = stops[60.0]
     out["phases_add_up"] = (2 * (m.forward_s + m.backward_s) + m.optimizer_s, m.step_s)
 
     # Candidates measured in turn: each built and given its warm-up step, then one step of each per
@@ -169,7 +189,6 @@ def _tune_world(cache: str) -> dict:
     # Where the earlier passes disagree with the rounds in turn, both take as many rounds again: one
     # group sleeps 0.2 s a step, so blocks leads in turn (steps of a few ms); one group's earlier
     # pass beat blocks' (first_s), or did not.
-    import time
 
     def one_sleeps(m, b):
         if not isinstance(m.blocks[0], FSDPModule):
@@ -340,9 +359,16 @@ def test_live_tensor_bytes_counts_each_storage_once_until_it_dies_or_is_resized(
     assert torch.UntypedStorage.resize_ is resize
 
 
-def test_a_candidate_whose_first_timed_step_is_over_the_limit_takes_no_more(world):
+def test_a_candidate_whose_first_two_timed_steps_are_over_the_limit_takes_no_more(world):
     out, _ = world
-    assert out["stops"] == {0.0: (1, True), 60.0: (3, False)}
+    # (timed steps kept, stopped, forwards run: 2 per step, the probe step's included)
+    assert out["stops"] == {
+        "all over": (1, True, 6),  # two timed steps and the probe; the second step kept
+        "none over": (3, False, 8),
+        "first over": (3, False, 8),  # the second step was under the limit: the first was noise
+        "second over": (1, True, 6),
+    }
+    assert out["stopped_s"] >= SLOW_STEP_S  # timed by the second step, which slept
 
 
 def test_a_measurement_s_phases_add_up_to_its_median_step(world):

@@ -51,10 +51,11 @@ later ones (8-block model, 2 ranks)."""
 
 
 def first_pass(rows: list[TuneRow], measure: Callable, warmup: int) -> None:
-    """Measure every fitting row, in `measuring_order`. A row whose first timed step is over
-    `RECHECK_WITHIN` times the fastest median so far takes no more timed steps: it would not be
-    measured again, and one step was within about 5 % of a pass's median. The `per_call_row`
-    takes all its steps: the step-time model's cost per collective call is fitted to it."""
+    """Measure every fitting row, in `measuring_order`. A row whose first two timed steps are over
+    `RECHECK_WITHIN` times the fastest median so far takes no more timed steps, timed by the
+    second (`measure._first_timed_steps`): it would not be measured again, and one step was
+    within about 5 % of a pass's median. The `per_call_row` takes all its steps: the step-time
+    model's cost per collective call is fitted to it."""
     full = per_call_row(rows)
     for row in measuring_order(rows):
         done = [r.measured.step_s for r in rows if r.measured is not None]
@@ -67,7 +68,7 @@ def first_pass(rows: list[TuneRow], measure: Callable, warmup: int) -> None:
 def per_call_row(rows: list[TuneRow]) -> TuneRow | None:
     """The fitting row of the largest shard size with the most estimated calls (the
     first such in table order): the one whose calls differ most from the few-call rows that lead
-    (`references`). A slow row stopped after one step is biased high, for being stopped."""
+    (`references`). A stopped row is timed by one step, taken after a slow one."""
     largest = of_largest_shard([r for r in rows if r.fits])
     return max(largest, key=lambda r: r.estimated_calls) if largest else None
 
@@ -93,10 +94,10 @@ def references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | Non
     SHARD_GRAD_OP's, most rows): the first in `measuring_order` that took all its timed steps (its
     phases) and, of those that took all theirs, the one whose calls (`fsdp_calls`) differ most from
     it (the cost per call; within one shard size, the optimizer step stays out of it;
-    `passes.first_pass` never stops the one with the most calls). A row stopped after one step
-    was stopped for being slow, so its one step is biased high: as the per-call reference (8-block
-    model, 4 ranks, TinyGPT, 4 ranks) it was 1.6-1.85x the interleaved run's median and every
-    prediction followed it, 28-78 % above the tuner's own steps. Of another shard size, the first
+    `passes.first_pass` never stops the one with the most calls). A stopped row is timed by one
+    step: when that was the step it was stopped for, and so biased high, as the per-call reference
+    (8-block model, 4 ranks, TinyGPT, 4 ranks) it was 1.6-1.85x the interleaved run's median and
+    every prediction followed it, 28-78 % above the tuner's own steps. Of another shard size, the first
     that took all its timed steps (its optimizer step: the part that does not shrink with the
     shard; its step: the cost per byte of a collective only it calls, NO_SHARD's all-reduce)."""
     measured = measuring_order(measured)

@@ -188,11 +188,12 @@ class TuneResult:
 
 def _passes(m: Measurement | None) -> str:
     """Each pass's median when there were two or more, the last marked "in turn" when it was
-    interleaved with the other contenders; "1 step" when the pass stopped after one."""
+    interleaved with the other contenders; "stopped" when the pass stopped after two slow steps
+    (timed by the second)."""
     if m is None:
         return "-"
     if m.stopped:
-        return "1 step"
+        return "stopped"
     medians = " / ".join(f"{t:.4f}" for t in m.passes) if len(m.passes) > 1 else "-"
     return medians + (" in turn" if m.interleaved else "")
 
