@@ -94,12 +94,12 @@ def references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | Non
     SHARD_GRAD_OP's, most rows): the first in `measuring_order` that took all its timed steps (its
     phases) and, of those that took all theirs, the one whose calls (`fsdp_calls`) differ most from
     it (the cost per call; within one shard size, the optimizer step stays out of it;
-    `passes.first_pass` never stops the one with the most calls). A stopped row is timed by one
-    step: when that was the step it was stopped for, and so biased high, as the per-call reference
-    (8-block model, 4 ranks, TinyGPT, 4 ranks) it was 1.6-1.85x the interleaved run's median and
-    every prediction followed it, 28-78 % above the tuner's own steps. Of another shard size, the first
-    that took all its timed steps (its optimizer step: the part that does not shrink with the
-    shard; its step: the cost per byte of a collective only it calls, NO_SHARD's all-reduce)."""
+    `first_pass` never stops the one with the most calls). A stopped row is timed by one step:
+    as the per-call reference, when that was the slow step it was stopped for (8-block model and
+    TinyGPT, 4 ranks), it was 1.6-1.85x the interleaved run's median and every prediction followed
+    it, 28-78 % above the tuner's own steps. Of another shard size, the first that took all its
+    timed steps (its optimizer step: the part that does not shrink with the shard; its step: the
+    cost per byte of a collective only it calls, NO_SHARD's all-reduce)."""
     measured = measuring_order(measured)
     largest = of_largest_shard(measured)
     ref = min(largest, key=_stopped)

@@ -6,14 +6,13 @@ fresh copy of the model (`measure_candidate`); a second pass measures the conten
 again (two warm-up steps, no probe), all alive at once and stepped in turn, and each takes that
 pass's median (`interleaved_pass`; those within `CLOSE_CALL` of the fastest, or whose first
 pass beat its first pass by more, take twice the steps; the step-time model's third reference
-joins them, `model_reference`); where they do not fit in memory
-together, one after another in reverse order, each keeping its faster pass (`second_pass`), and
-while the fastest row's two passes disagree, it is measured a third time and takes their median
-(`third_pass`).
-Up to three measured rows (`references`) give the compute profile (`ComputeProfile.fit`) from which every
-row's step time is predicted. A candidate that fails on any rank (out of memory, an error while
-sharding) is skipped on every rank, with the reason. The pick is made on rank 0 and broadcast;
-every rank returns the same result.
+joins them, `model_reference`); where they do not fit in memory together, one after another in
+reverse order, each keeping its faster pass (`second_pass`), and while the fastest row's two
+passes disagree, it is measured a third time and takes their median (`third_pass`).
+Up to three measured rows (`references`) give the compute profile (`ComputeProfile.fit`) from
+which every row's step time is predicted. A candidate that fails on any rank (out of memory, an
+error while sharding) is skipped on every rank, with the reason. The pick is made on rank 0 and
+broadcast; every rank returns the same result.
 """
 
 from __future__ import annotations
