@@ -186,10 +186,10 @@ def _tune_world(cache: str) -> dict:
             model, both, batch, in_turn, optimizer_factory("sgd"), micro_batches=1, warmup=0, steps=2, close=close
         )
         out["close_calls"][close] = (list(order), [len(m.steps) for m in got])
+
     # Where the earlier passes disagree with the rounds in turn, both take as many rounds again: one
     # group sleeps 0.2 s a step, so blocks leads in turn (steps of a few ms); one group's earlier
     # pass beat blocks' (first_s), or did not.
-
     def one_sleeps(m, b):
         if not isinstance(m.blocks[0], FSDPModule):
             time.sleep(0.2)
