@@ -193,7 +193,7 @@ def _first_timed_steps(args: tuple, steps: int, limit: float | None) -> tuple[li
     `steps` >= 2), a second step decides, and if that is over too, it alone times the row. The
     first was chosen for being slow: against the separate runs (runs L-Q, 113 stopped rows, each
     row's tuner / separate ratio over the median of the other rows' in its cell), such a step ran
-    1.07x in the median, but 13 of them over 1.3x and up to 2.1x; and four of the tuner's six
+    1.07x in the median, but 13 of them over 1.3x and up to 2.1x; and four of the tuner's seven
     misses against its own predictions in runs O-Q were stopped rows (-29 % to -44 %)."""
     rows = [_timed_step(args)]
     if steps < 2 or not _slower_than(rows[0][0], limit):
