@@ -306,7 +306,7 @@ def communication_bytes(
     """
     kept = accumulation == "keep_gathered" and micro_batches > 1
     gathers = 1 if kept else micro_batches
-    syncs = micro_batches if accumulation == "sync_each" else 1
+    syncs = _syncs(accumulation, micro_batches)
     ag = rs = ar = 0.0
     for g in sizes.values():
         s = g.shard_size
@@ -323,7 +323,7 @@ def collective_calls(sizes: dict[str, GroupSizes], accumulation: str, micro_batc
     their bytes: per group with parameters, one all-gather per forward and one more per backward
     unless it stays gathered ("keep_gathered": one per step); one reduce-scatter per gradient sync
     (sharded groups), one all-reduce per sync across replicas."""
-    syncs = micro_batches if accumulation == "sync_each" else 1
+    syncs = _syncs(accumulation, micro_batches)
     ag = rs = ar = 0
     for g in sizes.values():
         if not g.params:
@@ -339,13 +339,18 @@ def collective_calls(sizes: dict[str, GroupSizes], accumulation: str, micro_batc
 def local_calls(sizes: dict[str, GroupSizes], accumulation: str, micro_batches: int) -> dict[str, int]:
     """`MemoryEstimate.local_calls`: what `collective_calls` counts for a group sharded over
     several ranks, for the groups sharded over one rank, less the all-reduces it does count."""
-    syncs = micro_batches if accumulation == "sync_each" else 1
+    syncs = _syncs(accumulation, micro_batches)
     ag = rs = 0
     for g in sizes.values():
         if g.params and g.shard_size == 1:
             ag += _unshards(g, accumulation, micro_batches)
             rs += syncs if g.reduce_bytes and g.replicate_size == 1 else 0
     return {"all_gather": ag, "reduce_scatter": rs}
+
+
+def _syncs(accumulation: str, micro_batches: int) -> int:
+    """Gradient syncs per optimizer step: one per micro-batch under "sync_each", else one."""
+    return micro_batches if accumulation == "sync_each" else 1
 
 
 def _unshards(group: GroupSizes, accumulation: str, micro_batches: int) -> int:
