@@ -7,7 +7,9 @@ reads FSDP2's private state, and a few other private torch helpers; only through
 
 - FSDP2 state: `FSDPModule._get_fsdp_state()`, `FSDPState._fsdp_param_groups`, `._is_root`,
   `._lazy_init`, `._pre_forward`, `._post_forward`; `FSDPParamGroup.fsdp_params`, `.mesh_info`,
-  `.post_forward_mesh_info`, `.device`, `.is_unsharded`; `FSDPParam._unsharded_param` and
+  `.post_forward_mesh_info`, `.device`, `.is_unsharded`; `FSDPParam._unsharded_param`,
+  `._module_info` (where the module holds it), `.offload_to_cpu`, `.to_sharded_dtensor`,
+  `.reset_sharded_param` and
   `.unsharded_accumulated_grad` (an attribute FSDP accumulated into up to torch 2.14, a read-only
   view of `_unsharded_param.grad` from 2.15: `drop_unreduced_grads` handles both);
   `FSDPMeshInfo.shard_process_group`, `.shard_mesh_size`; `AllGather`/`ReduceScatter` (the
@@ -102,7 +104,17 @@ _ATTRIBUTES = (
         for n in ("_fsdp_param_groups", "_is_root", "_lazy_init", "_pre_forward", "_post_forward", "_modules")
     ),
     *((FSDPParamGroup, n) for n in ("fsdp_params", "mesh_info", "post_forward_mesh_info", "device", "is_unsharded")),
-    *((FSDPParam, n) for n in ("_unsharded_param", "unsharded_accumulated_grad")),
+    *(
+        (FSDPParam, n)
+        for n in (
+            "_unsharded_param",
+            "unsharded_accumulated_grad",
+            "_module_info",
+            "offload_to_cpu",
+            "to_sharded_dtensor",
+            "reset_sharded_param",
+        )
+    ),
     *((FSDPMeshInfo, n) for n in ("shard_process_group", "shard_mesh_size")),
     (ModuleWrapPolicy, "_module_classes"),
     (WrapPolicy, "_run_policy"),
@@ -160,6 +172,28 @@ def param_groups(module: nn.Module | FSDPModule) -> list:
     if not isinstance(module, FSDPModule):
         return []
     return list(fsdp_state(module)._fsdp_param_groups)
+
+
+def offloaded_params(model: nn.Module) -> list[Any]:
+    """The `FSDPParam`s of `model` that FSDP offloads to the host."""
+    return [p for g in fsdp_groups(model) for group in param_groups(g) for p in group.fsdp_params if p.offload_to_cpu]
+
+
+def param_slots(fsdp_param: Any) -> list[tuple[nn.Module, str]]:
+    """(module, attribute name) where modules hold an `FSDPParam`'s parameter (several if shared)."""
+    info = fsdp_param._module_info
+    return [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]
+
+
+def sharded_dtensor(fsdp_param: Any, local: torch.Tensor) -> Any:
+    """`local` (this rank's shard) as the DTensor FSDP makes of it: on `local`'s device, whatever
+    the mesh's (`DTensor.from_local` would move it there)."""
+    return fsdp_param.to_sharded_dtensor(local)
+
+
+def reset_sharded_param(fsdp_param: Any) -> None:
+    """Make FSDP re-read the parameter its module now holds, as it does after `nn.Module._apply`."""
+    fsdp_param.reset_sharded_param()
 
 
 def lazy_init(module: FSDPModule) -> None:

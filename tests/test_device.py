@@ -52,6 +52,9 @@ def test_core_on_the_accelerator(work):
         c = r["checkpoint"][name]
         assert c["equal"] and c["latest"] == 1 and c["extra"] == {"step": 1} and c["opt_state_device"] != "cpu"
     assert r["load_full_weights_equal"]
+    # Built on meta with CPU offload: the shards in pinned host memory, the step as one process's.
+    m = r["meta_offload"]
+    assert m["device"] == "cpu" and m["pinned"] and m["grad_rel"] < TOL and m["param_rel"] < TOL
 
 
 def test_lightning_on_the_accelerator(work):

@@ -89,8 +89,37 @@ def check_initialisable(model: nn.Module) -> None:
 
 @torch.no_grad()
 def materialize(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Allocate each rank's shards on the mesh device and run the model's initialisation."""
+    """Allocate each rank's shards on the mesh device and run the model's initialisation; then
+    move the shards FSDP offloads to the host (`move_offloaded_shards_to_host`)."""
     model.to_empty(device=mesh_device(mesh))
+    _initialise(model, mesh)
+    move_offloaded_shards_to_host(model)
+
+
+@torch.no_grad()
+def move_offloaded_shards_to_host(model: nn.Module) -> None:
+    """Under CPU offload FSDP keeps the shards in host memory, and its first forward refuses any
+    elsewhere ("should be materialized on CPU"). A meta model is initialised on its mesh's
+    device (where random shards are drawn consistently, module docstring), then its offloaded
+    shards are moved (pinned where FSDP pins them), shared parameters under each of their names,
+    and FSDP told to re-read them, as `to_empty` does."""
+    for fsdp_param in tc.offloaded_params(model):
+        slots = tc.param_slots(fsdp_param)
+        owner, name = slots[0]
+        param = owner._parameters[name]
+        if not isinstance(param, DTensor) or param.device.type == "cpu":
+            continue
+        # `to_empty` made FSDP re-read it, which already moved its data to the host (pinned there)
+        # but left the DTensor saying the mesh's device, which FSDP's check reads.
+        local = param.to_local()
+        host = tc.sharded_dtensor(fsdp_param, local if local.device.type == "cpu" else local.cpu())
+        moved = nn.Parameter(host, requires_grad=param.requires_grad)
+        for owner, name in slots:
+            owner._parameters[name] = moved
+        tc.reset_sharded_param(fsdp_param)
+
+
+def _initialise(model: nn.Module, mesh: DeviceMesh) -> None:
     # Elsewhere DTensor's random ops draw consistent shards; on CPU they would not (module docstring).
     on_cpu = mesh.device_type == "cpu"
     run = _on_full_size if on_cpu else _in_place

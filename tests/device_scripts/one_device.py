@@ -152,6 +152,20 @@ def core(out: dict, work: Path) -> None:
     f2.load_full_weights(meta, work / "export")
     out["load_full_weights_equal"] = all(torch.equal(full(p), saved[n]) for n, p in meta.named_parameters())
 
+    # The same meta build with CPU offload: initialised on the device, its shards then moved to
+    # host memory (FSDP refuses others at its first forward), pinned there, trained as one process.
+    with torch.device("meta"):
+        meta_offloaded = TinyGPT()
+    f2.shard_model(meta_offloaded, cpu_offload=True, log_plan=False)
+    f2.load_full_weights(meta_offloaded, work / "export")
+    ref = TinyGPT().to(dev)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            p.copy_(saved[n])
+    step = _step(meta_offloaded, ref, batch)
+    local = meta_offloaded.pos.to_local()
+    out["meta_offload"] = {"device": str(local.device), "pinned": local.is_pinned(), **step}
+
 
 GPT_1B = {"vocab": 32000, "dim": 2048, "heads": 16, "layers": 20, "seq": 512}
 """A TinyGPT of 1.07 B parameters (20 blocks of 50 M, a tied 32000-token embedding)."""
