@@ -92,3 +92,21 @@ def test_tuner_on_a_1b_model_built_on_meta(work):
             row["predicted_s"],
             row["measured_s"],
         )
+
+
+def test_offloaded_candidates_are_predicted_from_one_offloaded_measurement(work):
+    """The offload terms (the host's optimizer step, the host-device copies) come from one
+    measured offloaded row; the other offloaded row and the rows without offload are predicted
+    within 25 % of their measured steps (printed: run with -s)."""
+    r = _run("tune_offload", work)
+    print(r["table"])
+    rows = {row["label"]: row for row in r["rows"]}
+    assert all(row["measured_s"] for row in rows.values()), [(row["label"], row["skipped"]) for row in r["rows"]]
+    offloaded = [label for label in rows if "offload" in label]
+    assert len(offloaded) == 2 and sum(label in r["reference"] for label in offloaded) == 1, r["reference"]
+    for row in rows.values():
+        assert abs(row["predicted_s"] / row["measured_s"] - 1) <= 0.25, (
+            row["label"],
+            row["predicted_s"],
+            row["measured_s"],
+        )

@@ -6,6 +6,7 @@ the formula tests need no world. No assertion here depends on how fast anything 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -939,6 +940,119 @@ def test_the_step_time_model_takes_the_reference_rows_at_their_expected_step():
     expected = [(0.45 * 0.5) ** 0.5, (0.4 * 0.8) ** 0.5, 0.7]
     assert [r.predicted.total_s for r in rows] == pytest.approx(expected, rel=1e-9)
     assert [r.error for r in rows] == pytest.approx([0, 0, 0], abs=1e-9)
+
+
+def test_offload_copies_each_unshard_from_the_shard_and_each_gradient_shard_back():
+    model, batch = Tiny(layers=3), torch.randn(8, 64)
+
+    def estimate(mode: str, offload: bool, **config) -> MemoryEstimate:
+        return f2.estimate_memory(
+            model,
+            {"sharding_strategy": "FULL_SHARD", "cpu_offload": offload, **config},
+            world_size=2,
+            example_batch=batch,
+            accumulation=mode,
+            micro_batches=2,
+        )
+
+    shard = estimate("sync_last", False).param_bytes  # every parameter sharded and trainable
+    assert shard > 0 and estimate("sync_last", False).host_copy_bytes == 0
+    # keep_gathered: each group copied to the device once a step and its gradient shard back once.
+    assert estimate("keep_gathered", True).host_copy_bytes == 2 * shard
+    # sync_each: a gradient shard back per micro-batch, one more than sync_last.
+    assert estimate("sync_each", True).host_copy_bytes - estimate("sync_last", True).host_copy_bytes == shard
+    # On 2 ranks in fp32 each rank sends its shard in every all-gather and receives its gradient
+    # shard from every reduce-scatter: the copies are the bytes those collectives send (the groups
+    # kept gathered after forward, the root and the last block, gather and copy only in forward).
+    for mode, more in [("sync_last", {}), ("sync_each", {}), ("sync_last", {"reshard_after_forward": False})]:
+        sent = estimate(mode, False, **more).communication
+        assert estimate(mode, True, **more).host_copy_bytes == sent["all_gather"] + sent["reduce_scatter"]
+    assert estimate("sync_last", True).host_copy_bytes < 5 * shard
+
+
+def test_the_offload_terms_are_fitted_to_one_offloaded_setting_and_predict_the_others():
+    def estimate(calls: int, copied: int, offload: bool = True) -> MemoryEstimate:
+        return _estimate(
+            micro_batches=1,
+            activation_checkpointing=False,
+            cpu_offload=offload,
+            collective_calls={"all_gather": calls, "reduce_scatter": calls // 2},
+            communication={"all_gather": 1_000_000 * calls, "reduce_scatter": 500_000 * calls},
+            gathering_groups=calls // 2,
+            host_copy_bytes=copied if offload else 0,
+        )
+
+    base = ComputeProfile(forward_s=0.05, backward_s=0.1, optimizer_s=0.08, per_call_s=1e-3, optimizer_fixed_s=0.01)
+    # The host's optimizer step 6x the device's; 40 ns per byte copied between host and device.
+    truth = dataclasses.replace(base, host_optimizer_scale=6.0, host_copy_s_per_byte=4e-8)
+    blocks, one_group = estimate(8, 24_000_000), estimate(2, 6_000_000)
+    on_host = predict_step_time(one_group, LINK, truth, "cuda")
+    assert on_host.optimizer_s == pytest.approx(6 * (0.01 + 0.08 / 2)) and on_host.host_copy_s == pytest.approx(0.24)
+    fitted = f2.estimate.fit_offload(base, on_host.optimizer_s, on_host.total_s, one_group, LINK, "cuda")
+    assert (fitted.host_optimizer_scale, fitted.host_copy_s_per_byte) == pytest.approx((6.0, 4e-8))
+    assert predict_step_time(blocks, LINK, fitted, "cuda").total_s == pytest.approx(
+        predict_step_time(blocks, LINK, truth, "cuda").total_s
+    )
+    # A setting without offload is predicted as before; so is every setting on a CPU mesh, where
+    # offloaded state already is where it is used (and nothing is fitted there).
+    plain = estimate(8, 0, offload=False)
+    assert (
+        predict_step_time(plain, LINK, fitted, "cuda").total_s == predict_step_time(plain, LINK, base, "cuda").total_s
+    )
+    assert (
+        predict_step_time(blocks, LINK, fitted, "cpu").total_s == predict_step_time(blocks, LINK, base, "cpu").total_s
+    )
+    assert f2.estimate.fit_offload(base, 1.0, 5.0, one_group, LINK, "cpu") is base
+    # Copies cost no less than nothing: a step faster than the host's optimizer explains.
+    assert f2.estimate.fit_offload(base, on_host.optimizer_s, 0.1, one_group, LINK, "cuda").host_copy_s_per_byte == 0
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_offloaded_rows_are_not_references_and_one_fits_the_offload_terms_on_an_accelerator(device_type, monkeypatch):
+    from fsdp2_strategy.tuning import passes, tuner
+    from fsdp2_strategy.tuning.candidates import Candidate
+    from fsdp2_strategy.tuning.measure import Measurement
+    from fsdp2_strategy.tuning.result import TuneRow
+
+    def row(label: str, calls: int, offload: bool, phases: tuple, stopped: bool = False) -> TuneRow:
+        est = _estimate(
+            micro_batches=1,
+            activation_checkpointing=False,
+            cpu_offload=offload,
+            collective_calls={"all_gather": calls, "reduce_scatter": calls // 2},
+            communication={"all_gather": 1_000_000 * calls, "reduce_scatter": 500_000 * calls},
+            gathering_groups=calls // 2,
+            host_copy_bytes=3_000_000 * calls if offload else 0,
+        )
+        measured = Measurement(sum(phases), *phases, 0, stopped=stopped)
+        return TuneRow(Candidate(label, {}), est, fits=True, measured=measured)
+
+    # In measuring order (fewest calls first) the offloaded one group comes first, but stopped.
+    rows = [
+        row("blocks", 8, False, (0.1, 0.2, 0.05)),
+        row("one group", 2, False, (0.08, 0.15, 0.05)),
+        row("one group/offload", 2, True, (0.3, 0.5, 0.9), stopped=True),
+        row("blocks/offload", 8, True, (0.5, 0.9, 0.9)),
+    ]
+    ref, other, _ = passes.references(rows)
+    assert (ref.label, other.label) == ("one group", "blocks")
+    assert passes.offload_reference(rows).label == "blocks/offload"
+    assert passes.offload_reference(rows[:2]) is None and passes.offload_reference(rows[2:]) is None
+    # Every row offloaded: the references are offloaded ones.
+    assert [r.label for r in passes.references(rows[2:])[:2]] == ["blocks/offload", "one group/offload"]
+    monkeypatch.setattr(tuner, "mesh_device_type", lambda: device_type)
+    tuner._predict_rows(rows[:2], LINK)
+    alone = [r.predicted.total_s for r in rows[:2]]
+    _, reference = tuner._predict_rows(rows, LINK)
+    if device_type == "cpu":
+        assert reference == "one group + blocks"
+        assert rows[3].predicted.total_s == pytest.approx(rows[0].predicted.total_s)
+    else:
+        # The offload reference is predicted at its step; the rows without offload as without it.
+        assert reference == "one group + blocks + blocks/offload"
+        assert rows[3].predicted.total_s == pytest.approx(1.4 + 0.9)
+        assert rows[2].predicted.host_copy_s == pytest.approx(rows[3].predicted.host_copy_s / 4)
+    assert [r.predicted.total_s for r in rows[:2]] == alone
 
 
 def test_fit_line_recovers_latency_and_bandwidth():

@@ -94,6 +94,10 @@ class MemoryEstimate:
     each."""
     local_groups: int = 0
     """FSDP groups with parameters sharded over one rank: the local unshards of one forward."""
+    host_copy_bytes: int = 0
+    """Bytes copied between host and device per optimizer step under CPU offload (`host_copies`):
+    every unshard from the sharded state copies the group's shard to the device, every gradient
+    sync its gradient shard back; 0 without offload (on a CPU mesh the copies are no-ops)."""
 
     @property
     def communication_bytes(self) -> int:
@@ -289,6 +293,7 @@ def _result(
         gathering_groups=sum(1 for g in sizes.values() if g.params and g.shard_size > 1),
         local_calls=local_calls(sizes, accumulation, micro_batches),
         local_groups=sum(1 for g in sizes.values() if g.params and g.shard_size == 1),
+        host_copy_bytes=host_copies(sizes, accumulation, micro_batches) if offload else 0,
     )
 
 
@@ -346,6 +351,22 @@ def local_calls(sizes: dict[str, GroupSizes], accumulation: str, micro_batches: 
             ag += _unshards(g, accumulation, micro_batches)
             rs += syncs if g.reduce_bytes and g.replicate_size == 1 else 0
     return {"all_gather": ag, "reduce_scatter": rs}
+
+
+def host_copies(sizes: dict[str, GroupSizes], accumulation: str, micro_batches: int) -> int:
+    """Bytes an offloaded step copies between host and device: FSDP2 copies a group's shard to the
+    device for every all-gather from the sharded state (each forward's; backward's too unless
+    the group stays gathered or keeps a partial copy, `reshard_to`) and each reduced gradient
+    shard back to the host (one per sync)."""
+    syncs = _syncs(accumulation, micro_batches)
+    total = 0
+    for g in sizes.values():
+        if not g.params:
+            continue
+        unshards = _unshards(g, accumulation, micro_batches)
+        from_host = micro_batches if g.reshard_to and unshards > micro_batches else unshards
+        total += from_host * g.sharded + (syncs * g.trainable_sharded if g.reduce_bytes else 0)
+    return total
 
 
 def _syncs(accumulation: str, micro_batches: int) -> int:

@@ -15,7 +15,9 @@ The model, per optimizer step of `k` micro-batches on one rank:
                   | c1 + max(0, communication - c1 - compute)
                                                       ("prefetch": accelerators; c1 = one
                                                        all-gather, which nothing hides)
-    step          = compute + optimizer + overhead + exposed
+    step          = compute + optimizer + overhead + exposed + copies
+    under CPU offload on an accelerator (on a CPU mesh offloaded state already is where it is
+    used): optimizer *= host_optimizer_scale, copies = host_copy_bytes * host_copy_s_per_byte
 
 `calls` and `bytes` (what each rank sends, ring-counted) come from `estimate_memory`
 (`MemoryEstimate.collective_calls`, `.communication`), the local calls (groups sharded over one
@@ -27,7 +29,7 @@ the sweep's latency (FSDP's buffer copies and hooks, ranks waiting for each othe
 measured step with another number of calls (`local_call`, for a local one, where the two differ
 only in those: world size 1), and from a third setting with another shard size `optimizer_fixed`
 (its optimizer step) and an extra cost per byte of the collectives only it calls (its step time;
-`ComputeProfile.fit`). The overhead is not hidden behind compute on accelerators either: FSDP's
+`ComputeProfile.fit`); the offload terms from a measured offloaded setting (`fit_offload`). The overhead is not hidden behind compute on accelerators either: FSDP's
 copies run in the compute stream's order and its hooks on the CPU that launches the compute (on
 one H200, a 1 B GPT at world size 1, where nothing is communicated, stepped 1.27x slower with one
 group per block than with one group in all).
@@ -36,7 +38,7 @@ group per block than with one group in all).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .memory import MemoryEstimate
@@ -113,6 +115,14 @@ class ComputeProfile:
     (which includes ranks waiting for each other) moved NO_SHARD/blocks' prediction further from
     the tuner's own step in 4 of 8 cells (by 1-8 points, up to +13 %) and closer in 2 (by 2-6),
     on 2 and 4 CPU ranks (TinyGPT and the 8-block model, k=1 and 4)."""
+
+    host_optimizer_scale: float = 1.0
+    """Under CPU offload on an accelerator the optimizer steps on the host: its time over the
+    device's for the same shard, fitted to a measured offloaded setting (`fit_offload`); 1 until
+    one is."""
+    host_copy_s_per_byte: float = 0.0
+    """Seconds per byte of `MemoryEstimate.host_copy_bytes` (the shards copied to the device at
+    each unshard, the gradient shards back), fitted likewise; 0 until one is."""
 
     @classmethod
     def from_step(
@@ -192,6 +202,39 @@ class ComputeProfile:
         return fitted
 
 
+def fit_offload(
+    compute: ComputeProfile,
+    optimizer_s: float,
+    step_s: float,
+    estimate: MemoryEstimate,
+    link: Link,
+    device_type: str = "cpu",
+) -> ComputeProfile:
+    """`compute` with the offload terms chosen so that the offloaded setting `estimate`, measured
+    at `step_s` a step of which `optimizer_s` in the optimizer step, is predicted exactly:
+    `host_optimizer_scale` from its optimizer step (the host's against the device's, as
+    `compute` predicts it for the same shard), then `host_copy_s_per_byte` from the rest of its
+    step, never below 0. `compute` unchanged for a setting without offload, or on a CPU mesh."""
+    if not _offloads_to_host(estimate, device_type):
+        return compute
+    base = replace(compute, host_optimizer_scale=1.0, host_copy_s_per_byte=0.0)
+    on_device = predict_step_time(estimate, link, base, device_type).optimizer_s
+    scaled = replace(base, host_optimizer_scale=optimizer_s / on_device if on_device > 0 else 1.0)
+    missing = step_s - predict_step_time(estimate, link, scaled, device_type).total_s
+    copied = estimate.host_copy_bytes
+    return replace(scaled, host_copy_s_per_byte=max(missing / copied, 0.0) if copied else 0.0)
+
+
+def offload_moves_state(device_type: str) -> bool:
+    """Whether CPU offload moves state between host and device when training on `device_type`:
+    not on a CPU mesh, where offloaded state already is where it is used."""
+    return device_type != "cpu"
+
+
+def _offloads_to_host(estimate: MemoryEstimate, device_type: str) -> bool:
+    return estimate.cpu_offload and offload_moves_state(device_type)
+
+
 def _called(link: Link, *estimates: MemoryEstimate) -> set[str]:
     """The swept collectives any of `estimates` calls."""
     return {n for e in estimates for n, c in e.collective_calls.items() if c and n in link.fits}
@@ -263,11 +306,15 @@ class StepTimePrediction:
     optimizer_s: float
     """This rank's optimizer step."""
     communication_s: float
-    """All collectives, as if none overlapped, and FSDP's per-call overhead (`fsdp_calls`)."""
+    """All collectives, as if none overlapped, FSDP's per-call overhead (`fsdp_calls`) and, under
+    CPU offload on an accelerator, the host-device copies (`host_copy_s`)."""
     exposed_s: float
-    """The part of `communication_s` the step waits for (all of the per-call overhead)."""
+    """The part of `communication_s` the step waits for (all of the per-call overhead and of the
+    host-device copies)."""
     by_collective: dict[str, float] = field(default_factory=dict)
     """Seconds per collective."""
+    host_copy_s: float = 0.0
+    """Host-device copies under CPU offload (part of `communication_s` and `exposed_s`)."""
 
     @property
     def total_s(self) -> float:
@@ -299,6 +346,10 @@ def predict_step_time(
     recompute = compute.forward_s if estimate.activation_checkpointing else 0.0
     compute_s = k * (compute.forward_s + compute.backward_s + recompute)
     optimizer_s = compute.optimizer_fixed_s + compute.optimizer_s / max(estimate.shard_size, 1)
+    copies = 0.0
+    if _offloads_to_host(estimate, device_type):
+        optimizer_s *= compute.host_optimizer_scale
+        copies = estimate.host_copy_bytes * compute.host_copy_s_per_byte
     by = link.seconds(estimate.collective_calls, estimate.communication)
     for name, seconds in compute.per_byte_s.items():
         by[name] += seconds * estimate.communication.get(name, 0)
@@ -310,7 +361,7 @@ def predict_step_time(
         calls = estimate.collective_calls.get("all_gather", 0)
         first = by["all_gather"] / calls if calls else 0.0
         exposed = first + max(0.0, comm - first - compute_s)
-    return StepTimePrediction(compute_s, optimizer_s, comm + overhead, exposed + overhead, by)
+    return StepTimePrediction(compute_s, optimizer_s, comm + overhead + copies, exposed + overhead + copies, by, copies)
 
 
 TimeModelSource = Callable[..., StepTimeModel]

@@ -90,7 +90,9 @@ def measuring_order(rows: list[TuneRow]) -> list[TuneRow]:
 
 
 def references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | None]:
-    """The rows the compute profile comes from. Of the largest shard size (FULL_SHARD's and
+    """The rows the compute profile comes from: rows without CPU offload where any is measured
+    (an offloaded step adds host-device copies and a host optimizer step, `offload_reference`).
+    Of the largest shard size (FULL_SHARD's and
     SHARD_GRAD_OP's, most rows): the first in `measuring_order` that took all its timed steps (its
     phases) and, of those that took all theirs, the one whose calls (`fsdp_calls`) differ most from
     it (the cost per call; within one shard size, the optimizer step stays out of it;
@@ -100,13 +102,27 @@ def references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | Non
     it, 28-78 % above the tuner's own steps. Of another shard size, the first that took all its
     timed steps (its optimizer step: the part that does not shrink with the shard; its step: the
     cost per byte of a collective only it calls, NO_SHARD's all-reduce)."""
-    measured = measuring_order(measured)
+    measured = measuring_order([r for r in measured if not _offloaded(r)] or measured)
     largest = of_largest_shard(measured)
     ref = min(largest, key=_stopped)
     same = [r for r in largest if r.estimated_calls != ref.estimated_calls]
     other = max(same or measured, key=lambda r: (not _stopped(r), abs(r.estimated_calls - ref.estimated_calls)))
     third = min((r for r in measured if r not in largest), key=_stopped, default=None)
     return ref, other, third
+
+
+def offload_reference(measured: list[TuneRow]) -> TuneRow | None:
+    """The offloaded row the offload terms are fitted to (`fit_offload`) where `references` are
+    not offloaded: the first in `measuring_order` that took all its timed steps, else the first;
+    None where no row or every row is offloaded (the compute profile is then the host's)."""
+    offloaded = [r for r in measuring_order(measured) if _offloaded(r)]
+    if not offloaded or len(offloaded) == len(measured):
+        return None
+    return min(offloaded, key=_stopped)
+
+
+def _offloaded(row: TuneRow) -> bool:
+    return bool(row.estimate and row.estimate.cpu_offload)
 
 
 def _stopped(row: TuneRow) -> bool:

@@ -37,7 +37,9 @@ from ..estimate import (
     default_budget,
     default_loss,
     estimate_memory,
+    fit_offload,
     nothing_fits_message,
+    offload_moves_state,
     optimizer_factory,
 )
 from ..groups import block_count
@@ -50,6 +52,7 @@ from .passes import (
     SECOND_PASS_WARMUP,
     first_pass,
     interleaved_pass,
+    offload_reference,
     references,
     second_pass,
     third_pass,
@@ -269,7 +272,8 @@ def _measurer(model, base, batch, loss, make_opt, run) -> tuple[Callable[..., tu
 
 def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None, str]:
     """Predict every estimated row from up to three measured ones (`passes.references`,
-    `ComputeProfile.fit`); the second value names them."""
+    `ComputeProfile.fit`), and the offloaded ones with the offload terms of a fourth
+    (`passes.offload_reference`, `fit_offload`); the second value names them."""
     measured = [r for r in rows if r.measured is not None and r.estimate is not None]
     if not measured:
         return None, ""
@@ -283,6 +287,11 @@ def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None,
     device_type = mesh_device_type()
     phases = _expected_phases(m)
     compute = ComputeProfile.fit(phases, ref.estimate, o.expected_s, other.estimate, link, device_type, third=third_ref)
+    host = offload_reference(measured) if offload_moves_state(device_type) else None
+    if host is not None:
+        h = host.measured
+        assert h is not None and host.estimate is not None
+        compute = fit_offload(compute, _expected_phases(h)[2], h.expected_s, host.estimate, link, device_type)
     time_model = StepTimeModel(link, compute, device_type)
     for row in rows:
         if row.estimate is not None:
@@ -291,6 +300,7 @@ def _predict_rows(rows: list[TuneRow], link: Any) -> tuple[StepTimeModel | None,
         [ref]
         + ([other] if other.estimated_calls != ref.estimated_calls else [])
         + ([third] if third is not None else [])
+        + ([host] if host is not None else [])
     )
     return time_model, " + ".join(dict.fromkeys(r.label for r in used))
 

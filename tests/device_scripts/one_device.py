@@ -1,6 +1,6 @@
 """One process on one accelerator (nccl and gloo side by side): the paths a CPU run never takes.
 
-Usage: python one_device.py {core,lightning,accelerate,tune,tune_bench} OUT.json WORKDIR
+Usage: python one_device.py {core,lightning,accelerate,tune,tune_offload,tune_bench} OUT.json WORKDIR
 
 Each mode runs in its own process (each framework starts its own process group) and records
 numbers in JSON; tests/test_device.py asserts them. CPU-only machines skip it.
@@ -179,10 +179,32 @@ def tune(out: dict, work: Path) -> None:
     (work / "tune.txt").write_text(out["table"])
 
 
-def tune_meta_gpt(dims: dict, batch_size: int, micro_batches: int, bench_rounds: int = 0) -> dict:
-    """Tune a TinyGPT of `dims` built on the meta device; the table, each row as data, and what
-    became of the meta model. With `bench_rounds`, every measured candidate is then timed again
-    in that many interleaved rounds (`benchmarks/tune.py`'s separate run and verdict, "bench")."""
+OFFLOAD_CANDIDATES = [
+    {"wrap_policy": None},
+    {},
+    {"wrap_policy": None, "cpu_offload": True},
+    {"cpu_offload": True},
+]
+"""One group and per-block groups, each with and without CPU offload (the default candidates
+offload only when nothing else fits, which a 1 B model on one large GPU never reaches)."""
+
+
+def tune_offload(out: dict, work: Path) -> None:
+    """`tune` with `OFFLOAD_CANDIDATES`: the offloaded settings step the optimizer on the host and
+    copy shards both ways; one of them fits the offload terms of the step-time model
+    (`fit_offload`), and every row is predicted against its measured step."""
+    _init_world1()
+    out.update(tune_meta_gpt(GPT_1B, batch_size=4, micro_batches=2, candidates=OFFLOAD_CANDIDATES))
+    (work / "tune_offload.txt").write_text(out["table"])
+
+
+def tune_meta_gpt(
+    dims: dict, batch_size: int, micro_batches: int, bench_rounds: int = 0, candidates: list | None = None
+) -> dict:
+    """Tune a TinyGPT of `dims` built on the meta device (`candidates`: default the tuner's); the
+    table, each row as data, and what became of the meta model. With `bench_rounds`, every
+    measured candidate is then timed again in that many interleaved rounds
+    (`benchmarks/tune.py`'s separate run and verdict, "bench")."""
     with torch.device("meta"):
         model = TinyGPT(**dims)
     idx, target = make_batch(batch_size, seq=dims["seq"], vocab=dims["vocab"])
@@ -191,7 +213,14 @@ def tune_meta_gpt(dims: dict, batch_size: int, micro_batches: int, bench_rounds:
     def gpt_loss(m, b):
         return loss_fn(m, b["idx"], b["target"])
 
-    result = f2.tune(model, batch, config={"mixed_precision": "bf16"}, loss_fn=gpt_loss, micro_batches=micro_batches)
+    result = f2.tune(
+        model,
+        batch,
+        config={"mixed_precision": "bf16"},
+        candidates=candidates,
+        loss_fn=gpt_loss,
+        micro_batches=micro_batches,
+    )
     out = {
         "params": sum(p.numel() for p in model.parameters()),
         "still_meta": all(p.is_meta for p in model.parameters()),
@@ -327,7 +356,14 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out: dict = {}
     try:
-        modes = {"core": core, "lightning": lightning, "accelerate": accelerate, "tune": tune, "tune_bench": tune_bench}
+        modes = {
+            "core": core,
+            "lightning": lightning,
+            "accelerate": accelerate,
+            "tune": tune,
+            "tune_offload": tune_offload,
+            "tune_bench": tune_bench,
+        }
         modes[mode](out, work)
     except BaseException:  # DCP's CheckpointException is a BaseException
         out["error"] = traceback.format_exc()
