@@ -5,8 +5,11 @@ For each model x world size x micro-batch count, one spawned gloo world:
 2. times every candidate the tuner measured again, interleaved (A B C, C B A, ...; the first round
    is warm-up), a run separate from the tuner's: each round builds each candidate afresh, takes 2
    untimed and `--steps` timed steps and frees it, so one model is alive at a time, as in training
-   and in the tuner. Each rank is pinned to one core in (1) and (2) (`--no-pin`: left to the scheduler);
-3. judges: the pick's median step in (2) within 5 % of the fastest candidate's; each prediction
+   and in the tuner; then those within `--close` of the fastest, and the pick, as many rounds more
+   among themselves. Each rank is pinned to one core in (1) and (2) (`--no-pin`: left to the scheduler);
+3. judges: the pick's median step in (2) within 5 % of the fastest candidate's, pooled over the
+   rounds and paired by round (each candidate's median over the pick's in each round, the
+   median of those ratios: the machine's speed between rounds divides out); each prediction
    against (2)'s median; the tuner's cost against 1,000 steps of the pick.
 
     OMP_NUM_THREADS=1 python benchmarks/tune.py --models mlp8 gpt minilm --worlds 2 --ks 1 4
@@ -46,7 +49,11 @@ def _model(name: str):
     return make_model(), make_batch(8), loss_fn
 
 
-def _interleaved(model, batch, loss_fn, result, k: int, rounds: int, steps: int) -> dict[str, list[float]]:
+def _interleaved(model, batch, loss_fn, result, k: int, rounds: int, steps: int, close: float) -> list[dict]:
+    """Every measured candidate timed again, in `rounds` interleaved rounds after a warm-up round;
+    then those within `close` of the fastest median, and the pick, `rounds` rounds more among
+    themselves (a close call is where the verdict needs the samples). One dict per round:
+    label -> the slowest rank's step seconds."""
     import copy
     import gc
 
@@ -75,14 +82,77 @@ def _interleaved(model, batch, loss_fn, result, k: int, rounds: int, steps: int)
         return times
 
     configs = {r.label: result.config_of(r.label) for r in result.rows if r.measured is not None}
-    variants = {label: lambda cfg=cfg: run(cfg) for label, cfg in configs.items()}
-    times = _bench.interleave(variants, rounds)
-    slowest = torch.tensor([times[name] for name in variants], dtype=torch.float64)
-    torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
-    return {name: slowest[i].tolist() for i, name in enumerate(variants)}
+    done = _rounds(configs, run, rounds + 1)[1:]  # the first round is warm-up
+    medians = pooled(done)
+    near = [label for label in configs if medians[label] <= close * min(medians.values()) or label == result.best.label]
+    if len(near) > 1:
+        done += _rounds({label: configs[label] for label in near}, run, rounds)
+    return done
 
 
-def _case(name: str, k: int, rounds: int, steps: int, pin: bool) -> dict:
+def _rounds(configs: dict, run, rounds: int) -> list[dict]:
+    """`rounds` rounds of `run(config)` for each config, the order reversed every other round
+    (A B C, C B A, ...); each round's step times as the slowest rank's (one all-reduce a round)."""
+    import torch
+    import torch.distributed as dist
+
+    out = []
+    for r in range(rounds):
+        names = list(configs) if r % 2 == 0 else list(configs)[::-1]
+        times = {name: run(configs[name]) for name in names}
+        slowest = torch.tensor([times[name] for name in configs], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out.append({name: slowest[i].tolist() for i, name in enumerate(configs)})
+    return out
+
+
+def steps_of(rounds: list[dict]) -> dict[str, list[float]]:
+    """Each label's step seconds over every round it ran in."""
+    steps: dict[str, list[float]] = {}
+    for round_ in rounds:
+        for label, times in round_.items():
+            steps.setdefault(label, []).extend(times)
+    return steps
+
+
+def pooled(rounds: list[dict]) -> dict[str, float]:
+    """Each label's median step over every round it ran in."""
+    return {label: statistics.median(t) for label, t in steps_of(rounds).items()}
+
+
+def paired(rounds: list[dict], pick: str) -> dict[str, list[float]]:
+    """Per label other than `pick`, its median step over the pick's in each round both ran in:
+    the machine's speed, which moved one setting's median by up to 1.5x minutes apart on our
+    2 cores, divides out of each round's ratio, as in a blocked experiment."""
+    ratios: dict[str, list[float]] = {}
+    for round_ in rounds:
+        if pick not in round_:
+            continue
+        base = statistics.median(round_[pick])
+        for label, times in round_.items():
+            if label != pick:
+                ratios.setdefault(label, []).append(statistics.median(times) / base)
+    return ratios
+
+
+def paired_verdict(rounds: list[dict], pick: str) -> dict:
+    """The candidate that beats the pick by most, round by round (the median of its per-round
+    ratios, `paired`), and pick/it with the ratios' quartiles (1.0 and the pick itself when none
+    beats it)."""
+    ratios = paired(rounds, pick)
+    best = min(ratios, key=lambda label: statistics.median(ratios[label]), default=None)
+    if best is None or statistics.median(ratios[best]) >= 1.0:
+        return {"fastest": pick, "pick_vs_fastest": 1.0, "p25_p75": None, "rounds": 0}
+    q1, _, q3 = statistics.quantiles(ratios[best], n=4) if len(ratios[best]) > 1 else (ratios[best][0],) * 3
+    return {
+        "fastest": best,
+        "pick_vs_fastest": 1 / statistics.median(ratios[best]),
+        "p25_p75": [1 / q3, 1 / q1],
+        "rounds": len(ratios[best]),
+    }
+
+
+def _case(name: str, k: int, rounds: int, steps: int, close: float, pin: bool) -> dict:
     import _bench
     import torch.distributed as dist
 
@@ -94,13 +164,14 @@ def _case(name: str, k: int, rounds: int, steps: int, pin: bool) -> dict:
     result = f2.tune(model, batch, loss_fn=loss_fn, micro_batches=k)
     if dist.get_rank() == 0:  # now, so a cell that runs out of time still shows the tuner's table
         print(result, flush=True)
-    bench = _interleaved(model, batch, loss_fn, result, k, rounds, steps)
-    return {"result": result.to_dict(), "bench": bench}
+    bench = _interleaved(model, batch, loss_fn, result, k, rounds, steps, close)
+    return {"result": result.to_dict(), "rounds": bench}
 
 
 def judge(name: str, world: int, k: int, out: dict) -> dict:
-    medians = {label: statistics.median(t) for label, t in out["bench"].items()}
-    quartiles = {label: statistics.quantiles(t, n=4) for label, t in out["bench"].items() if len(t) > 1}
+    medians = pooled(out["rounds"])
+    steps = steps_of(out["rounds"])
+    quartiles = {label: statistics.quantiles(t, n=4) for label, t in steps.items() if len(t) > 1}
     fastest = min(medians, key=medians.__getitem__)
     pick = out["result"]["best"]
     rows = []
@@ -128,6 +199,8 @@ def judge(name: str, world: int, k: int, out: dict) -> dict:
         "pick": pick,
         "fastest": fastest,
         "pick_vs_fastest": medians[pick] / medians[fastest],
+        "paired": paired_verdict(out["rounds"], pick),
+        "steps": {label: len(t) for label, t in steps.items()},
         "tuner_cost_s": cost,
         "cost_vs_1000_steps": cost / (1000 * medians[pick]),
         "rows": rows,
@@ -139,7 +212,8 @@ def report(v: dict) -> str:
         f"## {v['model']}, {v['world']} ranks, k={v['k']}: picked {v['pick']}, fastest interleaved {v['fastest']} "
         f"(pick/fastest {v['pick_vs_fastest']:.3f}); tuning {v['tuner_cost_s']:.1f} s = "
         f"{v['cost_vs_1000_steps']:.1%} of 1,000 steps",
-        f"{'setting':<34} {'predicted':>10} {'tuner':>8} {'interleaved':>12} {'p25-p75':>15} {'pred err':>9}",
+        _paired_line(v["paired"]),
+        f"{'setting':<34} {'predicted':>10} {'tuner':>8} {'interleaved':>12} {'p25-p75':>15} {'pred err':>9} {'steps':>6}",
     ]
     for r in v["rows"]:
         fmt = lambda x, w: f"{x:>{w}.4f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
@@ -149,9 +223,19 @@ def report(v: dict) -> str:
         spread_s = f"{spread[0]:>7.4f}-{spread[1]:<7.4f}" if spread else f"{'-':>15}"
         lines.append(
             f"{r['setting'] + mark:<34} {fmt(r['predicted_s'], 10)} {fmt(r['tuner_s'], 8)} "
-            f"{fmt(r['interleaved_s'], 12)} {spread_s} {err}"
+            f"{fmt(r['interleaved_s'], 12)} {spread_s} {err} {v['steps'].get(r['setting'], 0):>6}"
         )
     return "\n".join(lines)
+
+
+def _paired_line(p: dict) -> str:
+    if p["p25_p75"] is None:
+        return "paired by round: no candidate beats the pick (pick/fastest 1.000)"
+    lo, hi = p["p25_p75"]
+    return (
+        f"paired by round: fastest {p['fastest']}, pick/fastest {p['pick_vs_fastest']:.3f} "
+        f"(p25-p75 {lo:.3f}-{hi:.3f}, {p['rounds']} rounds)"
+    )
 
 
 def main() -> None:
@@ -161,6 +245,12 @@ def main() -> None:
     parser.add_argument("--ks", nargs="+", type=int, default=[1])
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds after one warm-up round")
     parser.add_argument("--steps", type=int, default=5, help="steps per variant per round")
+    parser.add_argument(
+        "--close",
+        type=float,
+        default=1.10,
+        help="candidates within this factor of the fastest median, and the pick, take --rounds more rounds",
+    )
     parser.add_argument(
         "--no-pin", dest="pin", action="store_false", help="leave ranks unpinned (default: each rank on one core)"
     )
@@ -176,7 +266,9 @@ def main() -> None:
     for name in args.models:
         for world in args.worlds:
             for k in args.ks:
-                out = run_distributed(_case, world, name, k, args.rounds, args.steps, args.pin, timeout=args.timeout)[0]
+                out = run_distributed(
+                    _case, world, name, k, args.rounds, args.steps, args.close, args.pin, timeout=args.timeout
+                )[0]
                 verdicts.append(judge(name, world, k, out))
                 print(report(verdicts[-1]), flush=True)
                 Path(args.out).write_text(json.dumps(verdicts, indent=1))  # after each cell: a later one may fail

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -75,6 +76,36 @@ def _value(out: str, prefix: str) -> float:
     """The number that follows `prefix` on the first output line containing it."""
     line = next(line for line in out.splitlines() if prefix in line)
     return float(line.split(prefix)[1].split()[0].rstrip(",;)"))
+
+
+def _bench_tune():
+    spec = importlib.util.spec_from_file_location("bench_tune", ROOT / "benchmarks" / "tune.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tune_benchmark_pairs_each_candidate_with_the_pick_round_by_round():
+    """The machine ran 3x slower in round 2, and only B took the extra round (fast by then): pooled
+    medians call B 1.8x faster, round by round it is 10 % slower than the pick A, so A stands."""
+    bench = _bench_tune()
+    rounds = [{"A": [1.0], "B": [1.1], "C": [1.3]}, {"A": [3.0], "B": [3.3], "C": [3.6]}, {"B": [0.5]}]
+    assert bench.pooled(rounds)["B"] < bench.pooled(rounds)["A"] / 1.8
+    assert bench.paired_verdict(rounds, "A") == {"fastest": "A", "pick_vs_fastest": 1.0, "p25_p75": None, "rounds": 0}
+    verdict = bench.paired_verdict(rounds, "C")  # A beats C by 1.3x and 1.2x: the median of the two
+    assert verdict["fastest"] == "A" and verdict["rounds"] == 2
+    assert abs(verdict["pick_vs_fastest"] - 1 / ((1 / 1.3 + 1 / 1.2) / 2)) < 1e-12
+
+
+def test_tune_benchmark_runs_and_gives_the_close_candidates_more_rounds():
+    out = _python(
+        "benchmarks/tune.py", "--models", "mlp8", "--ks", "1", "--rounds", "1", "--steps", "1", "--close", "100",
+        "--out", os.devnull,
+    )  # fmt: skip
+    assert "paired by round:" in out, out[-3000:]
+    table = out[out.index("pred err  steps") :].splitlines()[1:]
+    rows = [line for line in table if line.split() and line.split()[-1].isdigit()]
+    assert len(rows) >= 2 and all(line.split()[-1] == "2" for line in rows), table  # 1 round + 1 for close ones
 
 
 def test_meta_init_example_loads_the_right_weights():
