@@ -29,10 +29,11 @@ the sweep's latency (FSDP's buffer copies and hooks, ranks waiting for each othe
 measured step with another number of calls (`local_call`, for a local one, where the two differ
 only in those: world size 1), and from a third setting with another shard size `optimizer_fixed`
 (its optimizer step) and an extra cost per byte of the collectives only it calls (its step time;
-`ComputeProfile.fit`); the offload terms from a measured offloaded setting (`fit_offload`). The overhead is not hidden behind compute on accelerators either: FSDP's
-copies run in the compute stream's order and its hooks on the CPU that launches the compute (on
-one H200, a 1 B GPT at world size 1, where nothing is communicated, stepped 1.27x slower with one
-group per block than with one group in all).
+`ComputeProfile.fit`); the offload terms from a measured offloaded setting (`fit_offload`). The
+overhead is not hidden behind compute on accelerators either: FSDP's copies run in the compute
+stream's order and its hooks on the CPU that launches the compute (on one H200, a 1 B GPT at
+world size 1, where nothing is communicated, stepped 1.27x slower with one group per block than
+with one group in all).
 """
 
 from __future__ import annotations
