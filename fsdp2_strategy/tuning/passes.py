@@ -92,11 +92,11 @@ def measuring_order(rows: list[TuneRow]) -> list[TuneRow]:
 def references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | None]:
     """The rows the compute profile comes from: rows without CPU offload where any is measured
     (an offloaded step adds host-device copies and a host optimizer step, `offload_reference`).
-    Of the largest shard size (FULL_SHARD's and
-    SHARD_GRAD_OP's, most rows): the first in `measuring_order` that took all its timed steps (its
-    phases) and, of those that took all theirs, the one whose calls (`fsdp_calls`) differ most from
-    it (the cost per call; within one shard size, the optimizer step stays out of it;
-    `first_pass` never stops the one with the most calls). A stopped row is timed by one step:
+    Of the largest shard size (FULL_SHARD's and SHARD_GRAD_OP's, most rows): the first in
+    `measuring_order` that took all its timed steps (its phases) and, of those that took all
+    theirs, the one whose calls (`fsdp_calls`) differ most from it (the cost per call; within one
+    shard size, the optimizer step stays out of it; `first_pass` never stops the one with the
+    most calls). A stopped row is timed by one step:
     as the per-call reference, when that was the slow step it was stopped for (8-block model and
     TinyGPT, 4 ranks), it was 1.6-1.85x the interleaved run's median and every prediction followed
     it, 28-78 % above the tuner's own steps. Of another shard size, the first that took all its
