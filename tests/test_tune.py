@@ -970,18 +970,22 @@ def test_offload_copies_each_unshard_from_the_shard_and_each_gradient_shard_back
     assert estimate("sync_last", True).host_copy_bytes < 5 * shard
 
 
-def test_the_offload_terms_are_fitted_to_one_offloaded_setting_and_predict_the_others():
-    def estimate(calls: int, copied: int, offload: bool = True) -> MemoryEstimate:
-        return _estimate(
-            micro_batches=1,
-            activation_checkpointing=False,
-            cpu_offload=offload,
-            collective_calls={"all_gather": calls, "reduce_scatter": calls // 2},
-            communication={"all_gather": 1_000_000 * calls, "reduce_scatter": 500_000 * calls},
-            gathering_groups=calls // 2,
-            host_copy_bytes=copied if offload else 0,
-        )
+def _offload_estimate(calls: int, copied: int, offload: bool = True) -> MemoryEstimate:
+    """A k=1 estimate with `calls` all-gathers of 1 MB, half as many reduce-scatters, and `copied`
+    bytes between host and device under offload."""
+    return _estimate(
+        micro_batches=1,
+        activation_checkpointing=False,
+        cpu_offload=offload,
+        collective_calls={"all_gather": calls, "reduce_scatter": calls // 2},
+        communication={"all_gather": 1_000_000 * calls, "reduce_scatter": 500_000 * calls},
+        gathering_groups=calls // 2,
+        host_copy_bytes=copied if offload else 0,
+    )
 
+
+def test_the_offload_terms_are_fitted_to_one_offloaded_setting_and_predict_the_others():
+    estimate = _offload_estimate
     base = ComputeProfile(forward_s=0.05, backward_s=0.1, optimizer_s=0.08, per_call_s=1e-3, optimizer_fixed_s=0.01)
     # The host's optimizer step 6x the device's; 40 ns per byte copied between host and device.
     truth = dataclasses.replace(base, host_optimizer_scale=6.0, host_copy_s_per_byte=4e-8)
@@ -1015,15 +1019,7 @@ def test_offloaded_rows_are_not_references_and_one_fits_the_offload_terms_on_an_
     from fsdp2_strategy.tuning.result import TuneRow
 
     def row(label: str, calls: int, offload: bool, phases: tuple, stopped: bool = False) -> TuneRow:
-        est = _estimate(
-            micro_batches=1,
-            activation_checkpointing=False,
-            cpu_offload=offload,
-            collective_calls={"all_gather": calls, "reduce_scatter": calls // 2},
-            communication={"all_gather": 1_000_000 * calls, "reduce_scatter": 500_000 * calls},
-            gathering_groups=calls // 2,
-            host_copy_bytes=3_000_000 * calls if offload else 0,
-        )
+        est = _offload_estimate(calls, 3_000_000 * calls, offload)
         measured = Measurement(sum(phases), *phases, 0, stopped=stopped)
         return TuneRow(Candidate(label, {}), est, fits=True, measured=measured)
 
