@@ -104,15 +104,17 @@ def timed_steps(step: Callable[[int], None], steps: int) -> list[float]:
     return times
 
 
-def interleave(variants: dict[str, Callable[[], list[float]]], rounds: int) -> dict[str, list[float]]:
+def interleave(
+    variants: dict[str, Callable[[], list[float]]], rounds: int, warmup: bool = True
+) -> dict[str, list[float]]:
     """Run each variant once per round, interleaved A B, B A, A B, ... (the order alternates so
-    that neither always runs first after the other); the first round is warm-up."""
+    that neither always runs first after the other); with `warmup`, a first round more, untimed."""
     results: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
-    for r in range(rounds + 1):
+    for r in range(rounds + warmup):
         for name in names if r % 2 == 0 else names[::-1]:
             times = variants[name]()
-            if r > 0:
+            if r >= warmup:
                 results[name].extend(times)
     return results
 

@@ -81,29 +81,24 @@ def _interleaved(model, batch, loss_fn, result, k: int, rounds: int, steps: int,
         gc.collect()
         return times
 
+    def timed_rounds(labels: list[str], warmup: bool) -> list[dict]:
+        """`_bench.interleave` of `labels`, the slowest rank's steps, cut into its rounds."""
+        variants = {label: lambda cfg=configs[label]: run(cfg) for label in labels}
+        times = _bench.interleave(variants, rounds, warmup)
+        slowest = torch.tensor([times[label] for label in labels], dtype=torch.float64)
+        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+        return [
+            {label: row[r * steps : (r + 1) * steps].tolist() for label, row in zip(labels, slowest)}
+            for r in range(rounds)
+        ]
+
     configs = {r.label: result.config_of(r.label) for r in result.rows if r.measured is not None}
-    done = _rounds(configs, run, rounds + 1)[1:]  # the first round is warm-up
+    done = timed_rounds(list(configs), warmup=True)
     medians = pooled(done)
     near = [label for label in configs if medians[label] <= close * min(medians.values()) or label == result.best.label]
     if len(near) > 1:
-        done += _rounds({label: configs[label] for label in near}, run, rounds)
+        done += timed_rounds(near, warmup=False)
     return done
-
-
-def _rounds(configs: dict, run, rounds: int) -> list[dict]:
-    """`rounds` rounds of `run(config)` for each config, the order reversed every other round
-    (A B C, C B A, ...); each round's step times as the slowest rank's (one all-reduce a round)."""
-    import torch
-    import torch.distributed as dist
-
-    out = []
-    for r in range(rounds):
-        names = list(configs) if r % 2 == 0 else list(configs)[::-1]
-        times = {name: run(configs[name]) for name in names}
-        slowest = torch.tensor([times[name] for name in configs], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        out.append({name: slowest[i].tolist() for i, name in enumerate(configs)})
-    return out
 
 
 def steps_of(rounds: list[dict]) -> dict[str, list[float]]:
@@ -140,13 +135,14 @@ def paired_verdict(rounds: list[dict], pick: str) -> dict:
     ratios, `paired`), and pick/it with the ratios' quartiles (1.0 and the pick itself when none
     beats it)."""
     ratios = paired(rounds, pick)
-    best = min(ratios, key=lambda label: statistics.median(ratios[label]), default=None)
-    if best is None or statistics.median(ratios[best]) >= 1.0:
+    medians = {label: statistics.median(r) for label, r in ratios.items()}
+    best = min(medians, key=medians.__getitem__, default=None)
+    if best is None or medians[best] >= 1.0:
         return {"fastest": pick, "pick_vs_fastest": 1.0, "p25_p75": None, "rounds": 0}
     q1, _, q3 = statistics.quantiles(ratios[best], n=4) if len(ratios[best]) > 1 else (ratios[best][0],) * 3
     return {
         "fastest": best,
-        "pick_vs_fastest": 1 / statistics.median(ratios[best]),
+        "pick_vs_fastest": 1 / medians[best],
         "p25_p75": [1 / q3, 1 / q1],
         "rounds": len(ratios[best]),
     }

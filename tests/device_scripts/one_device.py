@@ -79,6 +79,12 @@ def _update_rel(model, ref, start: dict) -> float:
     return (diff.norm() / torch.cat([w.flatten() for w in want.values()]).norm()).item()
 
 
+def _where(model) -> dict:
+    """The device of the position embedding's local shard, and whether it is pinned."""
+    local = model.pos.to_local()
+    return {"device": str(local.device), "pinned": local.is_pinned()}
+
+
 def core(out: dict, work: Path) -> None:
     _init_world1()
     dev, batch = _device(), make_batch(8)
@@ -92,8 +98,7 @@ def core(out: dict, work: Path) -> None:
     torch.manual_seed(0)
     ref = TinyGPT().to(dev)
     offloaded = f2.shard_model(copy.deepcopy(ref).cpu(), cpu_offload=True, log_plan=False)
-    local = offloaded.pos.to_local()
-    out["offload"] = {"device": str(local.device), "pinned": local.is_pinned(), **_step(offloaded, ref, batch)}
+    out["offload"] = {**_where(offloaded), **_step(offloaded, ref, batch)}
 
     torch.manual_seed(0)
     ref = TinyGPT().to(dev)
@@ -162,9 +167,7 @@ def core(out: dict, work: Path) -> None:
     with torch.no_grad():
         for n, p in ref.named_parameters():
             p.copy_(saved[n])
-    step = _step(meta_offloaded, ref, batch)
-    local = meta_offloaded.pos.to_local()
-    out["meta_offload"] = {"device": str(local.device), "pinned": local.is_pinned(), **step}
+    out["meta_offload"] = {**_where(meta_offloaded), **_step(meta_offloaded, ref, batch)}
 
 
 GPT_1B = {"vocab": 32000, "dim": 2048, "heads": 16, "layers": 20, "seq": 512}
