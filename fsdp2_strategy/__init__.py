@@ -21,19 +21,34 @@ from .estimate import MemoryEstimate, StrategyComparison, compare_strategies, es
 from .fsdp1 import fully_shard
 from .preemption import PREEMPTION_EXIT_CODE, PreemptionWatch
 from .shard import ShardingPlan, replicate, shard_model, sharding_plan
-from .train import check_optimizer, clip_grad_norm_, clip_grad_value_, no_sync, reshard, set_gradient_sync
+from .train import (
+    PeakFlops,
+    StepMetrics,
+    ThroughputMeter,
+    check_optimizer,
+    clip_grad_norm_,
+    clip_grad_value_,
+    flops_per_token,
+    no_sync,
+    peak_flops,
+    reshard,
+    set_gradient_sync,
+)
 from .tuning import TuneResult, measure_link, tune
 from .versions import warn_untested_versions
 
 __all__ = [
     "Checkpointer",
     "PREEMPTION_EXIT_CODE",
+    "PeakFlops",
     "PreemptionWatch",
     "FSDP2Config",
     "MemoryEstimate",
     "ModuleOverride",
     "ShardingPlan",
+    "StepMetrics",
     "StrategyComparison",
+    "ThroughputMeter",
     "TuneResult",
     "check_optimizer",
     "clip_grad_norm_",
@@ -42,12 +57,14 @@ __all__ = [
     "estimate_memory",
     "export_full",
     "export_peft",
+    "flops_per_token",
     "fully_shard",
     "init_distributed",
     "inspect_checkpoint",
     "load_full_weights",
     "measure_link",
     "no_sync",
+    "peak_flops",
     "replicate",
     "reshard",
     "save_merged",

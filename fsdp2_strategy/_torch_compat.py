@@ -5,7 +5,8 @@ drop the gradients an aborted accumulation left, hold a group gathered across mi
 an int reshard choice, or gather around a method without casting its arguments. For that the core
 reads FSDP2's private state, and a few other private torch helpers; only through this module:
 
-- FSDP2 state: `FSDPModule._get_fsdp_state()`, `FSDPState._fsdp_param_groups`, `._is_root`,
+- FSDP2 state: `FSDPModule._get_fsdp_state()`, `FSDPState._fsdp_param_groups` (before torch
+  2.13 the one `._fsdp_param_group`), `._is_root`,
   `._lazy_init`, `._pre_forward`, `._post_forward`; `FSDPParamGroup.fsdp_params`, `.mesh_info`,
   `.post_forward_mesh_info`, `.device`, `.is_unsharded`; `FSDPParam._unsharded_param`,
   `._module_info` (where the module holds it), `.offload_to_cpu`, `.to_sharded_dtensor`,
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from .versions import private_api_error
+from .versions import minor, private_api_error
 
 _missing: list[str] = []
 
@@ -99,10 +100,7 @@ def _declares(owner: Any, name: str) -> bool:
 
 _ATTRIBUTES = (
     (FSDPModule, "_get_fsdp_state"),
-    *(
-        (FSDPState, n)
-        for n in ("_fsdp_param_groups", "_is_root", "_lazy_init", "_pre_forward", "_post_forward", "_modules")
-    ),
+    *((FSDPState, n) for n in ("_is_root", "_lazy_init", "_pre_forward", "_post_forward", "_modules")),
     *((FSDPParamGroup, n) for n in ("fsdp_params", "mesh_info", "post_forward_mesh_info", "device", "is_unsharded")),
     *(
         (FSDPParam, n)
@@ -128,12 +126,27 @@ _ATTRIBUTES = (
 )
 
 
+_ANY_OF = (
+    # torch >= 2.13: a list of groups per state (`fully_shard` can split a module's parameters);
+    # torch 2.11-2.12: one optional group.
+    (FSDPState, ("_fsdp_param_groups", "_fsdp_param_group")),
+)
+"""(owner, names): names of which one must exist (a private name renamed between supported releases)."""
+
+
+def _qualname(owner: Any) -> str:
+    return getattr(owner, "__qualname__", getattr(owner, "__name__", owner))
+
+
 def missing_private_names() -> list[str]:
     """The private torch names the core uses that this torch lacks (empty on a supported torch)."""
     missing = list(_missing)
     for owner, name in _ATTRIBUTES:
         if not _declares(owner, name):
-            missing.append(f"{getattr(owner, '__qualname__', getattr(owner, '__name__', owner))}.{name}")
+            missing.append(f"{_qualname(owner)}.{name}")
+    for owner, names in _ANY_OF:
+        if not any(_declares(owner, n) for n in names):
+            missing.append(f"{_qualname(owner)}.{' or '.join(names)}")
     return missing
 
 
@@ -171,7 +184,10 @@ def param_groups(module: nn.Module | FSDPModule) -> list:
     """The module's FSDP parameter groups ([] for a module `fully_shard` was not applied to)."""
     if not isinstance(module, FSDPModule):
         return []
-    return list(fsdp_state(module)._fsdp_param_groups)
+    state = fsdp_state(module)
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []  # torch < 2.13
 
 
 def offloaded_params(model: nn.Module) -> list[Any]:
@@ -271,6 +287,13 @@ def tensor_tables(module: nn.Module) -> tuple[dict, dict]:
 def storage_key(storage: torch.UntypedStorage) -> int:
     """An id of the storage itself, the same for every tensor viewing it."""
     return storage._cdata
+
+
+STAGER_REUSABLE = minor(torch.__version__) >= (2, 13)
+"""Whether DCP's `DefaultStager` can stage more than once. torch 2.11-2.12 close its state-dict
+stager at the end of every stage (emptying its copy table and its cached host buffers), so a
+second stage fails with `KeyError: <class 'type'>`; a new stager per save is what those releases
+amount to anyway."""
 
 
 def _accumulated_grad_is_attribute() -> bool:

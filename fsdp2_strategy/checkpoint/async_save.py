@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .. import _torch_compat as tc
 from ..config_checks import ASYNC_MODES, check_async_save
 from ..distributed import before_shutdown, is_distributed, logger
 
@@ -87,7 +88,7 @@ class AsyncSaver:
             # DCP's collectives run in a background thread; on the default group they could
             # interleave with the training step's all-gathers and deadlock or mix data.
             self._group = dist.new_group(backend="gloo")
-        if self._stager is None:
+        if self._stager is None or not tc.STAGER_REUSABLE:
             self._stager = self._make_stager()
         try:
             response = dcp.async_save(

@@ -1,5 +1,6 @@
 """Training with a sharded model: accumulation modes and `no_sync`, clipping, optimizer checks,
-parameters kept replicated by hand, and trainer entry points other than `forward`.
+parameters kept replicated by hand, trainer entry points other than `forward`, and per-step
+throughput metrics (tokens/s, MFU, peak memory).
 
 Imports only the base modules of the core. `__all__` is what other packages and the adapters use.
 """
@@ -11,8 +12,15 @@ from .replicated import ATTR as REPLICATED_ATTR
 from .replicated import SCALAR_REASON, ReplicatedParams, find_scalar_params, replicated_params_of
 from .resharding import reshard
 from .step_methods import register_step_method
+from .throughput import PeakFlops, StepMetrics, ThroughputMeter, flops_per_token, log_step_metrics, peak_flops
 
 __all__ = [
+    "PeakFlops",
+    "StepMetrics",
+    "ThroughputMeter",
+    "flops_per_token",
+    "log_step_metrics",
+    "peak_flops",
     "DEFAULT_MODE",
     "REPLICATED_ATTR",
     "SCALAR_REASON",

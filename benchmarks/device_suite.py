@@ -1,0 +1,291 @@
+"""Everything a GPU run should prove, in one command and one results file.
+
+    python benchmarks/device_suite.py --out "$OUT"                 # one H100/H200: about 8 minutes
+    python benchmarks/device_suite.py --out /tmp/suite --dry-run   # CPU, tiny sizes: the suite's own test
+
+Parts (`--parts`, in the order given; the default is the order below):
+
+- `tests`: `pytest tests/test_device.py` (core, Lightning, Accelerate, meta + offload, the tuner
+  and its offload terms): each test's outcome, the summary, the log (`tests.log`, with the tuner's
+  tables);
+- `throughput`: `gpu_throughput.py`'s eight paths on the 1 B Llama-shaped model, interleaved rounds:
+  tokens/s, MFU, peak memory, ratio to the hand-written `fully_shard` loop;
+- `compile`: the hand-written loop and the core with per-block `torch.compile`, and with torchao's
+  float8 linears too where torchao is installed and the GPU has float8 tensor cores;
+- `checkpoint`: `checkpoint_save.py` on a 169 M Llama (2 GB of weights and AdamW state): the stall
+  of sync, async and overlap saves and the overhead of a save every 10 steps;
+- `planner`: `gpu_memory.py planner`: the estimate against the allocator's peak, six settings;
+- `largest`: `gpu_memory.py largest`: the largest model per setting, predicted, then run.
+
+Each part runs in its own processes with a time limit; a part that fails or times out is recorded
+with its error and the suite goes on. `--budget` seconds bound the whole run: a part that would
+start past it is recorded as not run. After each part `device_suite.json` (all numbers, the
+device, versions, date and command) and `device_suite.txt` (the tables) are rewritten under
+`--out`, so a run stopped from outside still leaves what it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path[:0] = [str(BENCH), str(ROOT)]
+
+import gpu_throughput  # noqa: E402
+
+PARTS = ("tests", "throughput", "compile", "checkpoint", "planner", "largest")
+VERSIONED = ("torch", "transformers", "accelerate", "lightning", "peft", "torchao")
+
+
+def environment(argv: list[str]) -> dict:
+    """The device, the versions, the date and the command: what every table must carry."""
+    import torch
+
+    import fsdp2_strategy as f2
+
+    versions = {}
+    for name in VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    device = "cpu"
+    if torch.accelerator.is_available():
+        device = (
+            torch.cuda.get_device_name(0) if torch.cuda.is_available() else str(torch.accelerator.current_accelerator())
+        )
+    return {
+        "device": device,
+        "device_memory_bytes": torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": versions,
+        "fsdp2_strategy": f2.__version__,
+        "peak_flops": {"table": _peak(f2, False), "measured": _peak(f2, True)},
+        "git": _git_head(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "benchmarks/device_suite.py", *argv]),
+    }
+
+
+def _peak(f2, measure: bool) -> dict | None:
+    peak = f2.peak_flops(measure=measure)
+    return peak.to_dict() if measure or peak.source == "table" else None
+
+
+def _git_head() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _python(*args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    run_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=run_env)
+
+
+# --------------------------------------------------------------------------- the parts
+def part_tests(ctx: dict) -> dict:
+    args = ["-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_device.py")]
+    args += ["-k", ctx["tests_k"]] if ctx["tests_k"] else []
+    try:
+        proc = _python(*args, timeout=ctx["limit"])
+        stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:  # keep what finished: -v prints each test's outcome
+        stdout, stderr, code = _text(exc.stdout), _text(exc.stderr), f"timed out after {ctx['limit']:.0f} s"
+    ctx["files"]["tests.log"] = stdout[-200_000:] + stderr[-50_000:]
+    outcomes = [" ".join(line.split()[:2]) for line in stdout.splitlines() if "::" in line and _OUTCOME.search(line)]
+    summary = next((line for line in reversed(stdout.splitlines()) if " in " in line and "=" in line), "")
+    return {"returncode": code, "summary": summary.strip("= "), "outcomes": outcomes}
+
+
+_OUTCOME = re.compile(r" (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+
+
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
+
+
+def _throughput(ctx: dict, paths: tuple[str, ...]) -> dict:
+    size = "tiny" if ctx["dry_run"] else "1b"
+    steps, warmup = (2, 1) if ctx["dry_run"] else (8, 3)
+    deadline = time.monotonic() + ctx["limit"]
+    rounds = 1 if ctx["dry_run"] else 2
+    return gpu_throughput.run(paths, size, rounds, steps, warmup, deadline, timeout=min(180, ctx["limit"]))
+
+
+def part_throughput(ctx: dict) -> dict:
+    return _throughput(ctx, gpu_throughput.PATHS)
+
+
+def part_compile(ctx: dict) -> dict:
+    import torch
+
+    paths, float8 = gpu_throughput.COMPILED, "run"
+    if not _has("torchao"):
+        float8 = "not run: torchao is not installed (carry its wheel)"
+    elif not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        float8 = "not run: float8 matrix products need an NVIDIA GPU of compute capability 8.9 or newer"
+    else:
+        paths += gpu_throughput.FLOAT8
+    result = _throughput(ctx, paths)
+    result["float8"] = float8
+    return result
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def part_checkpoint(ctx: dict) -> dict:
+    out = ctx["work"] / "checkpoint.json"
+    size = ["--size", "tiny", "--rounds", "1", "--every", "3"] if ctx["dry_run"] else ["--rounds", "2", "--every", "10"]
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    args += [str(BENCH / "checkpoint_save.py"), "--model", "llama", *size, "--json", str(out)]
+    proc = _python(*args, timeout=ctx["limit"], env={"BENCH_DIR": str(ctx["work"])})
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"checkpoint_save.py exit {proc.returncode}: {proc.stderr[-3000:]}")
+    return {**json.loads(out.read_text()), "table": proc.stdout.strip()}
+
+
+def _memory(ctx: dict, mode: str) -> object:
+    out = ctx["work"] / f"{mode}.json"
+    args = [str(BENCH / "gpu_memory.py"), mode, "--out", str(out), "--budget", str(ctx["limit"] - 15)]
+    args += ["--confirm-timeout", str(min(120, ctx["limit"] / 3))]
+    proc = _python(*args, *(["--dry-run"] if ctx["dry_run"] else []), timeout=ctx["limit"])
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"gpu_memory.py {mode} exit {proc.returncode}: {proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def part_planner(ctx: dict) -> object:
+    return _memory(ctx, "planner")
+
+
+def part_largest(ctx: dict) -> object:
+    return _memory(ctx, "largest")
+
+
+RUNNERS = {
+    "tests": part_tests,
+    "throughput": part_throughput,
+    "compile": part_compile,
+    "checkpoint": part_checkpoint,
+    "planner": part_planner,
+    "largest": part_largest,
+}
+LIMITS = {"tests": 240, "throughput": 240, "compile": 150, "checkpoint": 150, "planner": 150, "largest": 240}
+"""Seconds each part may take on the device (a dry run takes a fraction)."""
+MIN_START = {"tests": 60, "throughput": 60, "compile": 60, "checkpoint": 30, "planner": 30, "largest": 60}
+"""A part starts only with this many seconds of the budget left."""
+
+
+# --------------------------------------------------------------------------- report
+def report(results: dict) -> str:
+    """The results as text: environment, then one block per part."""
+    env = results["environment"]
+    lines = [
+        f"device: {env['device']}; {env['cpus']} CPUs; python {env['python']}",
+        "versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
+        f"date: {env['date']}; git {env['git']}; command: {env['command']}",
+    ]
+    for name, part in results["parts"].items():
+        lines += ["", f"## {name} ({part.get('seconds', 0):.0f} s)"]
+        if "error" in part or "not_run" in part:
+            lines.append(part.get("not_run") or "ERROR " + part["error"][-2000:])
+            continue
+        lines.append(_part_text(name, part["result"]))
+    return "\n".join(lines) + "\n"
+
+
+def _part_text(name: str, result) -> str:
+    if name in ("throughput", "compile"):
+        peak = result["peak"]
+        head = f"model {result['size']} {result['shape']}; peak {peak['flops'] / 1e12:.0f} TFLOP/s ({peak['source']})"
+        float8 = "\nfloat8: " + result["float8"] if result.get("float8", "run") != "run" else ""
+        return head + "\n" + gpu_throughput.table(result) + float8
+    if name == "checkpoint":
+        return result["table"]
+    if name == "planner":
+        rows = [f"{'setting':<20} {'estimate GiB':>12} {'measured GiB':>12} {'error':>7}"]
+        for r in result:
+            rows.append(
+                f"{r['setting']:<20} {r['estimate'] / 2**30:>12.3f} {r['measured'] / 2**30:>12.3f} {r['error']:>7.1%}"
+            )
+        return "\n".join(rows)
+    if name == "largest":
+        rows = []
+        for setting, r in result.items():
+            runs = "; ".join(
+                f"{run['size']}: " + ("fits" if run.get("fits") else run.get("skipped") or run.get("error", "?")[:120])
+                for run in r["runs"]
+            )
+            rows.append(f"{setting:<20} predicted largest {r['predicted_largest']}; runs: {runs}")
+        return "\n".join(rows)
+    return json.dumps(result, indent=1)[:4000]
+
+
+def write(out: Path, results: dict, files: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "device_suite.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "device_suite.txt").write_text(report(results))
+    for name, text in files.items():
+        (out / name).write_text(text)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "device_suite_out")))
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--budget", type=float, default=480, help="seconds for the whole run")
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes (a CPU check: the device tests skip)")
+    parser.add_argument("--tests-k", help="pytest -k expression selecting device tests (default: all)")
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="device-suite-"))  # checkpoints and scratch: not under --out
+    results: dict = {"environment": environment(argv), "parts": {}}
+    files: dict[str, str] = {}
+    for name in args.parts:
+        left = args.budget - (time.monotonic() - start)
+        if left < (5 if args.dry_run else MIN_START[name]):
+            results["parts"][name] = {"not_run": f"not run: {left:.0f} s of the budget left"}
+            continue
+        ctx = {"dry_run": args.dry_run, "limit": min(LIMITS[name], left), "work": work, "files": files}
+        ctx["tests_k"] = args.tests_k
+        print(f"[{time.monotonic() - start:6.0f} s] {name} (up to {ctx['limit']:.0f} s)", flush=True)
+        t0 = time.monotonic()
+        try:
+            results["parts"][name] = {"result": RUNNERS[name](ctx)}
+        except Exception as exc:  # recorded; the next part still runs
+            results["parts"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        results["parts"][name]["seconds"] = time.monotonic() - t0
+        write(args.out, results, files)
+    results["seconds"] = time.monotonic() - start
+    write(args.out, results, files)
+    shutil.rmtree(work, ignore_errors=True)
+    print(report(results), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
