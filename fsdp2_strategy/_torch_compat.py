@@ -24,7 +24,9 @@ reads FSDP2's private state, and a few other private torch helpers; only through
   `torch._fused_sdp_choice`, `aten._scaled_dot_product_flash_attention_for_cpu` and
   `UntypedStorage._cdata` (the memory simulation), `torch._guards.active_fake_mode` (the
   tuner's live-bytes probe), `torch._foreach_mul_` (clipping), `nn.Module._parameters` /
-  `._buffers` (moving a model to meta without untying shared weights).
+  `._buffers` (moving a model to meta without untying shared weights), DCP's
+  `DefaultStager._stage` / `._state_dict_stager` (keeping its host buffers between saves on torch
+  2.11-2.12).
 
 `check_private_api()` runs when this module is imported (so at `import fsdp2_strategy`) and raises
 ImportError naming every name that moved and the torch releases known to work
@@ -40,6 +42,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.fsdp import FSDPModule
 
 from .versions import minor, private_api_error
@@ -123,6 +126,8 @@ _ATTRIBUTES = (
     (torch.UntypedStorage, "_cdata"),
     (nn.Module, "_parameters"),
     (nn.Module, "_buffers"),
+    (DefaultStager, "_stage"),
+    (DefaultStager, "_state_dict_stager"),
 )
 
 
@@ -289,11 +294,33 @@ def storage_key(storage: torch.UntypedStorage) -> int:
     return storage._cdata
 
 
-STAGER_REUSABLE = minor(torch.__version__) >= (2, 13)
-"""Whether DCP's `DefaultStager` can stage more than once. torch 2.11-2.12 close its state-dict
-stager at the end of every stage (emptying its copy table and its cached host buffers), so a
-second stage fails with `KeyError: <class 'type'>`; a new stager per save is what those releases
-amount to anyway."""
+STAGER_KEEPS_BUFFERS = minor(torch.__version__) >= (2, 13)
+"""Whether DCP's `DefaultStager` keeps its host buffers between stages. torch 2.11-2.12 close its
+state-dict stager at the end of every stage (to break a reference cycle), which empties its copy
+table and its cached host buffers: a second stage fails (`KeyError: <class 'type'>`), and a new
+stager per save would allocate (and pin) the whole state's host memory at every save."""
+
+
+class _StagerKeepingBuffers(DefaultStager):
+    """torch 2.11-2.12's `DefaultStager`, its state-dict stager closed only by `close()` (as from 2.13)."""
+
+    def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        inner = self._state_dict_stager
+        inner.close = _keep_open  # an instance attribute: the `close()` ending `_stage` does nothing
+        try:
+            return super()._stage(state_dict, **kwargs)
+        finally:
+            del inner.close
+
+
+def _keep_open() -> None:
+    return None
+
+
+def reusable_stager(options: StagingOptions) -> DefaultStager:
+    """DCP's stager with `options`, reusing its host buffers from one save to the next on every
+    supported torch (see `STAGER_KEEPS_BUFFERS`)."""
+    return DefaultStager(options) if STAGER_KEEPS_BUFFERS else _StagerKeepingBuffers(options)
 
 
 def _accumulated_grad_is_attribute() -> bool:

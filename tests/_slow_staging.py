@@ -40,7 +40,7 @@ def copied_by(moment: float) -> bool:
 
 def slow(stager: DefaultStager, delay: float) -> DefaultStager:
     """`stager`, its copies held back `delay` seconds."""
-    stager.__class__ = type("Slow", (SlowStager,), {"delay": delay})
+    stager.__class__ = type("Slow", (SlowStager, type(stager)), {"delay": delay})
     return stager
 
 

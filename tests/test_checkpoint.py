@@ -225,6 +225,37 @@ def test_async_save_commits_on_wait(main_world):
         assert r["async_dirs"] == ["step-000010", "step-000011", "step-000012"]
 
 
+@pytest.mark.parametrize("mode", [True, "overlap"])
+def test_async_saves_reuse_the_stagers_host_buffers(tmp_path, mode):
+    """Every save of one Checkpointer stages into the same host buffers (torch 2.11-2.12's stager
+    emptied them after each stage, so a second save failed; a new stager per save would allocate and
+    pin the whole state again each time), and each save still holds its own step's weights."""
+    from fsdp2_strategy.checkpoint.checkpointer import Checkpointer
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ck = Checkpointer(tmp_path, async_save=mode)
+    saved = []
+    for step in range(3):
+        with torch.no_grad():
+            model.pos.add_(1.0)
+        saved.append(model.pos.detach().clone())
+        ck.save(step, model=model)
+        ck.wait()
+        if step == 0:
+            stager = ck._saver._stager
+            buffers = dict(stager._state_dict_stager._cached_storage_mapping)
+            assert buffers  # the first save's host copies, kept for the next
+        assert ck._saver._stager is stager
+        assert set(stager._state_dict_stager._cached_storage_mapping) == set(buffers)
+    for step, pos in enumerate(saved):
+        torch.manual_seed(5)
+        other = TinyGPT()
+        ck.load(model=other, step=step)
+        assert torch.equal(other.pos, pos), step
+    ck.close()
+
+
 def test_single_process_without_process_group(tmp_path):
     """No process group at all: plain model, extra-only saves, argument errors."""
     from fsdp2_strategy.checkpoint.checkpointer import Checkpointer

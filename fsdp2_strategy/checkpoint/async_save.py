@@ -88,7 +88,7 @@ class AsyncSaver:
             # DCP's collectives run in a background thread; on the default group they could
             # interleave with the training step's all-gathers and deadlock or mix data.
             self._group = dist.new_group(backend="gloo")
-        if self._stager is None or not tc.STAGER_REUSABLE:
+        if self._stager is None:
             self._stager = self._make_stager()
         try:
             response = dcp.async_save(
@@ -165,7 +165,7 @@ def default_stager(mode: bool | str) -> DefaultStager:
     thread ("overlap"); pinned memory and non-blocking copies only with an accelerator (on a
     CPU-only machine they fail)."""
     accel = torch.accelerator.is_available()
-    return DefaultStager(
+    return tc.reusable_stager(
         StagingOptions(
             use_pinned_memory=accel,
             use_shared_memory=False,
