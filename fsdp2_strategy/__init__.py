@@ -25,6 +25,7 @@ from .train import (
     PeakFlops,
     StepMetrics,
     ThroughputMeter,
+    ThroughputTracker,
     check_optimizer,
     clip_grad_norm_,
     clip_grad_value_,
@@ -33,6 +34,7 @@ from .train import (
     peak_flops,
     reshard,
     set_gradient_sync,
+    track_throughput,
 )
 from .tuning import TuneResult, measure_link, tune
 from .versions import warn_untested_versions
@@ -49,6 +51,7 @@ __all__ = [
     "StepMetrics",
     "StrategyComparison",
     "ThroughputMeter",
+    "ThroughputTracker",
     "TuneResult",
     "check_optimizer",
     "clip_grad_norm_",
@@ -73,6 +76,7 @@ __all__ = [
     "shard_model",
     "sharding_plan",
     "shutdown",
+    "track_throughput",
     "tune",
 ]
 __version__ = "0.1.0"

@@ -63,6 +63,7 @@ FSDPState = _private(f"{_FSDP}._fsdp_state", "FSDPState")
 FSDPParamGroup = _private(f"{_FSDP}._fsdp_param_group", "FSDPParamGroup")
 FSDPParam = _private(f"{_FSDP}._fsdp_param", "FSDPParam")
 FSDPMeshInfo = _private(f"{_FSDP}._fsdp_common", "FSDPMeshInfo")
+TrainingState = _private(f"{_FSDP}._fsdp_common", "TrainingState")
 AllGather = _private(f"{_FSDP}._fsdp_api", "AllGather")
 ReduceScatter = _private(f"{_FSDP}._fsdp_api", "ReduceScatter")
 composable_checkpoint = _private("torch.distributed._composable", "checkpoint")
@@ -131,6 +132,30 @@ _ATTRIBUTES = (
 )
 
 
+_BEFORE_2_13 = minor(torch.__version__) < (2, 13)
+_ATTRIBUTES_BEFORE_2_13 = (
+    # `reset_iter_state` below: torch 2.13 made this recovery public (`FSDPModule.reset_iter_state`).
+    *(
+        (FSDPState, n)
+        for n in ("_comm_ctx", "_state_ctx", "_device_handle", "_training_state", "_modules_to_run_forward")
+    ),
+    *(
+        (FSDPParamGroup, n)
+        for n in (
+            "_all_gather_result",
+            "_post_reduce_event",
+            "_all_reduce_state",
+            "_reshard_after_forward_event",
+            "_partial_reduce_output",
+            "_post_forward_indices",
+            "_training_state",
+            "_to_sharded",
+            "_wait_all_gather_streams_on_event",
+        )
+    ),
+)
+"""Private names only torch 2.11-2.12 need (checked there only)."""
+
 _ANY_OF = (
     # torch >= 2.13: a list of groups per state (`fully_shard` can split a module's parameters);
     # torch 2.11-2.12: one optional group.
@@ -147,6 +172,9 @@ def missing_private_names() -> list[str]:
     """The private torch names the core uses that this torch lacks (empty on a supported torch)."""
     missing = list(_missing)
     for owner, name in _ATTRIBUTES:
+        if not _declares(owner, name):
+            missing.append(f"{_qualname(owner)}.{name}")
+    for owner, name in _ATTRIBUTES_BEFORE_2_13 if _BEFORE_2_13 else ():
         if not _declares(owner, name):
             missing.append(f"{_qualname(owner)}.{name}")
     for owner, names in _ANY_OF:
@@ -189,10 +217,72 @@ def param_groups(module: nn.Module | FSDPModule) -> list:
     """The module's FSDP parameter groups ([] for a module `fully_shard` was not applied to)."""
     if not isinstance(module, FSDPModule):
         return []
-    state = fsdp_state(module)
+    return _state_groups(fsdp_state(module))
+
+
+def reset_iter_state(root: FSDPModule) -> None:
+    """FSDP's recovery after an exception aborted a forward or backward: wait for collectives in
+    flight, drop their results and any unreduced gradients' state, reshard every group, clear the
+    iteration's trackers. `FSDPModule.reset_iter_state()` from torch 2.13; before it, the same steps
+    on FSDP's private state (as torch 2.13 takes them).
+
+    Raises:
+        RuntimeError: `root` is not the root FSDP module.
+    """
+    if hasattr(root, "reset_iter_state"):
+        root.reset_iter_state()
+        return
+    state = fsdp_state(root)
+    if state._is_root is False:
+        raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+    stream = state._device_handle.current_stream()
+    comm = state._comm_ctx
+    if (all_gather := comm.all_gather_state) is not None:
+        if all_gather.event is not None:
+            stream.wait_event(all_gather.event)
+        comm.all_gather_state = None
+    if (reduce_scatter := getattr(comm, "reduce_scatter_state", None)) is not None:
+        if reduce_scatter.event is not None:
+            stream.wait_event(reduce_scatter.event)
+        comm.reduce_scatter_state = None
+    comm.post_forward_order.clear()
+    for each in state._state_ctx.all_states:
+        each._modules_to_run_forward.clear()
+        each._training_state = TrainingState.IDLE
+        for group in _state_groups(each):
+            _reset_group(group, stream)
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False
+
+
+def _state_groups(state: Any) -> list:
+    # torch >= 2.13: a list per state; 2.11-2.12: one optional group.
     if hasattr(state, "_fsdp_param_groups"):
         return list(state._fsdp_param_groups)
-    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []  # torch < 2.13
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+
+
+def _reset_group(group: Any, stream: Any) -> None:
+    result = group._all_gather_result
+    if result is not None:
+        if result.all_gather_event is not None:
+            stream.wait_event(result.all_gather_event)
+        if isinstance(result.all_gather_work, torch.distributed.distributed_c10d.Work):
+            result.all_gather_work.wait()
+        group._all_gather_result = None
+    if group._post_reduce_event is not None:
+        stream.wait_event(group._post_reduce_event)
+        group._post_reduce_event = None
+    if group._all_reduce_state is not None and group._all_reduce_state.event is not None:
+        stream.wait_event(group._all_reduce_state.event)
+    group._all_reduce_state = None
+    if group._reshard_after_forward_event is not None:
+        group._wait_all_gather_streams_on_event(group._reshard_after_forward_event)
+        group._reshard_after_forward_event = None
+    group._partial_reduce_output = None
+    group._post_forward_indices.clear()
+    group._training_state = TrainingState.IDLE
+    group._to_sharded()
 
 
 def offloaded_params(model: nn.Module) -> list[Any]:

@@ -172,6 +172,25 @@ def test_accumulate_skips_reduce_scatter_until_the_last_micro_batch(flows):
     assert r["param_rel"] < TOL
 
 
+def test_log_throughput_every_reports_through_the_trackers_on_the_main_process(flows):
+    r = flows["throughput_logging"]
+    main, other = r["rows"]
+    assert other == []  # Accelerator.log: the main process only
+    # 5 optimizer steps: the first starts the clock, then a report every 2 (optimizer steps 3 and 5).
+    assert [step for step, _ in main] == [3, 5] and r["last_step"] == 5
+    for _, m in main:
+        assert set(m) == {
+            "throughput/tokens_per_s",
+            "throughput/step_time_s",
+            "throughput/mfu",
+            "throughput/peak_memory_gib",
+        }
+        # 4 sequences of 16 tokens a step on this rank, counted by the model's forward.
+        assert m["throughput/tokens_per_s"] * m["throughput/step_time_s"] == pytest.approx(64)
+        assert 0 < m["throughput/mfu"] < 1  # against the CPU's measured peak
+    assert r["pending_after_eval"] == 0  # a forward under no_grad counts no training tokens
+
+
 def test_accumulation_modes_through_accumulate(flows):
     r = flows["accumulation_modes"]
     kept, each = r["keep_gathered"], r["sync_each_batch"]

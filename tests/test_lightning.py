@@ -112,6 +112,24 @@ def test_accumulation_reduces_once_per_optimizer_step(flows):
     assert r["max_rel_diff"] < TOL  # the accumulated step equals one step on the whole batch
 
 
+def test_throughput_monitor_logs_per_step_metrics_on_rank_zero_only(flows):
+    rank0, rank1 = flows["throughput_monitor"]["rows"]
+    assert rank1 == []  # rank 0 only
+    assert [step for step, _ in rank0] == [2, 4]  # every 2 optimizer steps
+    for _, m in rank0:
+        assert set(m) == {
+            "throughput/tokens_per_s",
+            "throughput/step_time_s",
+            "throughput/mfu",
+            "throughput/peak_memory_gib",
+        }
+        # A report averages its 2 steps; each step saw 2 micro-batches of 4 samples (the batch's
+        # integer tensor: one "token" a sample): 8 tokens a step on this rank.
+        assert m["throughput/tokens_per_s"] * m["throughput/step_time_s"] == pytest.approx(8)
+        assert 0 < m["throughput/mfu"] < 1  # against the CPU's measured peak
+        assert m["throughput/peak_memory_gib"] > 0.01  # the process's resident peak on the CPU
+
+
 def test_accumulation_modes_under_accumulate_grad_batches(flows):
     r = flows["accumulation_modes"]
     g, k = r["keep_gathered"]["groups"], 2

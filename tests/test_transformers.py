@@ -142,6 +142,18 @@ def test_bf16_is_the_fsdp2_policy(sharded):
     assert 0 < r["train_loss"] < 10
 
 
+def test_log_throughput_adds_per_step_metrics_to_the_training_logs(sharded):
+    r = sharded["throughput"]
+    assert r["off_by_default"]
+    for logs in r["logs"]:  # each rank's log history
+        assert [row["step"] for row in logs] == [1, 2, 3, 4]
+        assert "mfu" not in logs[0]  # the first step starts the clock: nothing to report yet
+        for row in logs[1:]:
+            # 2 sequences of 8 tokens a step on each rank, counted by the model's forward.
+            assert row["tokens_per_s"] * row["step_time_s"] == pytest.approx(16)
+            assert 0 < row["mfu"] < 1 and row["peak_memory_gib"] > 0
+
+
 def test_sigterm_to_one_rank_saves_that_step_and_stops_every_rank(sharded):
     r = sharded["preemption"]
     assert r["global_step"] == [3, 3] and r["preempted"] == [True, True] and r["committed"] == [3], r

@@ -12,15 +12,28 @@ from .replicated import ATTR as REPLICATED_ATTR
 from .replicated import SCALAR_REASON, ReplicatedParams, find_scalar_params, replicated_params_of
 from .resharding import reshard
 from .step_methods import register_step_method
-from .throughput import PeakFlops, StepMetrics, ThroughputMeter, flops_per_token, log_step_metrics, peak_flops
+from .throughput import (
+    PeakFlops,
+    StepMetrics,
+    ThroughputMeter,
+    ThroughputTracker,
+    count_tokens,
+    flops_per_token,
+    log_step_metrics,
+    peak_flops,
+    track_throughput,
+)
 
 __all__ = [
     "PeakFlops",
     "StepMetrics",
     "ThroughputMeter",
+    "ThroughputTracker",
+    "count_tokens",
     "flops_per_token",
     "log_step_metrics",
     "peak_flops",
+    "track_throughput",
     "DEFAULT_MODE",
     "REPLICATED_ATTR",
     "SCALAR_REASON",

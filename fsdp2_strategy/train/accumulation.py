@@ -237,7 +237,7 @@ def abandon(model: nn.Module) -> None:
         # state, which an aborted forward or backward leaves half-way. It needs the root's lazy
         # init (idempotent), which has not run when the exception came before any forward.
         tc.lazy_init(modules[0])
-        modules[0].reset_iter_state()
+        tc.reset_iter_state(modules[0])
 
 
 # --------------------------------------------------------------------------- the public switches

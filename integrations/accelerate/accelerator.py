@@ -26,7 +26,7 @@ from fsdp2_strategy.train import parameters_by_name, rebind_optimizer
 from fsdp2_strategy.tuning import example_batch_from
 
 from . import _compat as compat
-from . import checkpoint
+from . import checkpoint, throughput
 from .env import accelerate_cpu_requested
 from .parallelism import apply_parallelism_config, parallelism_mesh, requested_parallelism_config
 from .plugin import FSDP2Plugin
@@ -62,6 +62,11 @@ class FSDP2Accelerator(Accelerator):
             when the accelerate config says `use_cpu: true`).
         timeout: process-group timeout when this class starts the group (default: the
             `InitProcessGroupKwargs` handler's, else torch's).
+        log_throughput_every: log tokens/s, MFU and peak memory (`throughput/...`, per rank) every this
+            many optimizer steps through `log` (the trackers of `log_with`, main process only); the
+            first prepared model's forward counts the tokens of its `input_ids` (or first integer
+            tensor), the first prepared optimizer's step reports. The latest report is
+            `accelerator.throughput.meter.last`. Default None: off.
         **kwargs: every other `Accelerator` argument (`gradient_accumulation_steps`,
             `project_config`, `log_with`, `kwargs_handlers`: `GradScalerKwargs` for fp16,
             `InitProcessGroupKwargs` for the timeout, ...). `parallelism_config` (an accelerate
@@ -78,8 +83,16 @@ class FSDP2Accelerator(Accelerator):
         mixed_precision: str | None = None,
         cpu: bool = False,
         timeout: timedelta | None = None,
+        log_throughput_every: int | None = None,
         **kwargs: Any,
     ) -> None:
+        if log_throughput_every is not None and log_throughput_every < 1:
+            raise ValueError(
+                f"FSDP2Accelerator(log_throughput_every={log_throughput_every}) is invalid; use a step count of 1 "
+                "or more, or None (off)."
+            )
+        self._throughput_every = log_throughput_every
+        self.throughput: f2.ThroughputTracker | None = None
         if fsdp_plugin is None:
             fsdp_plugin = FSDP2Plugin()
         elif not isinstance(fsdp_plugin, FSDP2Plugin):
@@ -225,6 +238,7 @@ class FSDP2Accelerator(Accelerator):
                 obj is o for o in (*prepared.dataloaders, *prepared.models, *prepared.optimizers, *prepared.schedulers)
             ):
                 obj._is_accelerate_prepared = True
+        self.throughput = self.throughput or throughput.attach(self, self._throughput_every)
         return tuple(result) if len(result) > 1 else result[0]
 
     def _example_batch(self, args: tuple) -> Any:

@@ -17,12 +17,14 @@ from .precision import (
     FSDP2Precision,
 )
 from .strategy import STEP_METHODS, FSDP2Strategy
+from .throughput import FSDP2ThroughputMonitor
 
 __all__ = [
     "FSDP2HalfPrecision",
     "FSDP2MixedPrecision",
     "FSDP2Precision",
     "FSDP2Strategy",
+    "FSDP2ThroughputMonitor",
     "STEP_METHODS",
     "SUPPORTED_PRECISION",
 ]

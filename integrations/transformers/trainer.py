@@ -69,6 +69,9 @@ class FSDP2TrainerMixin:
     Args:
         *args, **kwargs: the Trainer's own arguments.
         fsdp_plugin: an `FSDP2Plugin` (settings the accelerate config cannot carry); default `FSDP2Plugin()`.
+        log_throughput: add `tokens_per_s`, `step_time_s`, `mfu` and `peak_memory_gib` (this rank's,
+            of the last optimizer step) to the Trainer's training logs (every `logging_steps`, to
+            every `report_to` integration). Default False: off (it synchronises the device each step).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -80,7 +83,9 @@ class FSDP2TrainerMixin:
                 f"(class {cls.__name__}(FSDP2TrainerMixin, <Trainer>)), or the stock methods win."
             )
 
-    def __init__(self, *args: Any, fsdp_plugin: FSDP2Plugin | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, fsdp_plugin: FSDP2Plugin | None = None, log_throughput: bool = False, **kwargs: Any
+    ) -> None:
         if not isinstance(self, transformers.Trainer):
             raise TypeError(
                 f"FSDP2TrainerMixin is a mixin for transformers.Trainer subclasses; {type(self).__name__} is not "
@@ -89,6 +94,7 @@ class FSDP2TrainerMixin:
         if fsdp_plugin is not None and not isinstance(fsdp_plugin, FSDP2Plugin):
             raise TypeError(f"fsdp_plugin must be an FSDP2Plugin, got {type(fsdp_plugin).__name__}.")
         self._fsdp2_plugin = fsdp_plugin
+        self._log_throughput = log_throughput
         super().__init__(*args, **kwargs)
         self._preemption = _SaveOnPreemption(self.accelerator)
         if self.accelerator.fsdp2_config.checkpoint_on_preemption:
@@ -112,7 +118,10 @@ class FSDP2TrainerMixin:
             # FSDP2Accelerator starts the gloo group and the state the launch asked for.
             compat.reset_accelerate_state()
         self.accelerator = FSDP2Accelerator(
-            fsdp_plugin=self._fsdp2_plugin or FSDP2Plugin(), **self._fsdp2_accelerator_args()
+            fsdp_plugin=self._fsdp2_plugin or FSDP2Plugin(),
+            # Every step: the Trainer's logs carry the latest report (its own cadence is logging_steps).
+            log_throughput_every=1 if self._log_throughput else None,
+            **self._fsdp2_accelerator_args(),
         )
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
@@ -159,6 +168,13 @@ class FSDP2TrainerMixin:
         built.pop("deepspeed_plugin", None)  # None: refused above
         built.pop("fsdp_plugin", None)
         return built
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's `log`; training logs also get the last step's throughput (`log_throughput=True`)."""
+        tracker = getattr(self.accelerator, "throughput", None)
+        if tracker is not None and tracker.meter.last is not None and "loss" in logs:
+            logs = {**logs, **tracker.meter.last.as_log()}
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
     def _has_mixed_mesh_grads(self, model: Any) -> bool:
         # The core's clip_grad_norm_ (FSDP2Accelerator.clip_grad_norm_) spans meshes and plain tensors itself.

@@ -29,6 +29,7 @@ from _comm import collective_dtypes, count_collectives
 from _precision import policy_grads, tied_names
 from _slow_staging import copied_by, differing, full_state, slow_staging
 from accelerate import Accelerator
+from accelerate.tracking import GeneralTracker
 from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 from common import (
     PER_RANK,
@@ -775,6 +776,44 @@ def _throughput(out: dict, work: Path) -> None:
         del os.environ["FSDP2_TUNE_CACHE"]
 
 
+class _MemoryTracker(GeneralTracker):
+    """Keeps what `Accelerator.log` hands it (on every rank it is called on: it logs on the main one)."""
+
+    name, requires_logging_directory, main_process_only = "memory", False, False
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list = []
+
+    @property
+    def tracker(self):
+        return self.rows
+
+    def log(self, values: dict, step: int | None = None, **kwargs) -> None:
+        self.rows.append([step, dict(values)])
+
+
+def throughput_logging(out: dict, work: Path) -> None:
+    """log_throughput_every=2 over 5 SGD steps of 4 sequences of 16 tokens per rank: the first step
+    starts the clock, then one report per 2 steps, through the trackers, on the main process."""
+    model, _ = fresh(4)
+    tracker = _MemoryTracker()
+    acc = FSDP2Accelerator(mixed_precision="no", log_throughput_every=2, log_with=[tracker])
+    acc.init_trackers("flows")
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(5):
+        _, x, y = rank_batch(step)
+        acc.backward(lm_loss(model, x, y))
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        model(x)  # an evaluation forward: no training tokens
+    out["rows"] = gather(tracker.rows)
+    out["pending_after_eval"] = acc.throughput.meter._pending
+    out["last_step"] = acc.throughput.meter.last.step
+    acc.throughput.remove()
+
+
 FLOWS = [
     config_from_launch,
     parity,
@@ -794,6 +833,7 @@ FLOWS = [
     accumulation_modes,
     auto_strategy,
     resume_on_two,
+    throughput_logging,
 ]
 """Run under fsdp2.yaml (the default when no flow names are given)."""
 VARIANT_FLOWS = [config_from_launch, launch_variant, resume_from_one]

@@ -40,6 +40,7 @@ from common import (
     write_json,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from resume_flows import resume_other_world_sizes
 from torch import nn
@@ -51,7 +52,7 @@ from torch.distributed.tensor import DTensor
 import fsdp2_strategy as f2
 from fsdp2_strategy import _torch_compat as tc
 from fsdp2_strategy.checkpoint import read_full_model_state
-from fsdp2_strategy.integrations.lightning import FSDP2MixedPrecision, FSDP2Strategy
+from fsdp2_strategy.integrations.lightning import FSDP2MixedPrecision, FSDP2Strategy, FSDP2ThroughputMonitor
 
 BATCH = 4  # per rank
 
@@ -672,6 +673,34 @@ def async_checkpoints(out: dict, work: Path) -> None:
     out["checkpoint_io_mode"] = probe.mode
 
 
+class _MemoryLogger(Logger):
+    """Keeps what it is given, on whichever rank calls it (Lightning's own loggers write on rank 0
+    only by decoration; this one shows which ranks the callback logs from)."""
+
+    name, version = "memory", 0
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list = []
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        self.rows.append([step, dict(metrics)])
+
+
+def throughput_monitor(out: dict, work: Path) -> None:
+    """FSDP2ThroughputMonitor(every=2) over 4 optimizer steps of 2 micro-batches: what each rank logged."""
+    logger = _MemoryLogger()
+    model, _ = _fresh()
+    trainer(max_steps=4, accumulate_grad_batches=2, logger=logger, callbacks=[FSDP2ThroughputMonitor(every=2)]).fit(
+        model, loader(BATCH)
+    )
+    out["rows"] = gather(logger.rows)
+    out["cpu_peak"] = f2.peak_flops("cpu").flops
+
+
 FLOWS = [
     one_step_parity,
     registry_variants,
@@ -687,6 +716,7 @@ FLOWS = [
     peft_checkpoints,
     async_checkpoints,
     auto_strategy,
+    throughput_monitor,
     resume_other_world_sizes,
 ]
 

@@ -194,7 +194,19 @@ def preemption(entry: dict, work: Path) -> None:
     entry["committed"] = sorted(committed_checkpoints(work / "preempt"))
 
 
-FLOWS = [parity, checkpoints, bf16, preemption]
+def throughput(entry: dict, work: Path) -> None:
+    """log_throughput=True, 4 steps of 2 sequences of 8 tokens per device: the training logs of each rank."""
+    trainer = FSDP2Trainer(
+        model=bert(0), args=args(work / "throughput", max_steps=4), train_dataset=Tokens(16, 6), log_throughput=True
+    )
+    trainer.train()
+    entry["logs"] = gather([row for row in trainer.state.log_history if "loss" in row])
+    plain = FSDP2Trainer(model=bert(0), args=args(work / "plain", max_steps=1), train_dataset=Tokens(4, 6))
+    plain.train()
+    entry["off_by_default"] = plain.accelerator.throughput is None and "mfu" not in plain.state.log_history[0]
+
+
+FLOWS = [parity, checkpoints, bf16, preemption, throughput]
 
 
 if __name__ == "__main__":
