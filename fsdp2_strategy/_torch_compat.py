@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.fsdp import FSDPModule
 
+from ._torch_backports import StagerKeepingBuffers, reset_iter_state_before_2_13
 from .versions import minor, private_api_error
 
 _missing: list[str] = []
@@ -213,6 +214,13 @@ def group_modules(module: nn.Module | FSDPModule) -> tuple[nn.Module, ...]:
     return tuple(fsdp_state(module)._modules)
 
 
+def _state_groups(state: Any) -> list:
+    # torch >= 2.13: a list per state; 2.11-2.12: one optional group.
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+
+
 def param_groups(module: nn.Module | FSDPModule) -> list:
     """The module's FSDP parameter groups ([] for a module `fully_shard` was not applied to)."""
     if not isinstance(module, FSDPModule):
@@ -224,7 +232,7 @@ def reset_iter_state(root: FSDPModule) -> None:
     """FSDP's recovery after an exception aborted a forward or backward: wait for collectives in
     flight, drop their results and any unreduced gradients' state, reshard every group, clear the
     iteration's trackers. `FSDPModule.reset_iter_state()` from torch 2.13; before it, the same steps
-    on FSDP's private state (as torch 2.13 takes them).
+    on FSDP's private state (`_torch_backports`).
 
     Raises:
         RuntimeError: `root` is not the root FSDP module.
@@ -235,54 +243,14 @@ def reset_iter_state(root: FSDPModule) -> None:
     state = fsdp_state(root)
     if state._is_root is False:
         raise RuntimeError("reset_iter_state must be called on the root FSDP module")
-    stream = state._device_handle.current_stream()
-    comm = state._comm_ctx
-    if (all_gather := comm.all_gather_state) is not None:
-        if all_gather.event is not None:
-            stream.wait_event(all_gather.event)
-        comm.all_gather_state = None
-    if (reduce_scatter := getattr(comm, "reduce_scatter_state", None)) is not None:
-        if reduce_scatter.event is not None:
-            stream.wait_event(reduce_scatter.event)
-        comm.reduce_scatter_state = None
-    comm.post_forward_order.clear()
-    for each in state._state_ctx.all_states:
-        each._modules_to_run_forward.clear()
-        each._training_state = TrainingState.IDLE
-        for group in _state_groups(each):
-            _reset_group(group, stream)
-    state._state_ctx.iter_forward_root = None
-    state._state_ctx.post_backward_final_callback_queued = False
+    groups = [_state_groups(each) for each in state._state_ctx.all_states]
+    reset_iter_state_before_2_13(state, groups, TrainingState)
 
 
-def _state_groups(state: Any) -> list:
-    # torch >= 2.13: a list per state; 2.11-2.12: one optional group.
-    if hasattr(state, "_fsdp_param_groups"):
-        return list(state._fsdp_param_groups)
-    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
-
-
-def _reset_group(group: Any, stream: Any) -> None:
-    result = group._all_gather_result
-    if result is not None:
-        if result.all_gather_event is not None:
-            stream.wait_event(result.all_gather_event)
-        if isinstance(result.all_gather_work, torch.distributed.distributed_c10d.Work):
-            result.all_gather_work.wait()
-        group._all_gather_result = None
-    if group._post_reduce_event is not None:
-        stream.wait_event(group._post_reduce_event)
-        group._post_reduce_event = None
-    if group._all_reduce_state is not None and group._all_reduce_state.event is not None:
-        stream.wait_event(group._all_reduce_state.event)
-    group._all_reduce_state = None
-    if group._reshard_after_forward_event is not None:
-        group._wait_all_gather_streams_on_event(group._reshard_after_forward_event)
-        group._reshard_after_forward_event = None
-    group._partial_reduce_output = None
-    group._post_forward_indices.clear()
-    group._training_state = TrainingState.IDLE
-    group._to_sharded()
+def reusable_stager(options: StagingOptions) -> DefaultStager:
+    """DCP's stager with `options`, reusing its host buffers from one save to the next on every
+    supported torch (torch 2.11-2.12's own empties them after each stage: `_torch_backports`)."""
+    return DefaultStager(options) if minor(torch.__version__) >= (2, 13) else StagerKeepingBuffers(options)
 
 
 def offloaded_params(model: nn.Module) -> list[Any]:
@@ -382,35 +350,6 @@ def tensor_tables(module: nn.Module) -> tuple[dict, dict]:
 def storage_key(storage: torch.UntypedStorage) -> int:
     """An id of the storage itself, the same for every tensor viewing it."""
     return storage._cdata
-
-
-STAGER_KEEPS_BUFFERS = minor(torch.__version__) >= (2, 13)
-"""Whether DCP's `DefaultStager` keeps its host buffers between stages. torch 2.11-2.12 close its
-state-dict stager at the end of every stage (to break a reference cycle), which empties its copy
-table and its cached host buffers: a second stage fails (`KeyError: <class 'type'>`), and a new
-stager per save would allocate (and pin) the whole state's host memory at every save."""
-
-
-class _StagerKeepingBuffers(DefaultStager):
-    """torch 2.11-2.12's `DefaultStager`, its state-dict stager closed only by `close()` (as from 2.13)."""
-
-    def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
-        inner = self._state_dict_stager
-        inner.close = _keep_open  # an instance attribute: the `close()` ending `_stage` does nothing
-        try:
-            return super()._stage(state_dict, **kwargs)
-        finally:
-            del inner.close
-
-
-def _keep_open() -> None:
-    return None
-
-
-def reusable_stager(options: StagingOptions) -> DefaultStager:
-    """DCP's stager with `options`, reusing its host buffers from one save to the next on every
-    supported torch (see `STAGER_KEEPS_BUFFERS`)."""
-    return DefaultStager(options) if STAGER_KEEPS_BUFFERS else _StagerKeepingBuffers(options)
 
 
 def _accumulated_grad_is_attribute() -> bool:

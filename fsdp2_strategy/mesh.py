@@ -25,7 +25,7 @@ def default_reshard_after_forward(strategy: str) -> bool | None:
 def mesh_device_type() -> str:
     """Device type for meshes: the accelerator when the process group can drive it, else "cpu"."""
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
-    accelerator = torch.accelerator.current_accelerator()  # None without one
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable one
     return accelerator.type if accelerator is not None and backend != "gloo" else "cpu"
 
 

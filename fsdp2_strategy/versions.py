@@ -19,10 +19,10 @@ import os
 from typing import Any
 
 TESTED: dict[str, tuple[str, str]] = {
-    "torch": ("2.13.0", "2.15.0"),
+    "torch": ("2.11.0", "2.15.0"),
     "lightning": ("2.6.6", "2.6.6"),
     "accelerate": ("1.15.0", "1.15.0"),
-    "transformers": ("5.24.0", "5.24.0"),
+    "transformers": ("5.17.0", "5.24.0"),
     "ray": ("2.60.0", "2.60.0"),
 }
 """Per distribution: (oldest, newest) release the whole suite passed on (README, "Tested versions").

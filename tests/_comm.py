@@ -16,6 +16,9 @@ import torch.distributed as dist
 from fsdp2_strategy.shard.ring_comms import RingAllGather, RingReduceScatter
 
 NAMES = ("reduce_scatter_single", "all_gather_single", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
+# torch 2.13 named FSDP's two collectives `*_single`; before, FSDP called `reduce_scatter_tensor` and
+# `all_gather_into_tensor`: on such a torch those are reported under the new names.
+RENAMED = {"reduce_scatter_tensor": "reduce_scatter_single", "all_gather_into_tensor": "all_gather_single"}
 RINGS = (
     (RingAllGather, "ring_all_gather", "all_gather_single"),
     (RingReduceScatter, "ring_reduce_scatter", "reduce_scatter_single"),
@@ -36,7 +39,8 @@ def observe_collectives(on_call: Callable[[str, tuple, dict], Any]):
         return observed
 
     for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
+        new = RENAMED.get(name)
+        setattr(dist, name, wrap(new if new is not None and not hasattr(dist, new) else name, fn))
     for cls, attr, name in RINGS:
         setattr(cls, attr, staticmethod(wrap(name, ring_originals[(cls, attr)])))
     try:

@@ -94,7 +94,7 @@ class StrategyComparison:
 def default_budget(local_ranks: int = 1) -> int:
     """The accelerator's total memory, or on CPU the available RAM divided by the local ranks,
     minus `BUDGET_MARGIN`."""
-    device = torch.accelerator.current_accelerator()  # None without one
+    device = torch.accelerator.current_accelerator(check_available=True)  # None without a usable one
     if device is not None:
         module = getattr(torch, device.type)
         total = module.get_device_properties(torch.accelerator.current_device_index()).total_memory

@@ -30,7 +30,7 @@ from .. import _torch_compat as tc
 
 def default_device_type() -> str:
     """The accelerator's device type ("cuda", "xpu", ...) when one is available, else "cpu"."""
-    accelerator = torch.accelerator.current_accelerator()  # None without one
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # None without a usable one
     return accelerator.type if accelerator is not None else "cpu"
 
 

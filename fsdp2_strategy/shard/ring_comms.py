@@ -112,7 +112,10 @@ class RingReduceScatter(_FreshBuffers, tc.ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            # `reduce_scatter_single` from torch 2.13, `reduce_scatter_tensor` before (looked up per call,
+            # so collective counters that patch `torch.distributed` see it).
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            return reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         self.ring_reduce_scatter(output_tensor, input_tensor, group, average=op == dist.ReduceOp.AVG)
         return None
 

@@ -126,10 +126,10 @@ def peak_flops(device: torch.device | str | None = None, *, measure: bool | None
 
 
 def _default_device() -> torch.device:
-    if torch.accelerator.is_available():
-        accel = torch.accelerator.current_accelerator()
-        return torch.device(accel.type, torch.accelerator.current_device_index())
-    return torch.device("cpu")
+    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accel is None:
+        return torch.device("cpu")
+    return torch.device(accel.type, torch.accelerator.current_device_index())
 
 
 def _device_name(device: torch.device) -> str:
@@ -334,8 +334,11 @@ class ThroughputTracker:
         self.meter = meter
         self._handles = [
             model.register_forward_pre_hook(self._count, with_kwargs=True),
-            optimizer.register_step_post_hook(lambda *_: meter.step()),
+            optimizer.register_step_post_hook(self._stepped),
         ]
+
+    def _stepped(self, *_: Any) -> None:
+        self.meter.step()
 
     def _count(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.is_grad_enabled():  # evaluation and generation forwards are not training tokens
