@@ -37,6 +37,7 @@ from .train import (
     track_throughput,
 )
 from .tuning import TuneResult, measure_link, tune
+from .versions import __version__ as __version__
 from .versions import warn_untested_versions
 
 __all__ = [
@@ -79,6 +80,5 @@ __all__ = [
     "track_throughput",
     "tune",
 ]
-__version__ = "0.1.0"
 
 warn_untested_versions()

@@ -1,4 +1,5 @@
-"""The releases this package was tested with, and the one message every compatibility check raises.
+"""This package's version, the releases it was tested with, and the one message every compatibility
+check raises.
 
 `TESTED` is the version matrix of the README ("Tested versions"), which `make test-matrix` reruns:
 for each distribution, the oldest and the newest release the whole suite passed on. The
@@ -17,6 +18,9 @@ import importlib.metadata
 import logging
 import os
 from typing import Any
+
+__version__ = "0.2.0"
+"""This package's version: the one source (`pyproject.toml` reads it; `CHANGELOG.md` has its entry)."""
 
 TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.11.0", "2.15.0"),

@@ -1,4 +1,6 @@
-"""The built wheel ships the adapters as fsdp2_strategy.integrations (a package-dir mapping)."""
+"""The release: the built wheel ships the adapters as fsdp2_strategy.integrations (a package-dir
+mapping), its version is the package's one version, it carries the licence; the command line has a
+version and help text on every option."""
 
 from __future__ import annotations
 
@@ -58,7 +60,12 @@ def test_wheel_contains_core_and_integrations(tmp_path):
     # The wheel imports on its own (unpacked beside nothing else of the repo).
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)
-    code = "import fsdp2_strategy, fsdp2_strategy.integrations as i; print(i.__file__)"
+    code = (
+        "import fsdp2_strategy, fsdp2_strategy.integrations as i; print(i.__file__); "
+        "import fsdp2_strategy.integrations.lightning, fsdp2_strategy.integrations.fabric, "
+        "fsdp2_strategy.integrations.accelerate, fsdp2_strategy.integrations.transformers, "
+        "fsdp2_strategy.integrations.ray"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=tmp_path,
@@ -69,3 +76,33 @@ def test_wheel_contains_core_and_integrations(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert str(target) in out.stdout
+    import fsdp2_strategy
+
+    assert wheel.name.startswith(f"fsdp2_strategy-{fsdp2_strategy.__version__}-")
+    assert f"fsdp2_strategy-{fsdp2_strategy.__version__}.dist-info/licenses/LICENSE" in names
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+
+
+def _options(parser):
+    """(command path, action) of every option and positional argument, subcommands included."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from ((f"{name} {path}", a) for path, a in _options(sub))
+        elif not isinstance(action, argparse._HelpAction):
+            yield ("/".join(action.option_strings) or action.dest), action
+
+
+def test_every_command_line_option_has_help_and_the_version_prints(capsys):
+    import fsdp2_strategy
+    from fsdp2_strategy.cli import build_parser, main
+
+    options = list(_options(build_parser()))
+    assert len(options) >= 40  # the five subcommands' options
+    assert [path for path, action in options if not action.help] == []
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"fsdp2-strategy {fsdp2_strategy.__version__}"
+    assert "plan" in build_parser().description and "tune" in build_parser().description

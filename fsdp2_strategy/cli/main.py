@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from ..checkpoint import export_full, export_peft, inspect_checkpoint
+from ..versions import __version__
 from . import plan as plan_command
 from . import tune as tune_command
 
@@ -28,12 +29,23 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fsdp2-strategy", description="Tools for fsdp2-strategy checkpoints.")
+    """The `fsdp2-strategy` parser: every subcommand and option, each with its help text."""
+    parser = argparse.ArgumentParser(
+        prog="fsdp2-strategy",
+        description="fsdp2-strategy's command line: sharded checkpoints (consolidate, export, inspect), "
+        "the memory planner (plan) and the throughput tuner (tune).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}", help="print the version")
     sub = parser.add_subparsers(dest="command", required=True)
     cons = sub.add_parser("consolidate", help="write full weights (Hugging Face safetensors or a torch file)")
     cons.add_argument("checkpoint", help="a DCP directory or a Checkpointer root (latest committed step)")
     cons.add_argument("out", help="output folder")
-    cons.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
+    cons.add_argument(
+        "--format",
+        choices=("safetensors", "torch"),
+        default="safetensors",
+        help="safetensors: Hugging Face files (an index when split); torch: one torch.save file",
+    )
     cons.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="convert on export")
     cons.add_argument("--step", type=int, default=None, help="step of a Checkpointer root (default: latest)")
     cons.add_argument("--max-shard-size", type=_size, default="5GB", help="split safetensors above this (e.g. 500MB)")
@@ -48,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     kind.add_argument("--adapter", action="store_true", help="the adapter only (the default)")
     kind.add_argument("--merged", action="store_true", help="merged full weights")
     exp.add_argument("--base", default=None, help="pretrained model folder (merging a trainable-only checkpoint)")
-    exp.add_argument("--adapter-name", default="default")
+    exp.add_argument("--adapter-name", default="default", help="the PEFT adapter to export (default: 'default')")
     exp.add_argument("--step", type=int, default=None, help="step of a Checkpointer root (default: latest)")
     exp.add_argument("--max-shard-size", type=_size, default="5GB", help="split merged safetensors above this")
     insp = sub.add_parser(
@@ -56,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="list steps, tensors, shapes, dtypes and the saving world size; "
         "verify checksums (exit status 1 if a file is damaged)",
     )
-    insp.add_argument("checkpoint")
-    insp.add_argument("--step", type=int, default=None)
+    insp.add_argument("checkpoint", help="a DCP directory or a Checkpointer root (every committed step)")
+    insp.add_argument("--step", type=int, default=None, help="only this step of a Checkpointer root")
     plan_command.add_parser(sub)
     tune_command.add_parser(sub)
     return parser

@@ -23,12 +23,14 @@ def add_parser(sub: Any) -> None:
         "plan", help="per-rank memory and communication of every sharding strategy, and the one to use"
     )
     plan.add_argument("model", help="a Hugging Face config folder, or package.module:factory")
-    plan.add_argument("--world-size", type=int, required=True)
-    plan.add_argument("--nodes", type=int, default=1)
+    plan.add_argument("--world-size", type=int, required=True, help="processes (ranks) the job runs, in all")
+    plan.add_argument("--nodes", type=int, default=1, help="machines the ranks span (hybrid sharding's replicas)")
     plan.add_argument("--device-memory", default=None, help="budget per rank, e.g. 80GiB (default: no verdict)")
     plan.add_argument("--batch-size", type=int, default=None, help="micro-batch per rank (activations)")
     plan.add_argument("--seq-len", type=int, default=None, help="sequence length of a Hugging Face model's batch")
-    plan.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None)
+    plan.add_argument(
+        "--precision", choices=("bf16", "fp16", "fp32"), default=None, help="mixed precision (default: fp32)"
+    )
     plan.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd_plain, adagrad, rmsprop or none")
     plan.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
     plan.add_argument(

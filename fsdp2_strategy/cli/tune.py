@@ -44,7 +44,9 @@ def add_parser(sub: Any) -> None:
         "--passes", type=int, choices=(1, 2), default=2, help="2: measure the contenders again, in reverse order"
     )
     cmd.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd_plain, adagrad or rmsprop")
-    cmd.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None)
+    cmd.add_argument(
+        "--precision", choices=("bf16", "fp16", "fp32"), default=None, help="mixed precision (default: fp32)"
+    )
     cmd.add_argument("--memory-budget", default=None, help="bytes per rank, e.g. 80GiB (default: the device's)")
     cmd.add_argument(
         "--candidates",
