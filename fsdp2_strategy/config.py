@@ -22,6 +22,7 @@ from torch import nn
 from . import sharding_strategies as strategies
 from .config_checks import (
     PRECISION_NAMES,  # noqa: F401  (part of this module's names)
+    FieldErrors,
     _check_mixed_precision,
     _check_module_list,
     _check_nonneg_int,
@@ -32,10 +33,12 @@ from .config_checks import (
     check_async_save,
     check_bool,
     check_choice,
+    check_compile,
     check_frozen_dtype,
     check_objective,
     check_tensor_parallel,
     check_trainable_only,
+    did_you_mean,
     mesh_shape_of,
     parse_bytes,
 )
@@ -63,7 +66,8 @@ def _check_field_names(cls: type, values: Mapping[str, Any]) -> None:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(values) - names
     if unknown:
-        raise ValueError(f"Unknown {cls.__name__} fields {sorted(unknown)}; valid fields: {sorted(names)}.")
+        hints = "".join(did_you_mean(name, names) for name in sorted(unknown))
+        raise ValueError(f"Unknown {cls.__name__} fields {sorted(unknown)}; valid fields: {sorted(names)}.{hints}")
 
 
 @dataclass
@@ -255,32 +259,36 @@ class FSDP2Config:
     cached in a JSON file, `fsdp2_strategy.tuning.cache_path()`, so a restarted run does not re-tune)."""
 
     def __post_init__(self) -> None:
-        self.sharding_strategy = _strategy_name(self.sharding_strategy, allow_auto=True)
-        self.memory_budget = parse_bytes(self.memory_budget, "FSDP2Config.memory_budget")
-        check_objective(self.objective, self.sharding_strategy, OBJECTIVES)
-        _check_reshard(self.reshard_after_forward, "FSDP2Config.reshard_after_forward")
-        self.mesh_shape = mesh_shape_of(self.mesh_shape)
-        _check_wrap_policy(self.wrap_policy, "FSDP2Config.wrap_policy")
-        _check_positive_int(self.blocks_per_group, "FSDP2Config.blocks_per_group", "blocks per FSDP group")
-        _check_mixed_precision(self.mixed_precision, "FSDP2Config.mixed_precision")
-        check_frozen_dtype(self.frozen_dtype, "FSDP2Config.frozen_dtype")
-        check_bool(self.cpu_offload, "FSDP2Config.cpu_offload")
-        _check_module_list(self.activation_checkpointing, "FSDP2Config.activation_checkpointing", allow_auto=True)
-        self._validate_ignored_modules()
-        if not isinstance(self.compile, (bool, dict)):
-            raise ValueError(
-                f"FSDP2Config.compile={self.compile!r} is invalid; use True, False or a dict of torch.compile kwargs."
-            )
-        _check_nonneg_int(self.forward_prefetch, "FSDP2Config.forward_prefetch")
-        _check_nonneg_int(self.backward_prefetch, "FSDP2Config.backward_prefetch")
-        self.module_overrides = self._validated_overrides(self.module_overrides)
-        check_choice(self.accumulation, ACCUMULATION_MODES, "FSDP2Config.accumulation")
-        check_choice(self.collectives, COLLECTIVES, "FSDP2Config.collectives")
-        check_choice(self.host_allocator, HOST_ALLOCATORS, "FSDP2Config.host_allocator")
-        check_tensor_parallel(self)
-        check_trainable_only(self.checkpoint_trainable_only, "FSDP2Config.checkpoint_trainable_only")
-        check_async_save(self.checkpoint_async_save, "FSDP2Config.checkpoint_async_save")
-        check_bool(self.checkpoint_on_preemption, "FSDP2Config.checkpoint_on_preemption")
+        # Every field is checked before raising: one error lists all the bad ones.
+        errors = FieldErrors("FSDP2Config")
+        strategy = errors.check(_strategy_name, self.sharding_strategy, True)
+        self.sharding_strategy = strategy if strategy is not None else self.sharding_strategy
+        self.memory_budget = errors.check(parse_bytes, self.memory_budget, "FSDP2Config.memory_budget")
+        if strategy is not None:
+            errors.check(check_objective, self.objective, strategy, OBJECTIVES)
+        errors.check(_check_reshard, self.reshard_after_forward, "FSDP2Config.reshard_after_forward")
+        self.mesh_shape = errors.check(mesh_shape_of, self.mesh_shape, keep=self.mesh_shape)
+        errors.check(_check_wrap_policy, self.wrap_policy, "FSDP2Config.wrap_policy")
+        errors.check(
+            _check_positive_int, self.blocks_per_group, "FSDP2Config.blocks_per_group", "blocks per FSDP group"
+        )
+        errors.check(_check_mixed_precision, self.mixed_precision, "FSDP2Config.mixed_precision")
+        errors.check(check_frozen_dtype, self.frozen_dtype, "FSDP2Config.frozen_dtype")
+        errors.check(check_bool, self.cpu_offload, "FSDP2Config.cpu_offload")
+        errors.check(_check_module_list, self.activation_checkpointing, "FSDP2Config.activation_checkpointing", True)
+        errors.check(self._validate_ignored_modules)
+        errors.check(check_compile, self.compile, "FSDP2Config.compile")
+        errors.check(_check_nonneg_int, self.forward_prefetch, "FSDP2Config.forward_prefetch")
+        errors.check(_check_nonneg_int, self.backward_prefetch, "FSDP2Config.backward_prefetch")
+        self.module_overrides = errors.check(self._validated_overrides, self.module_overrides, keep={})
+        errors.check(check_choice, self.accumulation, ACCUMULATION_MODES, "FSDP2Config.accumulation")
+        errors.check(check_choice, self.collectives, COLLECTIVES, "FSDP2Config.collectives")
+        errors.check(check_choice, self.host_allocator, HOST_ALLOCATORS, "FSDP2Config.host_allocator")
+        errors.check(check_trainable_only, self.checkpoint_trainable_only, "FSDP2Config.checkpoint_trainable_only")
+        errors.check(check_async_save, self.checkpoint_async_save, "FSDP2Config.checkpoint_async_save")
+        errors.check(check_bool, self.checkpoint_on_preemption, "FSDP2Config.checkpoint_on_preemption")
+        errors.raise_if_any()
+        check_tensor_parallel(self)  # reads several fields: only once they are all valid
 
     def _validate_ignored_modules(self) -> None:
         value = self.ignored_modules

@@ -1,10 +1,13 @@
 """Per-field checks behind `FSDP2Config.__post_init__` (and `ModuleOverride`'s): each raises
-`ValueError` naming the field and the values it accepts."""
+`ValueError` naming the field and the values it accepts (and the closest, for a misspelt name);
+`FieldErrors` collects them so that one error lists every bad field."""
 
 from __future__ import annotations
 
+import difflib
 import enum
 import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
@@ -16,6 +19,40 @@ from .tensor_parallel import check_plan
 
 PRECISION_NAMES = ("bf16", "fp16", "fp32")
 """Accepted strings for `FSDP2Config.mixed_precision`."""
+
+
+def did_you_mean(value: Any, choices: Iterable[str]) -> str:
+    """ " Did you mean 'X'?" (or 'X' or 'Y') for a string close to some of `choices`, else ""."""
+    if not isinstance(value, str):
+        return ""
+    by_key = {c.lower(): c for c in choices}
+    scored = sorted(((difflib.SequenceMatcher(None, value.lower(), c).ratio(), c) for c in by_key), reverse=True)
+    # The best match at 0.5 or more, and the runner-up only when nearly as close.
+    close = [c for ratio, c in scored[:2] if ratio >= max(0.5, scored[0][0] - 0.15)] if scored else []
+    return f" Did you mean {' or '.join(repr(by_key[c]) for c in close)}?" if close else ""
+
+
+class FieldErrors:
+    """Runs a config's checks and keeps every `ValueError`, so that one error lists every bad field
+    (not only the first). `check(fn, *args, keep=...)` returns `fn`'s result, or `keep` if it raised."""
+
+    def __init__(self, owner: str):
+        self.owner, self.messages = owner, []
+
+    def check(self, fn: Callable[..., Any], *args: Any, keep: Any = None) -> Any:
+        try:
+            return fn(*args)
+        except ValueError as exc:
+            self.messages.append(str(exc))
+            return keep
+
+    def raise_if_any(self) -> None:
+        """Raise one ValueError: the message itself for one bad field, a list for several."""
+        if len(self.messages) == 1:
+            raise ValueError(self.messages[0])
+        if self.messages:
+            listed = "\n".join(f"- {m}" for m in self.messages)
+            raise ValueError(f"{self.owner} has {len(self.messages)} invalid fields:\n{listed}")
 
 
 def _strategy_name(value: Any, allow_auto: bool = False) -> str:
@@ -30,6 +67,7 @@ def _strategy_name(value: Any, allow_auto: bool = False) -> str:
     raise ValueError(
         f"FSDP2Config.sharding_strategy={value!r} is not supported; use {auto}one of "
         f"{', '.join(strategies.NAMES)} (or torch.distributed.fsdp.ShardingStrategy)."
+        + did_you_mean(value, [*strategies.NAMES, *(["auto"] if allow_auto else [])])
     )
 
 
@@ -83,7 +121,7 @@ def _check_mixed_precision(value: Any, name: str) -> None:
     raise ValueError(
         f"{name}={value!r} is invalid; use None, one of {PRECISION_NAMES}, a dict of "
         "MixedPrecisionPolicy fields (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs), "
-        "or a torch.distributed.fsdp.MixedPrecisionPolicy."
+        "or a torch.distributed.fsdp.MixedPrecisionPolicy." + did_you_mean(value, PRECISION_NAMES)
     )
 
 
@@ -122,7 +160,9 @@ def _check_module_list(value: Any, name: str, allow_auto: bool) -> None:
 def check_choice(value: Any, choices: tuple, name: str) -> None:
     """`value` must be one of `choices` (the error names `name` and lists them)."""
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is invalid; use one of {', '.join(choices)}.")
+        raise ValueError(
+            f"{name}={value!r} is invalid; use one of {', '.join(choices)}." + did_you_mean(value, choices)
+        )
 
 
 def _check_nonneg_int(value: Any, name: str) -> None:
@@ -175,6 +215,11 @@ def check_objective(value: Any, strategy: str, choices: tuple) -> None:
             f"FSDP2Config.objective={value!r} chooses the setting of sharding_strategy='auto', but "
             f"sharding_strategy={strategy!r}; set sharding_strategy='auto' or leave objective='memory'."
         )
+
+
+def check_compile(value: Any, field: str) -> None:
+    if not isinstance(value, (bool, dict)):
+        raise ValueError(f"{field}={value!r} is invalid; use True, False or a dict of torch.compile kwargs.")
 
 
 def check_bool(value: Any, field: str) -> None:

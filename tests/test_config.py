@@ -53,6 +53,27 @@ def test_unknown_field_lists_valid_ones():
         f2.FSDP2Config.from_dict({"wrap": "auto"})
 
 
+def test_every_bad_field_is_reported_at_once_with_the_closest_name():
+    with pytest.raises(ValueError) as info:
+        f2.FSDP2Config(sharding_strategy="FULL_SHARDD", mixed_precision="bf32", accumulation="sync_lst")
+    message = str(info.value)
+    assert message.startswith("FSDP2Config has 3 invalid fields:\n- ")
+    assert "sharding_strategy='FULL_SHARDD' is not supported" in message and "Did you mean 'FULL_SHARD'?" in message
+    assert "mixed_precision='bf32' is invalid" in message and "Did you mean 'fp32'?" in message
+    assert "accumulation='sync_lst' is invalid" in message and "Did you mean 'sync_last'?" in message
+    # One bad field: its own message, as before; nothing close: no guess.
+    with pytest.raises(ValueError, match=r"^FSDP2Config.collectives='rings' is invalid; .* Did you mean 'ring'\?$"):
+        f2.FSDP2Config(collectives="rings")
+    with pytest.raises(ValueError) as info:
+        f2.FSDP2Config(sharding_strategy="zzz")
+    assert "Did you mean" not in str(info.value)
+    with pytest.raises(ValueError, match=r"Unknown FSDP2Config fields \['wrap_polcy'\].* Did you mean 'wrap_policy'\?"):
+        f2.FSDP2Config(wrap_polcy="auto")
+    # The same through a dict (what YAML files and the adapters' keyword arguments become).
+    with pytest.raises(ValueError, match="has 2 invalid fields"):
+        f2.FSDP2Config.from_dict({"cpu_offload": "yes", "forward_prefetch": -1})
+
+
 def test_fsdp1_enum_and_yaml(tmp_path):
     assert f2.FSDP2Config(sharding_strategy=ShardingStrategy.HYBRID_SHARD).sharding_strategy == "HYBRID_SHARD"
     path = tmp_path / "fsdp2.yaml"
