@@ -37,7 +37,8 @@ class FieldErrors:
     (not only the first). `check(fn, *args, keep=...)` returns `fn`'s result, or `keep` if it raised."""
 
     def __init__(self, owner: str):
-        self.owner, self.messages = owner, []
+        self.owner = owner
+        self.messages: list[str] = []
 
     def check(self, fn: Callable[..., Any], *args: Any, keep: Any = None) -> Any:
         try:
