@@ -272,16 +272,12 @@ def run_accelerate(size: dict, data, clock: Clock, ours: bool):
 
 
 def run_hf_trainer(size: dict, data, clock: Clock, ours: bool, work: Path):
-    import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     if ours:
         from fsdp2_strategy.integrations.transformers import FSDP2Trainer as Trainer  # noqa: F811
 
     class Tick(TrainerCallback):
-        def __init__(self):
-            self.last = None
-
         def on_step_end(self, args, state, control, **kwargs):
             clock.tick(float("nan"))
 
@@ -308,7 +304,6 @@ def run_hf_trainer(size: dict, data, clock: Clock, ours: bool, work: Path):
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     clock.losses = losses[: len(clock.stamps)]
-    del torch
     return trainer.model
 
 
