@@ -19,6 +19,7 @@ from .config import FSDP2Config, ModuleOverride
 from .distributed import init_distributed, shutdown
 from .estimate import MemoryEstimate, StrategyComparison, compare_strategies, estimate_memory
 from .fsdp1 import fully_shard
+from .migrate import DeepSpeedTranslation, translate_deepspeed
 from .preemption import PREEMPTION_EXIT_CODE, PreemptionWatch
 from .shard import ShardingPlan, replicate, shard_model, sharding_plan
 from .train import (
@@ -42,6 +43,7 @@ from .versions import warn_untested_versions
 
 __all__ = [
     "Checkpointer",
+    "DeepSpeedTranslation",
     "PREEMPTION_EXIT_CODE",
     "PeakFlops",
     "PreemptionWatch",
@@ -78,6 +80,7 @@ __all__ = [
     "sharding_plan",
     "shutdown",
     "track_throughput",
+    "translate_deepspeed",
     "tune",
 ]
 

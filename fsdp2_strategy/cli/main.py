@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from ..checkpoint import export_full, export_peft, inspect_checkpoint
 from ..versions import __version__
+from . import from_deepspeed as from_deepspeed_command
 from . import plan as plan_command
 from . import tune as tune_command
 
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp2-strategy",
         description="fsdp2-strategy's command line: sharded checkpoints (consolidate, export, inspect), "
-        "the memory planner (plan) and the throughput tuner (tune).",
+        "the memory planner (plan), the throughput tuner (tune), a DeepSpeed config translated (from-deepspeed).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}", help="print the version")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     insp.add_argument("--step", type=int, default=None, help="only this step of a Checkpointer root")
     plan_command.add_parser(sub)
     tune_command.add_parser(sub)
+    from_deepspeed_command.add_parser(sub)
     return parser
 
 
@@ -83,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return plan_command.run(args)
         if args.command == "tune":
             return tune_command.run(args)
+        if args.command == "from-deepspeed":
+            return from_deepspeed_command.run(args)
         if args.command == "consolidate":
             out = export_full(
                 args.checkpoint,
