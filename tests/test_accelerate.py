@@ -172,6 +172,12 @@ def test_accumulate_skips_reduce_scatter_until_the_last_micro_batch(flows):
     assert r["param_rel"] < TOL
 
 
+def test_a_deepspeed_launch_trains_on_this_engine(flows):
+    r = flows["deepspeed_launch"]
+    assert r["strategies"] == ["SHARD_GRAD_OP"] and r["param_rel"] < TOL, r
+    assert r["use_deepspeed_after"] == "true"  # hidden from Accelerate only while it was built
+
+
 def test_log_throughput_every_reports_through_the_trackers_on_the_main_process(flows):
     r = flows["throughput_logging"]
     main, other = r["rows"]
@@ -437,6 +443,33 @@ def test_each_accelerate_key_maps_to_a_field(env, expected):
     got = read_accelerate_env({**ENV, **env})
     assert {k: got[k] for k in expected} == expected
     assert read_accelerate_env({}) == {}  # outside `accelerate launch`: nothing
+
+
+DEEPSPEED = {
+    "ACCELERATE_USE_DEEPSPEED": "true",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
+    "ACCELERATE_GRADIENT_CLIPPING": "1.0",
+    "ACCELERATE_MIXED_PRECISION": "bf16",
+}
+
+
+def test_a_deepspeed_launch_is_read_as_its_fsdp2_equivalent(tmp_path, caplog):
+    """`distributed_type: DEEPSPEED`: the inline keys or the config file, translated by the core."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="fsdp2_strategy"):
+        got = read_accelerate_env(DEEPSPEED)
+    assert got == {"sharding_strategy": "FULL_SHARD", "cpu_offload": True, "mixed_precision": "bf16"}
+    assert any("zero_optimization.stage -> sharding_strategy=FULL_SHARD" in r.getMessage() for r in caplog.records)
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}))
+    file_env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "ds.json")}
+    assert read_accelerate_env(file_env) == {"sharding_strategy": "SHARD_GRAD_OP", "mixed_precision": "fp16"}
+    with pytest.raises(FileNotFoundError, match="`deepspeed_config_file`"):
+        read_accelerate_env({**file_env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "no.json")})
+    with pytest.raises(ValueError, match="ACCELERATE_DEEPSPEED_ZERO_STAGE='three'"):
+        read_accelerate_env({**DEEPSPEED, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "three"})
 
 
 def test_use_cpu_from_the_launcher():

@@ -163,6 +163,19 @@ def test_accelerate_config_env_maps_yaml_as_accelerate_launch_does(tmp_path):
         "ACCELERATE_MIXED_PRECISION": "bf16",
         "ACCELERATE_USE_CPU": "true",
     }
+    deepspeed = tmp_path / "ds.yaml"
+    deepspeed.write_text(
+        "distributed_type: DEEPSPEED\nmixed_precision: bf16\ndeepspeed_config:\n  zero_stage: 3\n"
+        "  offload_optimizer_device: cpu\n  gradient_clipping: 1.0\n  zero3_init_flag: true\n"
+    )
+    assert accelerate_config_env(deepspeed) == {  # what the engine then translates (not DeepSpeed's ImportError)
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
+        "ACCELERATE_GRADIENT_CLIPPING": "1.0",
+        "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true",
+        "ACCELERATE_MIXED_PRECISION": "bf16",
+    }
     with pytest.raises(FileNotFoundError, match="accelerate config"):
         accelerate_config_env(tmp_path / "missing.yaml")
     path.write_text("fsdp_config: [1, 2]\n")

@@ -84,6 +84,10 @@ _ADVICE = {
     "fp16.hysteresis": "no equivalent in torch's grad scaler",
     "fp16.min_loss_scale": "no equivalent in torch's grad scaler",
     "zero_allow_untested_optimizer": "no effect here: any torch optimizer works",
+    # Accelerate's inline deepspeed_config keys (accelerate launch passes them by their own names).
+    "zero3_init_flag": "no equivalent needed: build the model on the meta device; shard_model materialises "
+    "each rank's shards only",
+    "zero3_save_16bit_model": "full weights are written by f2.export_full / the adapters' save_model",
 }
 
 

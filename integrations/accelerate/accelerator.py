@@ -130,7 +130,8 @@ class FSDP2Accelerator(Accelerator):
             )
         # Accelerate must not build its own FSDP plugin from the environment (it parses the
         # same variables with FSDP1 defaults) nor autocast: FSDP2 policies do the casting.
-        with _env_without("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG"):
+        # Nor DeepSpeed (a DEEPSPEED launch's config was translated into the plugin's).
+        with _env_without("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_USE_DEEPSPEED"):
             super().__init__(mixed_precision="no", cpu=cpu, fsdp_plugin=None, **kwargs)
         compat.check_accelerator(self)
         # Accelerate's data loaders read this mesh: one batch per data-parallel rank, the same

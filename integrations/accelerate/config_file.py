@@ -4,8 +4,8 @@ Where no `accelerate launch` starts the processes (Ray Train, a cluster manager,
 `FSDP2Plugin()` still reads its configuration from the `FSDP_*` variables (see `env`):
 `accelerate_config_env(path)` returns them for one config file, and `apply_accelerate_config(path)`
 puts them into this process's environment. Only the keys that reach the FSDP2 path are mapped:
-`fsdp_config:` keys (`fsdp_<name>` -> `FSDP_<NAME>`), `mixed_precision`, `use_cpu` and
-`distributed_type`.
+`fsdp_config:` keys (`fsdp_<name>` -> `FSDP_<NAME>`), `mixed_precision`, `use_cpu`,
+`distributed_type`, and for `distributed_type: DEEPSPEED` the `deepspeed_config:` keys.
 """
 
 from __future__ import annotations
@@ -20,6 +20,17 @@ __all__ = ["accelerate_config_env", "apply_accelerate_config"]
 
 # Where `accelerate launch` spells a variable differently from the YAML key.
 _RENAMED = {"fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP"}
+_DEEPSPEED_VARS = {
+    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
+    "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+    "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+    "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+}
+"""`deepspeed_config:` key -> the variable `accelerate launch` sets for it."""
 
 
 def accelerate_config_env(path: str | os.PathLike) -> dict[str, str]:
@@ -48,6 +59,12 @@ def accelerate_config_env(path: str | os.PathLike) -> dict[str, str]:
         env[_RENAMED.get(key, key.upper())] = _as_env(value)
     if config.get("distributed_type") == "FSDP":
         env["ACCELERATE_USE_FSDP"] = "true"
+    if config.get("distributed_type") == "DEEPSPEED":  # run on this engine: deepspeed_env translates it
+        env["ACCELERATE_USE_DEEPSPEED"] = "true"
+        deepspeed = config.get("deepspeed_config") or {}
+        for key, value in deepspeed.items():
+            if value is not None:
+                env[_DEEPSPEED_VARS.get(key, f"ACCELERATE_DEEPSPEED_{key.upper()}")] = _as_env(value)
     if config.get("mixed_precision") is not None:
         env["ACCELERATE_MIXED_PRECISION"] = str(config["mixed_precision"])
     if config.get("use_cpu") is not None:

@@ -21,6 +21,9 @@ YAML key it comes from, and the values it accepts.
 | `fsdp_cpu_ram_efficient_loading`     | `FSDP_CPU_RAM_EFFICIENT_LOADING` | adapter: weights broadcast from rank 0         |
 | `mixed_precision` (top level)        | `ACCELERATE_MIXED_PRECISION`     | `mixed_precision` ("bf16", "fp16" or None)     |
 
+A DeepSpeed launch (`distributed_type: DEEPSPEED`) is read as its FSDP2 equivalent
+(`deepspeed_env`).
+
 Variables FSDP2 has no use for (`FSDP_USE_ORIG_PARAMS`, `FSDP_SYNC_MODULE_STATES`,
 `FSDP_BACKWARD_PREFETCH`: FSDP2 always prefetches one block in backward) are ignored, as
 Accelerate's own FSDP2 path ignores them.
@@ -33,6 +36,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from fsdp2_strategy.sharding_strategies import NAMES as STRATEGIES
+
+from .deepspeed_env import deepspeed_fields
 
 TRUE = ("true", "1", "yes", "y", "on")
 FALSE = ("false", "0", "no", "n", "off")
@@ -156,7 +161,8 @@ def read_accelerate_env(environ: Mapping[str, str] | None = None) -> dict[str, A
             f"{_where('FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD')}=true is not supported by FSDP2Plugin; set it to "
             "false (use fsdp_activation_checkpointing: true and fsdp_offload_params for memory savings)."
         )
-    out: dict[str, Any] = {**_wrap_policy(env), **_sharding(env)}
+    # distributed_type: DEEPSPEED: its config translated; an FSDP config in the same launch wins.
+    out: dict[str, Any] = {**deepspeed_fields(env), **_wrap_policy(env), **_sharding(env)}
     offload = _bool(env, "FSDP_OFFLOAD_PARAMS")
     if offload is not None:
         out["cpu_offload"] = offload

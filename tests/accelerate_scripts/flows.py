@@ -814,6 +814,30 @@ def throughput_logging(out: dict, work: Path) -> None:
     acc.throughput.remove()
 
 
+def deepspeed_launch(out: dict, work: Path) -> None:
+    """The variables `accelerate launch` sets for `distributed_type: DEEPSPEED` (ZeRO-2, inline keys)
+    instead of this launch's FSDP ones: FSDP2Accelerator() trains with the translation, SHARD_GRAD_OP,
+    where the stock path would import DeepSpeed."""
+    saved = dict(os.environ)
+    for key in [k for k in os.environ if k.startswith("FSDP_") or k == "ACCELERATE_USE_FSDP"]:
+        del os.environ[key]
+    os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="2")
+    try:
+        model, initial = fresh(5)
+        acc = FSDP2Accelerator(mixed_precision="no")
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        idx, x, y = rank_batch()
+        acc.backward(lm_loss(model, x, y))
+        opt.step()
+        ref, _, _ = reference(initial, [all_indices(idx)])
+        out.update(_plan(model), param_rel=max_rel_diff(full_params(model), ref))
+        out["strategies"] = sorted({g.strategy for g in f2.sharding_plan(model).groups})
+        out["use_deepspeed_after"] = os.environ.get("ACCELERATE_USE_DEEPSPEED")
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 FLOWS = [
     config_from_launch,
     parity,
@@ -834,6 +858,7 @@ FLOWS = [
     auto_strategy,
     resume_on_two,
     throughput_logging,
+    deepspeed_launch,
 ]
 """Run under fsdp2.yaml (the default when no flow names are given)."""
 VARIANT_FLOWS = [config_from_launch, launch_variant, resume_from_one]
