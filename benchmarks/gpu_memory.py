@@ -71,10 +71,7 @@ def family_size(name: str, dry_run: bool) -> dict:
 
 
 def _device() -> torch.device:
-    f2.init_distributed()
-    if torch.accelerator.is_available():
-        return torch.device(torch.accelerator.current_accelerator().type, torch.accelerator.current_device_index())
-    return torch.device("cpu")
+    return f2.init_distributed()  # this process's device: cuda:LOCAL_RANK, or cpu
 
 
 def _train_step(model, opt, ids, micro_batches: int, tracker=None) -> None:

@@ -250,7 +250,7 @@ def reset_iter_state(root: FSDPModule) -> None:
 def reusable_stager(options: StagingOptions) -> DefaultStager:
     """DCP's stager with `options`, reusing its host buffers from one save to the next on every
     supported torch (torch 2.11-2.12's own empties them after each stage: `_torch_backports`)."""
-    return DefaultStager(options) if minor(torch.__version__) >= (2, 13) else StagerKeepingBuffers(options)
+    return StagerKeepingBuffers(options) if _BEFORE_2_13 else DefaultStager(options)
 
 
 def offloaded_params(model: nn.Module) -> list[Any]:

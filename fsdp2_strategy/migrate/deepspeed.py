@@ -112,15 +112,15 @@ class DeepSpeedTranslation:
         """`trainer` by Lightning `Trainer`'s argument names (batch sizes are the DataLoader's)."""
         return {LIGHTNING_NAMES[k]: v for k, v in self.trainer.items() if k in LIGHTNING_NAMES}
 
-    def to_yaml(self) -> str:
-        """The config's non-default fields as YAML (what `FSDP2Config.from_yaml` reads), the trainer
-        settings and the unmapped keys as comments."""
+    def changed_fields(self) -> dict[str, Any]:
+        """The config's fields that differ from `FSDP2Config()`'s (`log_plan` aside)."""
         defaults = FSDP2Config(log_plan=False)
-        fields = {
-            k: list(v) if isinstance(v, tuple) else v
-            for k, v in vars(self.config).items()
-            if v != getattr(defaults, k) and k != "log_plan"
-        }
+        return {k: v for k, v in vars(self.config).items() if v != getattr(defaults, k) and k != "log_plan"}
+
+    def to_yaml(self) -> str:
+        """`changed_fields()` as YAML (what `FSDP2Config.from_yaml` reads), the trainer settings and
+        the unmapped keys as comments."""
+        fields = {k: list(v) if isinstance(v, tuple) else v for k, v in self.changed_fields().items()}
         lines = [yaml.safe_dump(fields, sort_keys=True).rstrip() if fields else "{}"]
         lines += [f"# trainer: {k} = {v}" for k, v in self.trainer.items()]
         lines += [f"# not translated: {k}: {advice}" for k, advice in self.unmapped.items()]

@@ -39,11 +39,17 @@ def deepspeed_config(env: Mapping[str, str]) -> dict[str, Any]:
     """The DeepSpeed config the launch carries: its file, else the inline keys.
 
     Raises:
+        FileNotFoundError: `deepspeed_config_file` names a file that does not exist.
         ValueError: a variable that is not a number where DeepSpeed wants one.
     """
     path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if path and path.strip().lower() != "none":
-        return json.loads(Path(path).read_text()) if Path(path).is_file() else {"__missing_file__": path}
+        if not Path(path).is_file():
+            raise FileNotFoundError(
+                f"ACCELERATE_DEEPSPEED_CONFIG_FILE={path!r} (accelerate config `deepspeed_config_file`) does not "
+                "exist; fix the path in your accelerate config."
+            )
+        return json.loads(Path(path).read_text())
     config: dict[str, Any] = {}
     for var, (keys, kind) in INLINE.items():
         raw = env.get(var)
@@ -61,25 +67,13 @@ def deepspeed_config(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def deepspeed_fields(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """`FSDP2Config` fields for a DeepSpeed launch ({} for any other launch).
-
-    Raises:
-        FileNotFoundError: `deepspeed_config_file` names a file that does not exist.
-    """
+    """`FSDP2Config` fields for a DeepSpeed launch ({} for any other launch; errors: `deepspeed_config`)."""
     env = os.environ if env is None else env
     if not deepspeed_requested(env):
         return {}
-    config = deepspeed_config(env)
-    if "__missing_file__" in config:
-        raise FileNotFoundError(
-            f"ACCELERATE_DEEPSPEED_CONFIG_FILE={config['__missing_file__']!r} (accelerate config "
-            "`deepspeed_config_file`) does not exist; fix the path in your accelerate config."
-        )
     world = env.get("WORLD_SIZE")
-    translated = f2.translate_deepspeed(config, world_size=int(world) if world and world.isdigit() else None)
-    defaults, config = f2.FSDP2Config(log_plan=False), translated.config
-    fields = {"sharding_strategy": config.sharding_strategy}  # the stage's, stated even where it is the default
-    for name in ("cpu_offload", "mixed_precision", "mesh_shape"):
-        if getattr(config, name) != getattr(defaults, name):
-            fields[name] = getattr(config, name)
-    return fields
+    translated = f2.translate_deepspeed(
+        deepspeed_config(env), world_size=int(world) if world and world.isdigit() else None
+    )
+    # The stage's strategy stated even where it is the default.
+    return {"sharding_strategy": translated.config.sharding_strategy, **translated.changed_fields()}
