@@ -206,10 +206,9 @@ class FSDP2Config:
     - "torch": torch's collectives everywhere.
 
     Why: gloo has no reduce-scatter (it all-reduces a copy of the whole input) and its all-gather
-    is slower than an all-reduce; the rings send the least bytes through `isend`/`irecv`. On 2 CPU
-    ranks they took 20 ms and 43 ms for a 64 MiB all-gather and reduce-scatter against gloo's
-    62 ms and 79 ms (`benchmarks/ring_collectives.py`). Results equal torch's (bitwise on 2 ranks;
-    on more, the sum runs in another order)."""
+    is slower than an all-reduce; the rings send the least bytes through `isend`/`irecv`, and on
+    CPU they are faster than gloo's collectives (`benchmarks/ring_collectives.py`). Results equal
+    torch's (bitwise on 2 ranks; on more, the sum runs in another order)."""
 
     host_allocator: str = "auto"
     """Whether glibc's malloc keeps freed host memory for reuse (`host_memory`), process-wide:
@@ -219,9 +218,9 @@ class FSDP2Config:
     - "system": leave malloc's settings as they are.
 
     Why: every step FSDP frees and re-allocates its gathered parameters and gradient buffers, and
-    glibc's defaults give them back to the OS and page-fault them in again (about 20 000 faults per
-    step on 2 CPU ranks, "keep_gathered", k=4), which DDP, keeping its buffers, does not pay. The
-    cost: resident memory stays at its high-water mark; tensor memory is unchanged."""
+    glibc's defaults give them back to the OS and page-fault them in again every step, which DDP,
+    keeping its buffers, does not pay. The cost: resident memory stays at its high-water mark;
+    tensor memory is unchanged."""
 
     checkpoint_trainable_only: bool | str = "auto"
     """What the adapters' sharded checkpoints (Lightning's `save_checkpoint`, Fabric's `save`,

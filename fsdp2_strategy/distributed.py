@@ -1,8 +1,8 @@
 """Process-level helpers: starting the process group, rank-zero logging and a clean shutdown.
 
-`shutdown()` exists because of a torch bug measured here (torch 2.13, gloo): a process that
-ran a DCP save aborts at interpreter exit ("terminate called without an active exception",
-SIGABRT, sometimes SIGSEGV) in about 1 run of 5. A gloo worker thread drops the last
+`shutdown()` exists because of a torch bug (seen on torch 2.13 with gloo): a process that
+ran a DCP save sometimes aborts at interpreter exit ("terminate called without an active
+exception", SIGABRT, sometimes SIGSEGV). A gloo worker thread drops the last
 reference to tensors from DCP's final `broadcast_object_list` and takes the GIL while the
 main thread is finalising the interpreter (pytorch/pytorch#190489, #117762). Synchronising
 every rank, destroying the process group, flushing, then leaving with `os._exit` skips the

@@ -245,7 +245,7 @@ class Checkpointer:
         """Rank 0: drop committed steps beyond the newest `keep_last`, and stale `.tmp-*` dirs.
 
         The steps are un-published (renamed) now; deleting their files runs in a background thread,
-        off the save's critical path (it took a sixth of a synchronous save of 190 MiB). A crash
+        off the save's critical path (deleting is a sizeable part of a synchronous save). A crash
         mid-delete leaves a `.tmp-*` directory, never a loadable one, removed by the next save."""
         self._join_deletion()
         if self.keep_last is not None:

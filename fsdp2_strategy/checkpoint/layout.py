@@ -9,8 +9,8 @@ were cut into chunks, and the loading world, its meshes and how it cuts the same
 
 Parameter groups: torch's `set_optimizer_state_dict` maps saved groups onto the optimizer's by
 parameter name, and where the optimizer has fewer groups it silently gives every parameter of a
-group the hyperparameters of the one saved group it was asked for (measured: an optimizer of one
-group loading a checkpoint of two took group 0's learning rate and weight decay for all). `load_dir`
+group the hyperparameters of the one saved group it was asked for (an optimizer of one group
+loading a checkpoint of two takes group 0's learning rate and weight decay for all). `load_dir`
 calls `check_param_groups` before reading anything into a model and refuses such a load by name.
 """
 

@@ -10,9 +10,8 @@ The meta run has no device, but two things it imitates depend on one:
   torch's own selection (`torch._fused_sdp_choice`) on CPU stand-ins of the meta shapes.
 - The scratch memory of a reduce-scatter. gloo's (the CPU backend) copies its whole input
   before reducing, so while a group's gradients are reduce-scattered its flat input, that copy
-  and the output shard are alive together; NCCL reduces without the copy. Measured with torch's
-  MemTracker on torch 2.13 (`reduce_scatter_tensor` of an 8 MiB input: 8 MiB more than input and
-  output); gloo's all-gather and all-reduce make no such copy. The point-to-point ring that
+  and the output shard are alive together (torch's MemTracker sees the copy); NCCL reduces
+  without the copy. gloo's all-gather and all-reduce make no such copy. The point-to-point ring that
   replaces gloo's by default (`ring_comms`, `FSDP2Config.collectives`) holds one receive buffer
   of the output's size instead.
 """

@@ -31,9 +31,8 @@ only in those: world size 1), and from a third setting with another shard size `
 (its optimizer step) and an extra cost per byte of the collectives only it calls (its step time;
 `ComputeProfile.fit`); the offload terms from a measured offloaded setting (`fit_offload`). The
 overhead is not hidden behind compute on accelerators either: FSDP's copies run in the compute
-stream's order and its hooks on the CPU that launches the compute (on one H200, a 1 B GPT at
-world size 1, where nothing is communicated, stepped 1.27x slower with one group per block than
-with one group in all).
+stream's order and its hooks on the CPU that launches the compute (even at world size 1, where
+nothing is communicated, more groups make a step slower).
 """
 
 from __future__ import annotations
@@ -102,8 +101,8 @@ class ComputeProfile:
     (ranks sharing a core), never below minus that latency."""
     optimizer_fixed_s: float = 0.0
     """The optimizer step's part that does not shrink with the shard: work per parameter tensor
-    (kernel launches, DTensor dispatch), which every rank does for every tensor. Measured on CPU:
-    AdamW on a quarter of TinyGPT took 0.06 s against 0.13 s on the whole of it, not a quarter."""
+    (kernel launches, DTensor dispatch), which every rank does for every tensor: AdamW on a
+    fraction of a model's parameters takes more than that fraction of its time on the whole."""
     per_byte_s: dict[str, float] = field(default_factory=dict)
     """Seconds per byte sent added to a collective the first two reference settings never call
     (NO_SHARD's all-reduce when they are FULL_SHARD's), so that a third is predicted exactly:
@@ -112,10 +111,9 @@ class ComputeProfile:
     """What each local call (`MemoryEstimate.local_calls`: an unshard or sync of a group sharded
     over one rank, a copy and FSDP's hooks) costs, fitted where the reference settings differ in
     those calls only (world size 1); 0 otherwise. On several ranks the local calls are NO_SHARD's
-    unshards, whose cost the third reference's `per_byte_s` takes in. Charging them `per_call_s`
-    (which includes ranks waiting for each other) moved NO_SHARD/blocks' prediction further from
-    the tuner's own step in 4 of 8 cells (by 1-8 points, up to +13 %) and closer in 2 (by 2-6),
-    on 2 and 4 CPU ranks (TinyGPT and the 8-block model, k=1 and 4)."""
+    unshards, whose cost the third reference's `per_byte_s` takes in: charging them `per_call_s`
+    (which includes ranks waiting for each other) made NO_SHARD's predictions worse more often
+    than better."""
 
     host_optimizer_scale: float = 1.0
     """Under CPU offload on an accelerator the optimizer steps on the host: its time over the

@@ -5,9 +5,7 @@ the all-gather outputs, the unsharded gradients and the reduce-scatter buffers. 
 serves blocks above its mmap threshold (128 KiB at start, raised by use to at most 32 MiB) with
 fresh `mmap`s, and gives the top of its heap back to the OS once it exceeds the trim threshold
 (twice the mmap threshold). So on CPU every step page-faults all those pages in again; DDP, which
-keeps its buffers, does not. Measured on 2 CPU ranks (`benchmarks/accumulation.py`, k=4,
-"keep_gathered"): about 20 000 minor page faults per optimizer step with glibc's defaults, none
-with the thresholds raised.
+keeps its buffers, does not. With the thresholds raised, the steps make no such page faults.
 
 `keep_freed_memory` raises both thresholds with `mallopt`, so freed blocks stay in malloc's free
 lists for the next step, as torch's CUDA caching allocator keeps freed device memory. Tensor memory

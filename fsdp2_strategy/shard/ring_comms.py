@@ -2,9 +2,8 @@
 
 gloo has no reduce-scatter of its own: `reduce_scatter_tensor` all-reduces a copy of its whole
 input and keeps one chunk, and its `all_gather_into_tensor` takes longer than an all-reduce of
-the output's size. Measured on 2 CPU ranks (gloo, torch 2.13, 64 MiB gathered / reduced):
-all-gather 62 ms and reduce-scatter 79 ms through gloo, 20 ms and 43 ms as the rings below;
-gloo's all-reduce of the buffer takes 41 ms (`benchmarks/ring_collectives.py`). A ring step
+the output's size; the rings below are faster than both on CPU (`benchmarks/ring_collectives.py`
+measures them). A ring step
 sends one chunk to the next rank and receives one from the previous, so each rank sends (N-1)/N
 of the buffer once, the least any all-gather or reduce-scatter sends, through gloo's
 `isend`/`irecv`.

@@ -105,7 +105,7 @@ class _KeptGroups:
 
         Why up front on CPU: the first forward of a step otherwise runs one all-gather per group,
         each a blocking exchange with the other ranks in turn; started together they stream back
-        to back (`benchmarks/accumulation.py`, 2 CPU ranks, k=4: about 20 ms less per step). All
+        to back, which makes the step faster (`benchmarks/accumulation.py`). All
         of them are waited for here, because FSDP drops an all-gather nobody waited for at the end
         of a backward (a group this micro-batch does not use), which would gather it twice.
         Memory: the all-gather outputs and the gathered parameters reach at most twice the gathered
@@ -210,7 +210,7 @@ def _drop_unreduced_grads(modules: list[FSDPModule]) -> None:
 
     They live outside `model.parameters()` (so `zero_grad` misses them), and torch 2.13's
     `reset_iter_state` leaves them too: the next synchronised backward would add them to its
-    reduction (measured: gradients of the next step doubled). Where they live changed in torch
+    reduction (the next step's gradients would double). Where they live changed in torch
     2.15 (`_torch_compat.drop_unreduced_grads`).
     """
     for module in modules:

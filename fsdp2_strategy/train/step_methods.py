@@ -4,7 +4,7 @@ A trainer calls `training_step(batch, ...)` on the root module, not `forward`, s
 gather the root's parameters around that method too. torch's `register_fsdp_forward_method`
 does so, but it also applies the mixed-precision policy's `cast_forward_inputs` to the
 method's arguments, and for a step method those are the whole batch, targets included:
-under a bf16 policy, float regression targets were rounded to bf16 before the loss saw
+under a bf16 policy, float regression targets would be rounded to bf16 before the loss saw
 them. `register_step_method` gathers without touching
 the arguments; inputs are still cast where they enter the model (`module(x)` and every
 wrapped block), as FSDP2 does for any forward.

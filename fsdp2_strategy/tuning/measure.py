@@ -6,12 +6,11 @@ all-reduce at the end). The peak is the device allocator's on accelerators and t
 bytes on CPU (`probe.LiveTensorBytes`); collectives are counted by the c10d operations dispatched.
 Both in the probe step, the last warm-up step when there are two or more (the first creates the
 optimizer state, so the probe sees a steady step), else one more step after the timed ones. The
-first timed step after a probe ran 0.81-1.07x one after a plain step (medians of 4, 8-block
-model and TinyGPT, 2 and 4 ranks, k=1 and 4); under torch's MemTracker, which the probe used
-until then, the 1-3 steps after it ran up to 1.5x slower. Two warm-up steps before timing: a
-NO_SHARD model's second step ran 1.3-1.7x its later ones. Warm-up steps take all k micro-batches:
-a sharded model's first step of k > 1 makes more collectives than its later ones (3-layer model,
-2 ranks, k=2: 20 ring sends against 16), also after a step of one micro-batch.
+probe's counting mode leaves the timed step after it about as fast as one after a plain step
+(torch's MemTracker slowed the steps after it). Two warm-up steps before timing: a model's second
+step still runs slower than its later ones. Warm-up steps take all k micro-batches: a sharded
+model's first step of k > 1 makes more collectives than its later ones, also after a step of one
+micro-batch.
 """
 
 from __future__ import annotations
@@ -73,10 +72,8 @@ class Measurement:
         """The step time training with this setting alone is expected to take: `step_s`, but for a
         row measured in turn the geometric mean of its first pass and its pass in turn. The pass in
         turn compares the contenders over the same seconds (the pick); beside the others it runs
-        slower than alone, the first pass a few seconds apart from the rest. Against the judge's
-        separate runs (94 rows measured in turn, runs H-L, CPU): first passes 0.76-1.08x (deciles
-        10-90), passes in turn 0.85-1.29x, their geometric mean 0.84-1.16x, with 5 rows more than
-        25 % off against 9 and 14."""
+        slower than alone, the first pass a few seconds apart from the rest. Against separate
+        runs of each setting, the geometric mean of the two is closer than either pass alone."""
         if self.interleaved and len(self.passes) >= 2:
             return math.sqrt(self.passes[0] * self.passes[-1])
         return self.step_s
@@ -86,8 +83,8 @@ class Measurement:
 def collect_only_new_objects() -> Iterator[None]:
     """Inside, `gc.collect()` scans only the objects made since entering (`gc.freeze`): each
     candidate's copy is collected for its memory to be free for the next, and a full collection
-    over the process's objects (torch, transformers, Lightning) took 0.14 s each time here. Left
-    as it is when the caller froze objects itself."""
+    over the process's objects (torch, transformers, Lightning) is slow each time. Left as it is
+    when the caller froze objects itself."""
     if gc.get_freeze_count():
         yield
         return
@@ -191,10 +188,8 @@ def measure_candidate(
 def _first_timed_steps(args: tuple, steps: int, limit: float | None) -> tuple[list[list[float]], bool]:
     """The first timed step, and whether the pass stops there: when it was over `limit` (with
     `steps` >= 2), a second step decides, and if that is over too, it alone times the row. The
-    first was chosen for being slow: against the separate runs (runs L-Q, 113 stopped rows, each
-    row's tuner / separate ratio over the median of the other rows' in its cell), such a step ran
-    1.07x in the median, but 13 of them over 1.3x and up to 2.1x; and four of the tuner's seven
-    misses against its own predictions in runs O-Q were stopped rows (-29 % to -44 %)."""
+    first is not used: it was chosen for being slow, and such a step is sometimes far slower than
+    the setting's usual step."""
     rows = [_timed_step(args)]
     if steps < 2 or not _slower_than(rows[0][0], limit):
         return rows, False
@@ -245,10 +240,8 @@ def measure_interleaved(
 def unsettled(medians: list[float], first_s: list[float] | None, close: float) -> list[int]:
     """Indices of the configs whose order the rounds in turn have not settled: the fastest in turn,
     those within `close` of its median (a close call), and those whose earlier median (`first_s`)
-    beat the fastest's by more than `close` (the two measurements disagree on the order: TinyGPT,
-    2 ranks, k=4, runs H and M, keep_gathered one group 9-11 % ahead of one group alone, 2-8 %
-    behind it in 3 rounds in turn, 10-23 % ahead in the separate runs and 7 % over 12 steps in turn).
-    Empty when that leaves the fastest alone."""
+    beat the fastest's by more than `close` (the two measurements disagree on the order, and a few
+    rounds in turn can get it wrong). Empty when that leaves the fastest alone."""
     lead = min(range(len(medians)), key=medians.__getitem__)
     near = [
         i
@@ -320,8 +313,8 @@ def _median_step_phases(steps: list[list[float]]) -> tuple[float, float, float]:
     """Forward, backward and optimizer seconds of the median step (the mean of the two middle
     steps' for an even count), each step's phases scaled to add up to its time. Each phase is the
     slowest rank's, and ranks sharing a core are slowest in different phases: unscaled, the
-    phases' medians added up to 1.51x the median step (8-block model, 4 ranks on 2 cores), and
-    the row whose phases the step-time model takes was predicted that much above its own step."""
+    phases' medians would add up to more than the median step, and the step-time model fitted to
+    them would predict that much above it."""
     scaled = []
     for step, *phases in sorted(steps, key=lambda row: row[0]):
         total = sum(phases)

@@ -18,43 +18,38 @@ from .measure import Measurement
 from .result import TuneRow
 
 FIRST_EXTRA_WARMUP = 3
-"""Steps of one micro-batch the first measured candidate takes before its warm-up: the process's
-first steps run slower (measured: a first candidate's 5 timed steps 50 % above the same setting's
-later). One micro-batch warms the process as well as k do, for a k-th of the time."""
+"""Steps of one micro-batch the first measured candidate takes before its warm-up: a process's
+first steps run slower than its later ones. One micro-batch warms the process as well as k do,
+for a k-th of the time."""
 
 RECHECK_WITHIN = 1.3
 """The second pass measures again the rows whose first-pass step time is within this factor of
-the fastest one's. Measured (8-block model, 2 ranks, each rank pinned to a core): the same
-setting's median step moved by up to 30 % between passes a few seconds apart, while the steps
-within one pass stayed within about 5 % of their median; so a contender is timed twice, apart,
-rather than for longer. A row left out lost by over 30 % once: for the pick to be more than 5 %
-off, the fastest setting must both lead by 5 % and lose over 35 % to noise in its first pass."""
+the fastest one's. A setting's median step moves more between passes a few seconds apart than
+the steps within one pass move around their median, so a contender is timed twice, apart,
+rather than for longer."""
 
 DISAGREE = 1.15
 """While the fastest row's two passes differ by more than this factor, it is measured a third time
-and takes the median of its three passes (`third_pass`). Measured (TinyGPT, 2 ranks, k=4):
-NO_SHARD/one group's passes 0.30 and 0.42 s, the interleaved run's median 0.38 s; the faster pass
-alone made it the pick, 12.5 % slower than the fastest setting."""
+and takes the median of its three passes (`third_pass`), so that one fast pass alone does not
+make a slower setting the pick."""
 
 CLOSE_CALL = 1.05
 """In the pass in turn, the contenders whose medians are within this factor of the fastest one's
-(the judge's margin) take as many rounds again, so a close call is decided on twice the steps.
-Measured (TinyGPT, 2 ranks, k=4): a median of 3 steps in turn moved by about 4 % (the quartiles
-of 18 such steps 0.376-0.405 s); FULL_SHARD/one group and its keep_gathered variant came 2 %
-apart in one tuning, the other way round, and 5-9 % apart over 9-18 steps in turn each. So do
-those whose first pass beat the fastest one's by more than this factor (`measure.unsettled`)."""
+take as many rounds again, so a close call is decided on twice the steps: a median of a few
+steps in turn moves by about as much as this margin. So do those whose first pass beat the
+fastest one's by more than this factor (`measure.unsettled`)."""
 
 SECOND_PASS_WARMUP = 2
 """Warm-up steps of a second-pass measurement: the process is warm by then, but the first step of
-a fresh copy creates the optimizer state, and a NO_SHARD copy's second step ran 1.3-1.7x its
-later ones (8-block model, 2 ranks)."""
+a fresh copy creates the optimizer state, and its second step still runs slower than the later
+ones."""
 
 
 def first_pass(rows: list[TuneRow], measure: Callable, warmup: int) -> None:
     """Measure every fitting row, in `measuring_order`. A row whose first two timed steps are over
     `RECHECK_WITHIN` times the fastest median so far takes no more timed steps, timed by the
-    second (`measure._first_timed_steps`): it would not be measured again, and one step was
-    within about 5 % of a pass's median. The `per_call_row` takes all its steps: the step-time
+    second (`measure._first_timed_steps`): it would not be measured again, and one step is close
+    to a pass's median. The `per_call_row` takes all its steps: the step-time
     model's cost per collective call is fitted to it."""
     full = per_call_row(rows)
     for row in measuring_order(rows):
@@ -84,8 +79,7 @@ def measuring_order(rows: list[TuneRow]) -> list[TuneRow]:
     """The fitting rows, fewest estimated collective calls first, then fewest calls in all (local
     ones too: world size 1, where none is collective), then in table order: the fastest setting
     tends to be among them, and the sooner it is measured, the sooner a slower row stops after
-    one timed step. On 2 and 4 CPU ranks the fastest made the fewest calls of its shard size in
-    every cell of the judge's runs F and H; where it does not, only the tuning costs more."""
+    one timed step. Where the fastest is not among them, only the tuning costs more."""
     return sorted((r for r in rows if r.fits), key=lambda r: (r.estimated_collective_calls, r.estimated_calls))
 
 
@@ -96,10 +90,8 @@ def references(measured: list[TuneRow]) -> tuple[TuneRow, TuneRow, TuneRow | Non
     `measuring_order` that took all its timed steps (its phases) and, of those that took all
     theirs, the one whose calls (`fsdp_calls`) differ most from it (the cost per call; within one
     shard size, the optimizer step stays out of it; `first_pass` never stops the one with the
-    most calls). A stopped row is timed by one step:
-    as the per-call reference, when that was the slow step it was stopped for (8-block model and
-    TinyGPT, 4 ranks), it was 1.6-1.85x the interleaved run's median and every prediction followed
-    it, 28-78 % above the tuner's own steps. Of another shard size, the first that took all its
+    most calls). A stopped row is timed by one step, possibly the slow step it was stopped for, so
+    it is a reference only where no row took all its steps. Of another shard size, the first that took all its
     timed steps (its optimizer step: the part that does not shrink with the shard; its step: the
     cost per byte of a collective only it calls, NO_SHARD's all-reduce)."""
     measured = measuring_order([r for r in measured if not _offloaded(r)] or measured)
@@ -138,9 +130,9 @@ def contenders(rows: list[TuneRow]) -> list[TuneRow]:
 
 def interleaved_pass(rows: list[TuneRow], together: Callable, budget: int) -> bool:
     """Measure the contenders again, stepped in turn (`measure_interleaved`): each takes that
-    pass's median, so the pick compares them over the same seconds of the machine's time (run F
-    of the judge: a setting's median moved by 0.70-1.62x between runs minutes apart; 1.6 %
-    apart in the tuner's passes, 9.9 % in an interleaved run); those within `CLOSE_CALL` of the
+    pass's median, so the pick compares them over the same seconds of the machine's time (a
+    setting's median moves more between runs minutes apart than settings differ); those within
+    `CLOSE_CALL` of the
     fastest, or whose first pass beat its first pass by more, take twice the steps. The pick is
     among these rows. The third reference (`references`), when not a contender, joins them where
     it fits beside them (`model_reference`).
@@ -174,11 +166,9 @@ def interleaved_pass(rows: list[TuneRow], together: Callable, budget: int) -> bo
 def model_reference(rows: list[TuneRow], contending: list[TuneRow], room: int) -> list[TuneRow]:
     """The third reference (`references`: of another shard size, NO_SHARD's one group on CPU, whose
     step gives the cost per byte of the collective only it calls), as a list of one when it is not
-    among `contending` and its estimated peak fits in `room`; else empty. Taken from one pass, as
-    the first candidate measured (the fewest collective calls) and seldom a contender, one slow
-    pass misled every NO_SHARD prediction: 8-block model, 4 ranks (run P), 0.765 s against 0.624 s
-    in the separate run and 0.585-0.66 s in four passes of another world, and NO_SHARD/blocks was
-    predicted 65 % above its own step; all-MiniLM-L6-v2, 4 ranks, k=4 (run O): +27 %."""
+    among `contending` and its estimated peak fits in `room`; else empty. It is measured again
+    because it is the first candidate measured (the fewest collective calls) and seldom a
+    contender: taken from one pass, one slow pass would mislead every NO_SHARD prediction."""
     measured = [r for r in rows if r.measured is not None and r.estimate is not None]
     third = references(measured)[2] if measured else None
     if third is None or third in contending or _peak(third) > room:
@@ -210,7 +200,7 @@ def second_pass(rows: list[TuneRow], measure: Callable) -> None:
 
 def third_pass(rows: list[TuneRow], measure: Callable) -> None:
     """While the fastest row's two passes disagree (`DISAGREE`), measure it once more: it takes the
-    median of its three passes, so one lucky pass no longer makes the pick. A slower row with a
+    median of its three passes, so one lucky pass does not make the pick. A slower row with a
     lucky pass needs no third: it is not the pick even so. Each row at most once."""
     done: set[str] = set()
     while True:
@@ -232,9 +222,8 @@ def third_pass(rows: list[TuneRow], measure: Callable) -> None:
 
 def _merged(kept: Measurement, again: Measurement, base: Measurement, step_s: float) -> Measurement:
     """`base`'s phases and steps with the row's `step_s`, the phases scaled to add up to it (a
-    third pass's median can be the second pass, of which only the time was kept: on one H200 the
-    reference row's phases added up to its first pass, 0.119 s, against its median 0.144 s, and it
-    was predicted 17 % below itself); every pass and its cost so far; the peak and collectives of
+    third pass's median can be the second pass, of which only the time was kept; unscaled, the
+    phases would add up to another pass than the median); every pass and its cost so far; the peak and collectives of
     `kept`, whose first pass took the probe (the later ones take none)."""
     scale = step_s / base.step_s if base.step_s > 0 else 1.0
     return dataclasses.replace(

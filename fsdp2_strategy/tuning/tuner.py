@@ -63,8 +63,8 @@ WARMUP_STEPS = 2
 """Default untimed optimizer steps per candidate before its timed ones (`measure_candidate`)."""
 
 TIMED_STEPS = 3
-"""Default timed optimizer steps per candidate and pass: the steps of one pass stayed within about
-5 % of their median (8-block model, 2 ranks); what moves a median is time between passes."""
+"""Default timed optimizer steps per candidate and pass: the steps of one pass stay close to their
+median; what moves a median is time between passes."""
 
 SKIPPABLE = (RuntimeError, ValueError, torch.OutOfMemoryError)
 """Errors that skip a candidate (on every rank) instead of ending the tuning."""

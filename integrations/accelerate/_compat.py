@@ -101,7 +101,7 @@ def _problems() -> list[str]:
 
 
 def check_private_api() -> None:
-    """Raise ImportError if an Accelerate symbol we rely on is gone or changed shape."""
+    """Raise ImportError if an Accelerate symbol the adapter relies on is gone or changed shape."""
     problems = _problems()
     if problems:
         raise private_api_error("fsdp2_strategy's Accelerate adapter", "accelerate", accelerate.__version__, problems)

@@ -1,7 +1,7 @@
 """`save_state` / `load_state` for `FSDP2Accelerator`: the core's atomic DCP directory.
 
 One checkpoint is one directory, written the way every checkpoint of this project is
-(`fsdp2_strategy.checkpoint_dir`): into `.tmp-<name>/` beside it, then renamed into place
+(`fsdp2_strategy.checkpoint.directory`): into `.tmp-<name>/` beside it, then renamed into place
 by rank 0 once every rank's shards, DCP's `.metadata` and `checksums.json` exist. Inside:
 
 - DCP shards of each prepared model (`model`, `model_1`, ...) and optimizer (`optimizer`,

@@ -1,11 +1,12 @@
 """Every private Lightning symbol the adapter touches, in one place, checked at import.
 
 - `lightning.pytorch.core.saving.pl_load`: `LightningModule.load_from_checkpoint` reads
-  checkpoints through it; we teach it sharded checkpoint directories (it only reads files).
+  checkpoints through it; the adapter teaches it sharded checkpoint directories (it only reads
+  files).
 - `_MultiProcessingLauncher._collect_rank_zero_results`: with a spawn start method it sends
-  `lightning_module.state_dict()` back to the parent, which holds an unsharded copy; we send
-  the full (gathered) state instead of DTensor shards; `_wrapping_function` (the worker's body)
-  is extended to end the worker cleanly.
+  `lightning_module.state_dict()` back to the parent, which holds an unsharded copy; the adapter
+  sends the full (gathered) state instead of DTensor shards; `_wrapping_function` (the worker's
+  body) is extended to end the worker cleanly.
 - `lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher`: the
   "popen" launcher `ModelParallelStrategy` uses, configured the same way here.
 - `lightning.fabric.utilities.optimizer._optimizers_to_device`: moves optimizer state to the
