@@ -1,8 +1,11 @@
 """fsdp2-strategy: one FSDP2 engine for any trainer.
 
-import fsdp2_strategy as f2
-model = f2.shard_model(model, f2.FSDP2Config(wrap_policy="auto", mixed_precision="bf16"))
-optimizer = torch.optim.AdamW(model.parameters())
+Example:
+    ```python
+    import fsdp2_strategy as f2
+    model = f2.shard_model(model, f2.FSDP2Config(wrap_policy="auto", mixed_precision="bf16"))
+    optimizer = torch.optim.AdamW(model.parameters())
+    ```
 """
 
 from . import _torch_compat  # noqa: F401  (checks the private torch names the core uses; raises ImportError naming them)

@@ -42,8 +42,18 @@ def init_distributed(
     - Without one: a 1-rank group on a free local port (`fully_shard` needs a group).
     - On an accelerator (unless `cpu`): device index LOCAL_RANK and backend
       "cpu:gloo,<type>:<its backend>", so CPU tensors (DCP, offloaded state) have one too;
-      otherwise gloo on CPU. `cpu_hint` names the caller's CPU switch in the error raised
-      when LOCAL_RANK has no device.
+      otherwise gloo on CPU.
+
+    Args:
+        cpu: Use CPU and gloo even where an accelerator is available.
+        timeout: The process group's timeout (None: torch's default).
+        cpu_hint: The caller's CPU switch, named in the error raised when LOCAL_RANK has no device.
+
+    Returns:
+        This process's device: `cuda:<LOCAL_RANK>` (or another accelerator's), else `cpu`.
+
+    Raises:
+        RuntimeError: If LOCAL_RANK is not below the number of accelerator devices.
     """
     accel = torch.accelerator.current_accelerator() if not cpu and torch.accelerator.is_available() else None
     if accel is None:
@@ -127,12 +137,18 @@ def _run_before_shutdown() -> None:
 
 
 def shutdown(exit_code: int = 0, *, barrier_timeout: timedelta | None = timedelta(seconds=60)) -> None:
-    """End a distributed process without the exit-time abort described above; never returns.
+    """End a distributed process cleanly; never returns.
 
     Call it as the last line of a training script on every rank. It commits checkpoints still
     being written asynchronously (`before_shutdown`), waits for all ranks (a barrier, bounded by
     `barrier_timeout` when the backend supports it), destroys the process group, runs the `atexit`
-    hooks, flushes stdout, stderr and logging, and exits with `exit_code`.
+    hooks, flushes stdout, stderr and logging, and exits with `exit_code`. Leaving with `os._exit`
+    skips the interpreter finalisation in which a process that ran a DCP save on gloo can abort.
+
+    Args:
+        exit_code: The process's exit status; a failed barrier or destroy turns 0 into 1.
+        barrier_timeout: How long the final barrier waits for the other ranks on gloo (None: a
+            plain barrier, without a bound).
     """
     try:
         _run_before_shutdown()

@@ -190,13 +190,30 @@ def export_full(
     step: int | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
-    """Write the model weights of a sharded checkpoint as full tensors; returns `out_dir`.
+    """Write the model weights of a sharded checkpoint as full tensors.
 
-    `format="safetensors"` writes `model.safetensors`, or Hugging Face style
-    `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json` when the weights
-    exceed `max_shard_size` bytes; `format="torch"` writes one `model.pt` state dict.
-    `checkpoint_dir` is a DCP directory or a `Checkpointer` root (latest committed step, or
-    `step`). `dtype` ("bf16", "fp16", "fp32") converts on the way out.
+    Runs in one process, without a process group; the files are checked against
+    `checksums.json` first, and one output file's tensors are read at a time.
+
+    Args:
+        checkpoint_dir: A DCP directory, or a `Checkpointer` root (its latest committed step, or
+            `step`).
+        out_dir: The folder to write (created if missing).
+        format: "safetensors" writes `model.safetensors`, or Hugging Face style
+            `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json` when the weights
+            exceed `max_shard_size` bytes; "torch" writes one `model.pt` state dict.
+        dtype: "bf16", "fp16" or "fp32" (or a torch dtype) to convert to on the way out; None keeps
+            the saved dtypes.
+        step: The step of a `Checkpointer` root to export (None: the latest committed one).
+        max_shard_size: The most bytes per safetensors file (default 5 GiB, Hugging Face's).
+
+    Returns:
+        `out_dir`, as a Path.
+
+    Raises:
+        ValueError: If `format` or `dtype` is invalid, the checkpoint is damaged or holds no
+            tensors, or `out_dir` is a file.
+        FileNotFoundError: If `checkpoint_dir` holds no committed checkpoint (or not `step`).
     """
     if format not in ("safetensors", "torch"):
         raise ValueError(f"format={format!r} is invalid; use 'safetensors' or 'torch'.")
@@ -281,8 +298,24 @@ class CheckpointInfo:
 
 
 def inspect_checkpoint(path: str | Path, step: int | None = None) -> CheckpointInfo:
-    """Steps (committed or partial), tensors with shapes and dtypes, the saving world size, and
-    whether the files still match their checksums."""
+    """Describe a checkpoint: its tensors, the world size that saved it and whether it is intact.
+
+    Runs in one process, without a process group; `str()` of the result is what the
+    `fsdp2-strategy inspect` command prints.
+
+    Args:
+        path: A DCP directory, or a `Checkpointer` root.
+        step: The step of a `Checkpointer` root to describe (None: the latest committed one).
+
+    Returns:
+        The directory described, every step of a root (committed or partial), each tensor's shape
+        and dtype, the other entries, the saving world size, and the files whose size or checksum
+        differs from `checksums.json` (empty when intact).
+
+    Raises:
+        FileNotFoundError: If `path` holds no committed checkpoint (or not `step`).
+        ValueError: If its metadata cannot be read.
+    """
     path = Path(path)
     steps = {step: cdir.is_committed(child) for step, child in cdir.step_dirs(path).items()}
     ckpt_dir = resolve_checkpoint_dir(path, step)

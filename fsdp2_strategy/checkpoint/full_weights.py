@@ -234,15 +234,26 @@ def _check_shapes(model: nn.Module, shapes: dict[str, tuple], path: Path) -> Non
 
 @torch.no_grad()
 def load_full_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> nn.Module:
-    """Load a full (unsharded) checkpoint into a sharded or meta-device model; returns `model`.
+    """Load a full (unsharded) checkpoint into a sharded or meta-device model.
 
-    `path` is a safetensors file, a folder of safetensors files with a Hugging Face index, or
-    a `torch.save` file of a state dict. Each rank reads only its own slices, so no rank holds
-    more than its shards plus one tensor. A model still on the meta device is allocated on
-    its mesh's device first (no random initialisation is run). With `strict`, missing or
-    unexpected keys raise `ValueError` listing them; shape mismatches always raise. Every
-    file is checked first (a damaged one raises `ValueError` naming it), so an error leaves
-    the model unchanged.
+    Each rank reads only its own slices, so no rank holds more than its shards plus one tensor.
+    A model still on the meta device is allocated on its mesh's device first (no random
+    initialisation is run). Every file is checked before the model is touched, so an error
+    leaves the model unchanged.
+
+    Args:
+        model: The sharded (or meta-device) model to fill.
+        path: A safetensors file, a folder of safetensors files with a Hugging Face index, or a
+            `torch.save` file of a state dict.
+        strict: Raise on missing or unexpected keys (shape mismatches always raise).
+
+    Returns:
+        `model`, its parameters and buffers holding the checkpoint's values.
+
+    Raises:
+        FileNotFoundError: If `path` does not exist.
+        ValueError: If a file is damaged, a shape differs from the model's, or (with `strict`)
+            keys are missing or unexpected; the message lists them.
     """
     path = Path(path)
     if not path.exists():

@@ -169,8 +169,21 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike, *, adapter_name: str = "default") -> Path:
     """Collective: write the adapter of a sharded PEFT model in PEFT's format (rank 0 writes).
 
-    `model` is the sharded `PeftModel` or a module holding one. Only the adapter's parameters are
-    gathered (LoRA matrices and `modules_to_save`). Returns `out_dir`."""
+    Only the adapter's parameters are gathered (LoRA matrices and `modules_to_save`); the output
+    is `adapter_model.safetensors` and `adapter_config.json`, which `PeftModel.from_pretrained`
+    loads. Every rank must call it.
+
+    Args:
+        model: The sharded `PeftModel`, or a module holding one.
+        out_dir: The folder to write (created if missing).
+        adapter_name: The adapter to save.
+
+    Returns:
+        `out_dir`, as a Path.
+
+    Raises:
+        ValueError: If `model` holds no PEFT model, or `adapter_name` is not one of its adapters.
+    """
     from peft.utils import get_peft_model_state_dict  # optional: only PEFT models come here
     from safetensors.torch import save_file  # optional ([hf])
 
@@ -198,9 +211,25 @@ def save_merged(
     adapter_name: str = "default",
     max_shard_size: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
-    """Collective: write a sharded PEFT model's base weights with the LoRA deltas merged in, as Hugging
-    Face safetensors (index past `max_shard_size`) plus `config.json`; rank 0 writes. Each weight
-    keeps its dtype (the sum is taken in fp32). Returns `out_dir`."""
+    """Collective: write a sharded PEFT model's weights with the LoRA deltas merged in (rank 0 writes).
+
+    The output is Hugging Face safetensors (with an index past `max_shard_size`) plus the base
+    model's `config.json`, under the base model's names, which `AutoModel.from_pretrained` loads.
+    Each weight keeps its dtype (the sum is taken in fp32). Every rank must call it.
+
+    Args:
+        model: The sharded `PeftModel`, or a module holding one.
+        out_dir: The folder to write (created if missing).
+        adapter_name: The adapter whose deltas are merged.
+        max_shard_size: The most bytes per safetensors file (default 5 GiB, Hugging Face's).
+
+    Returns:
+        `out_dir`, as a Path.
+
+    Raises:
+        ValueError: If `model` holds no PEFT model, or a LoRA layer of the adapter cannot be merged
+            (DoRA, embeddings, convolutions, a quantised base).
+    """
     _, peft_model = find_peft_model(model)
     found = lora_layers(peft_model, adapter_name)
     check_mergeable({name: why for name, (_, why) in found.items()})

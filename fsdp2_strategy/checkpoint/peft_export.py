@@ -45,11 +45,33 @@ def export_peft(
     step: int | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
-    """Write a checkpointed PEFT model's adapter (PEFT's format: `adapter_model.safetensors` +
-    `adapter_config.json`) or, with `merged=True`, the base weights with the LoRA deltas added
-    (Hugging Face safetensors; `config.json` copied from `base` when given). `checkpoint_dir` is a
-    DCP directory or a `Checkpointer` root (latest committed step, or `step`); `base` is required
-    to merge a trainable-only checkpoint. Returns `out_dir`."""
+    """Write a checkpointed PEFT model's adapter, or its weights with the adapter merged in.
+
+    Runs in one process, without a process group; the files are checked against
+    `checksums.json` first.
+
+    Args:
+        checkpoint_dir: A DCP directory, or a `Checkpointer` root (its latest committed step, or
+            `step`), saved from a PEFT model.
+        out_dir: The folder to write (created if missing).
+        merged: False writes the adapter in PEFT's format (`adapter_model.safetensors` +
+            `adapter_config.json`); True writes the base weights with the LoRA deltas added
+            (Hugging Face safetensors).
+        base: The pretrained model's folder (safetensors): with `merged=True`, base weights the
+            checkpoint does not hold are read from it, and its `config.json` is copied. Required to
+            merge a trainable-only checkpoint.
+        adapter_name: The adapter to export.
+        step: The step of a `Checkpointer` root to export (None: the latest committed one).
+        max_shard_size: The most bytes per safetensors file of the merged weights (default 5 GiB).
+
+    Returns:
+        `out_dir`, as a Path.
+
+    Raises:
+        ValueError: If the checkpoint is damaged, holds no PEFT model or no adapter
+            `adapter_name`, or is trainable-only and `merged=True` without `base`.
+        FileNotFoundError: If `checkpoint_dir` holds no committed checkpoint (or not `step`).
+    """
     ckpt = verified_checkpoint_dir(checkpoint_dir, step)
     metadata = cdir.read_metadata(ckpt)
     model_key, info = _peft_entry(ckpt, metadata.state_dict_metadata)

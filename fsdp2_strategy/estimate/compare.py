@@ -129,16 +129,36 @@ def compare_strategies(
 ) -> StrategyComparison:
     """Estimate every strategy x CPU offload x activation checkpointing and recommend one.
 
-    `device_memory` (bytes or text like "80GiB") is the budget per rank; None judges nothing.
-    Other keywords (`optimizer`, `example_batch`, `loss_fn`, `accumulation`, `micro_batches`)
-    go to `estimate_memory`. Activation checkpointing rows need wrapped blocks; a model whose
-    wrap policy selects none gets no such rows.
+    Each setting is `config` with that strategy, offload and checkpointing, estimated by
+    `estimate_memory`. Activation checkpointing rows need wrapped blocks; a model whose wrap
+    policy selects none gets no such rows. The recommendation is the fitting setting with the
+    least communication; `f2.tune` picks by measured time instead.
 
-    `time` adds a predicted step time per row (`PlanRow.predicted`, `estimate.step_time`): a
-    `StepTimeModel` (e.g. `f2.tune(...).time_model`), or True to measure one now on the
-    initialised process group (a collective sweep and one step of `model`, which must then hold
-    real weights and `example_batch` real tensors; every rank must call). The recommendation
-    stays the memory planner's; `f2.tune` picks by measured time.
+    Args:
+        model: The unsharded model, on any device (it is only copied onto meta).
+        config: The base `FSDP2Config`, a dict of its fields, a YAML path, or None for the defaults.
+        world_size: Ranks in the job being planned.
+        nodes: Nodes the ranks are spread over (it must divide `world_size`).
+        device_memory: The budget per rank, bytes or text like "80GiB"; None judges nothing and
+            recommends nothing.
+        strategies: The sharding strategies to compare.
+        offload: The `cpu_offload` values to compare.
+        checkpointing: Whether to compare without and with activation checkpointing (the config's
+            own `activation_checkpointing`, or "auto").
+        time: Adds a predicted step time per row (`PlanRow.predicted`): a `StepTimeModel` (e.g.
+            `f2.tune(...).time_model`), or True to measure one now on the initialised process group
+            (a collective sweep and one step of `model`, which must then hold real weights and
+            `example_batch` real tensors; every rank must call). None or False: no times.
+        **estimate_kwargs: Passed to `estimate_memory` (`optimizer`, `example_batch`, `loss_fn`,
+            `accumulation`, `micro_batches`, `device_type`).
+
+    Returns:
+        Every row in the order tried, the budget, and the recommended row with the reason (or why
+        nothing fits).
+
+    Raises:
+        ValueError: If `config`, `device_memory`, `time` or an argument of `estimate_memory` is
+            invalid.
     """
     base = FSDP2Config.coerce(config, log_plan=False)
     budget = parse_bytes(device_memory, "device_memory")

@@ -179,17 +179,36 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Estimate per-rank memory and communication of training `model` with `config`.
 
-    `model` may live on any device (it is not modified, only copied onto meta). `example_batch`
-    is one rank's micro-batch: a tensor, a tuple of positional inputs, or a dict of keyword inputs
-    (tensors may be real, meta or fake); None estimates without activations. `loss_fn(model,
-    batch)` returns the loss (default: the output's `.loss`, else the first output tensor's mean).
-    `optimizer`: "adamw", "adam", "sgd" (with momentum), "sgd_plain", "none", an optimizer class,
-    or a callable `params -> optimizer`; its state is measured by stepping it on meta tensors.
-    `accumulation` and `micro_batches` describe gradient accumulation (`FSDP2Config.accumulation`).
-    `device_type` is the device the job trains on ("cpu", "cuda", ...; None: this machine's
-    accelerator, else "cpu"): it decides which attention kernel the activations are measured with
-    and the scratch a reduce-scatter holds (gloo's copy of its input, or the ring's receive buffer of
-    `FSDP2Config.collectives`); see `sim_device`.
+    The model is copied onto the meta device and one training step is simulated there; no
+    process group, device or real weights are needed.
+
+    Args:
+        model: The unsharded model, on any device (it is not modified, only copied onto meta).
+        config: An `FSDP2Config`, a dict of its fields, a YAML path, or None for the defaults; its
+            `sharding_strategy` must be concrete (not "auto").
+        world_size: Ranks in the job being planned.
+        nodes: Nodes the ranks are spread over (it must divide `world_size`); it sets the
+            replicate dimension of HYBRID_SHARD.
+        optimizer: "adamw", "adam", "sgd" (with momentum), "sgd_plain", "none", an optimizer class,
+            or a callable `params -> optimizer`; its state is measured by stepping it on meta tensors.
+        example_batch: One rank's micro-batch: a tensor, a tuple of positional inputs, or a dict of
+            keyword inputs (tensors may be real, meta or fake); None estimates without activations.
+        loss_fn: `loss_fn(model, batch)` returns the loss (default: the output's `.loss`, else the
+            first output tensor's mean).
+        accumulation: The gradient accumulation mode (`FSDP2Config.accumulation`).
+        micro_batches: Micro-batches per optimizer step.
+        device_type: The device the job trains on ("cpu", "cuda", ...; None: this machine's
+            accelerator, else "cpu"). It decides which attention kernel the activations are
+            measured with and the scratch a reduce-scatter holds (gloo's copy of its input, or the
+            ring's receive buffer of `FSDP2Config.collectives`); see `sim_device`.
+
+    Returns:
+        The per-rank estimate: peak bytes and what is alive at the peak, resident and host bytes,
+        and the bytes and calls of each collective per optimizer step.
+
+    Raises:
+        ValueError: If `config` is invalid or its `sharding_strategy` is "auto", or if
+            `world_size`, `nodes`, `accumulation` or `micro_batches` is invalid.
     """
     config = FSDP2Config.coerce(config, log_plan=False)
     if config.sharding_strategy == "auto":

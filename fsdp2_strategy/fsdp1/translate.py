@@ -208,11 +208,27 @@ def _check_fsdp2_keywords(kwargs: dict[str, Any]) -> None:
 
 
 def fully_shard(module: nn.Module, **kwargs: Any) -> nn.Module:
-    """Shard `module` with FSDP2, accepting FSDP1 keywords with FSDP1's meaning; returns the module.
+    """Shard `module` with FSDP2, accepting FSDP1 keywords with FSDP1's meaning.
 
     With only FSDP2 keywords this is torch's `fully_shard`. With FSDP1 keywords the module is
-    sharded by `shard_model` (with `auto_wrap_policy` when given, otherwise as one group);
-    mixing the two vocabularies for one setting, or a keyword no FSDP has, raises `ValueError`.
+    sharded by `shard_model` (with `auto_wrap_policy` when given, otherwise as one group).
+
+    Args:
+        module: The module to shard.
+        **kwargs: torch's `fully_shard` keywords (`mesh`, `reshard_after_forward`, `mp_policy`,
+            `offload_policy`, ...), or FSDP1's (`sharding_strategy`, `mixed_precision`,
+            `cpu_offload`, `ignored_modules`, `auto_wrap_policy`, `device_mesh`, `process_group`,
+            ...). FSDP1 switches FSDP2 does anyway (`device_id`, `use_orig_params`,
+            `sync_module_states`, `limit_all_gathers`) are accepted and ignored.
+
+    Returns:
+        The sharded module.
+
+    Raises:
+        ValueError: If a keyword is unknown or has no FSDP2 meaning, two keywords set the same
+            setting (one of each vocabulary), or a value is invalid.
+        RuntimeError: If, with FSDP2 keywords only, no process group is initialised and no `mesh`
+            is given.
     """
     for refused, fix in REFUSED_KEYWORDS.items():
         if refused in kwargs:

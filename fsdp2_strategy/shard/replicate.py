@@ -47,14 +47,27 @@ def _check_ready(model: nn.Module, params: dict[str, nn.Parameter]) -> None:
 
 
 def replicate(model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn.Module:
-    """Data-parallelise the parameters of `model` that no `fully_shard` group owns; returns `model`.
+    """Data-parallelise the parameters of `model` that no `fully_shard` group owns.
 
     Call it after every `fully_shard`/`shard_model` on parts of the model and before building
-    the optimizer. `mesh` defaults to a 1-D mesh over all ranks, which is the right one
-    whenever the sharded groups also span all ranks (FSDP and HSDP both average over every
-    rank). Buffers are broadcast from rank 0 once here (DDP re-broadcasts them every forward;
+    the optimizer. The parameters are broadcast from rank 0 and their gradients averaged over
+    `mesh`. Buffers are broadcast from rank 0 once here (DDP re-broadcasts them every forward;
     FSDP never does, and this follows FSDP). Every replicated parameter that requires a
     gradient must receive one in each synchronised backward, on every rank.
+
+    Args:
+        model: The partly sharded model; calling it again adds parameters that became unowned.
+        mesh: The ranks to replicate over. None: a 1-D mesh over all ranks, which is the right one
+            whenever the sharded groups also span all ranks (FSDP and HSDP both average over
+            every rank).
+
+    Returns:
+        `model`, its unowned parameters replicated.
+
+    Raises:
+        RuntimeError: If no process group is initialised.
+        ValueError: If an unowned parameter is on the meta device, or `mesh` spans another number
+            of ranks than the mesh the model's replicated parameters already use.
     """
     params = unowned_params(model)
     _check_ready(model, params)

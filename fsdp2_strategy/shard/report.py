@@ -131,7 +131,15 @@ def _local_bytes(p) -> int:
 
 
 def sharding_plan(model: nn.Module) -> ShardingPlan:
-    """Describe every FSDP group of `model` plus replicated scalars, one row each."""
+    """Describe every FSDP group of `model` plus replicated scalars, one row each.
+
+    Args:
+        model: A model `shard_model` (or `fully_shard`) sharded.
+
+    Returns:
+        One row per group (its modules, parameter count, mesh, resharding and precision notes) and
+        per replicated parameter set, with the accumulation mode; `str()` of it is a table.
+    """
     plan = ShardingPlan(accumulation=mode_of(model), freed_memory_kept=freed_memory_kept())
     for name, module in model.named_modules():
         is_group = isinstance(module, FSDPModule)  # (a flag: `module` stays typed as nn.Module)

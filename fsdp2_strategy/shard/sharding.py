@@ -60,16 +60,31 @@ def shard_model(
     Groups are chosen by `config.wrap_policy` and `config.module_overrides` and sharded
     children first, the root last. Tied weights are kept in one group; scalar parameters are
     replicated; a meta-device model is materialised (`init_weights()` or each module's
-    `reset_parameters()`). `mesh`, when given, is used for the global strategy; with
-    `tensor_parallel_size > 1` it is the whole (data..., tensor-parallel) mesh, its last dim
-    the TP one. Tensor parallelism is applied before FSDP. Keyword arguments override config
-    fields. Build the optimizer afterwards.
+    `reset_parameters()`). Tensor parallelism is applied before FSDP. Build the optimizer
+    afterwards. Every rank must call it, with an initialised process group.
 
-    With `sharding_strategy="auto"`, `example_batch` (one rank's micro-batch: a tensor, a tuple
-    of positional inputs or a dict of keyword inputs; real, meta or fake tensors) lets the memory
-    planner count the activations of forward and backward against `memory_budget`, and
-    `loss_fn(model, batch)` says how the loss is computed (as in `f2.estimate_memory`); without a
-    batch the activations are left to the budget's margin. Both are ignored otherwise.
+    Args:
+        model: The model to shard, on CPU, an accelerator or the meta device.
+        config: An `FSDP2Config`, a dict of its fields, a YAML path, or None for the defaults.
+        mesh: The device mesh of the global strategy (None: built from the world size and
+            `config.mesh_shape`). With `tensor_parallel_size > 1` it is the whole (data...,
+            tensor-parallel) mesh, its last dim the TP one.
+        example_batch: With `sharding_strategy="auto"`, one rank's micro-batch (a tensor, a tuple
+            of positional inputs or a dict of keyword inputs; real, meta or fake tensors), so
+            that the memory planner counts the activations of forward and backward against
+            `memory_budget`; without one the activations are left to the budget's margin.
+            Ignored for other strategies.
+        loss_fn: With `sharding_strategy="auto"`, `loss_fn(model, batch)` computes the loss (as in
+            `f2.estimate_memory`). Ignored for other strategies.
+        **overrides: `FSDP2Config` fields that override `config`'s.
+
+    Returns:
+        `model`, sharded: its FSDP groups hold DTensor parameters.
+
+    Raises:
+        ValueError: If the config or an override is invalid, or does not fit the world size or
+            `mesh`.
+        RuntimeError: If no process group is initialised.
     """
     config = FSDP2Config.coerce(config, **overrides)
     if config.sharding_strategy == "auto":

@@ -247,6 +247,10 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     What "off" skips follows the model's `FSDP2Config.accumulation` mode: the reduce-scatter
     ("sync_last"), also the re-gathering of parameters ("keep_gathered"), or only HSDP's
     replicate all-reduce ("sync_each"). Replicated scalar parameters sync on the last only.
+
+    Args:
+        model: The model `shard_model` sharded.
+        enabled: False before a non-final micro-batch, True before the last one.
     """
     if enabled:
         resume_sync(model)
@@ -262,6 +266,17 @@ def no_sync(*models: nn.Module) -> Iterator[None]:
     accumulate unreduced on each rank and the first backward outside the context reduces the
     sum). Sync is switched back on when the context exits; on an exception, parameters that
     "keep_gathered" held unsharded are also resharded.
+
+    Args:
+        *models: The sharded models whose backward passes inside the context accumulate.
+
+    Example:
+        ```python
+        for i, batch in enumerate(micro_batches):
+            with f2.no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext():
+                loss_fn(model, batch).backward()
+        optimizer.step()
+        ```
     """
     try:
         for model in models:

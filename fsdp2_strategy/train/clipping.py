@@ -41,8 +41,23 @@ def clip_grad_norm_(
 
     The norm is computed per mesh/placement group (the DTensor norm reduces over the shards),
     then combined, so groups on different meshes (per-module strategies, HSDP) and replicated
-    plain parameters count exactly once. Returns the total norm as a plain 0-dim tensor on the
-    gradients' device: no host sync happens unless the caller asks for `.item()`.
+    plain parameters count exactly once. No host sync happens unless the caller asks for
+    `.item()` of the result.
+
+    Args:
+        parameters: A tensor or an iterable of tensors (a model's parameters) whose gradients are
+            clipped in place; parameters without a gradient are skipped, repeated ones counted once.
+        max_norm: The largest total norm the gradients keep.
+        norm_type: The order of the norm (`float("inf")` for the largest absolute value).
+        error_if_nonfinite: Raise when the total norm is NaN or infinite instead of scaling by it.
+        foreach: Passed to `torch.nn.utils.get_total_norm` (None: torch's default).
+
+    Returns:
+        The total norm before clipping, a plain 0-dim tensor on the gradients' device (a CPU
+        `tensor(0.0)` when no parameter has a gradient).
+
+    Raises:
+        RuntimeError: If `error_if_nonfinite` is True and the total norm is NaN or infinite.
     """
     grads = _grads(parameters)
     norm_type = float(norm_type)
@@ -79,7 +94,13 @@ def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
 
 
 def clip_grad_value_(parameters: torch.Tensor | Iterable[torch.Tensor], clip_value: float) -> None:
-    """Clamp every gradient element to [-clip_value, clip_value] (elementwise, no communication)."""
+    """Clamp every gradient element to [-clip_value, clip_value] (elementwise, no communication).
+
+    Args:
+        parameters: A tensor or an iterable of tensors whose gradients are clamped in place
+            (the local shards of DTensor gradients); parameters without a gradient are skipped.
+        clip_value: The largest absolute value a gradient element keeps.
+    """
     for g in _grads(parameters):
         local = g.to_local() if isinstance(g, DTensor) else g
         local.clamp_(-clip_value, clip_value)

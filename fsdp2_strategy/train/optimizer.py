@@ -73,7 +73,17 @@ def mark_replaced_params(before: list[nn.Parameter], model: nn.Module) -> None:
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Raise if `optimizer` holds parameters that `shard_model` replaced (built too early)."""
+    """Raise if `optimizer` holds parameters that `shard_model` replaced (it was built too early).
+
+    The same check runs by itself at each optimizer's first step, once `shard_model` has run.
+
+    Args:
+        optimizer: The optimizer to check.
+
+    Raises:
+        ValueError: If `optimizer` was created before `shard_model()` and holds the original,
+            unsharded parameters, which no longer receive gradients.
+    """
     for group in optimizer.param_groups:
         for p in group["params"]:
             if getattr(p, _REPLACED, False):

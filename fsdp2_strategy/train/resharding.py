@@ -16,8 +16,14 @@ from torch.distributed.fsdp import FSDPModule
 
 
 def reshard(*models: nn.Module) -> None:
-    """Reshard every FSDP group of `models` (a no-op for groups already sharded and for modules
-    without FSDP). Call it between optimizer steps, not inside an accumulation window."""
+    """Reshard every FSDP group of `models`, freeing their gathered parameters.
+
+    A no-op for groups already sharded and for modules without FSDP. Call it between optimizer
+    steps, not inside an accumulation window.
+
+    Args:
+        *models: The sharded models (or any modules holding FSDP groups).
+    """
     for model in models:
         for module in model.modules():
             if isinstance(module, FSDPModule):

@@ -70,8 +70,9 @@ def flops_per_token(
             `nn.Embedding` modules; the `config.num_hidden_layers` / `config.hidden_size` of it or
             of a submodule (Hugging Face models) give `layers` / `hidden` when they are not passed.
         seq_len: tokens per sequence (attention's cost grows with it).
-        layers, hidden: attention blocks and model width; without both (and no config), the
-            attention term is left out.
+        layers: attention blocks; without it and `hidden` (and no config), the attention term
+            is left out.
+        hidden: model width (the attention term's other factor).
         non_embedding_params: used instead of counting `model`'s.
 
     Returns:
@@ -327,8 +328,10 @@ def _token_ids(batch: Any) -> torch.Tensor | None:
 
 
 class ThroughputTracker:
-    """A `ThroughputMeter` driven by hooks: `model`'s forward counts the tokens of its inputs,
-    `optimizer`'s step reports. `remove()` takes the hooks off. Built by `track_throughput`."""
+    """A `ThroughputMeter` driven by hooks on a model and its optimizer.
+
+    `model`'s forward counts the tokens of its inputs, `optimizer`'s step reports. `remove()`
+    takes the hooks off. Built by `track_throughput`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, meter: ThroughputMeter):
         self.meter = meter

@@ -101,10 +101,27 @@ def measure_link(
     sizes: tuple[int, ...] = SWEEP_BYTES,
     repeats: int = 3,
 ) -> Link:
-    """Sweep all-gather, reduce-scatter and all-reduce over `sizes` (bytes of the full buffer) on
-    `group` (default: the world) and fit latency and bandwidth per collective. Every rank must
-    call; every rank returns the same `Link` (times are the slowest rank's). On one rank nothing
-    is sent: every fit is zero latency and infinite bandwidth."""
+    """Time the collectives FSDP uses on a process group and fit latency and bandwidth to each.
+
+    All-gather, reduce-scatter and all-reduce are swept over `sizes`; each fit is
+    `seconds = latency + sent / bandwidth` through the median times. Every rank must call it;
+    every rank returns the same `Link` (times are the slowest rank's).
+
+    Args:
+        group: The process group to measure (None: the world).
+        collectives: How all-gather and reduce-scatter run, as `FSDP2Config.collectives`: "auto"
+            (point-to-point rings on gloo, torch's collectives elsewhere), "ring" or "torch".
+        sizes: Bytes of the full buffer (what FSDP gathers or reduces) at each point of the sweep.
+        repeats: Timed calls per size and collective, after one warm-up call.
+
+    Returns:
+        The fitted latency and bandwidth of each collective and the group's size. On one rank
+        nothing is sent: every fit is zero latency and infinite bandwidth.
+
+    Raises:
+        RuntimeError: If no process group is initialised.
+        ValueError: If `collectives` is not "auto", "ring" or "torch".
+    """
     if not dist.is_initialized():
         raise RuntimeError("measure_link needs an initialised process group (f2.init_distributed()).")
     check_choice(collectives, COLLECTIVES, "measure_link: collectives")

@@ -84,28 +84,47 @@ def tune(
     passes: int = 2,
     memory_budget: int | str | None = None,
 ) -> TuneResult:
-    """Measure candidate settings of `model` on the initialised process group; return the table
-    and the fastest (`TuneResult.best_config`, for `shard_model`). Every rank must call it with
-    the same arguments (each rank's own micro-batch).
+    """Measure candidate settings of `model` on the process group and pick the fastest.
 
-    `example_batch`: one rank's micro-batch (a tensor, a tuple of positional inputs or a dict of
-    keyword inputs, real tensors). `config`: the base settings kept by every candidate (precision,
-    offload, checkpointing, ...). `candidates`: dicts of FSDP2Config fields (`TUNABLE_FIELDS`, an
-    optional "label") or `Candidate`s; default `default_candidates`. `optimizer`: a name ("adamw",
-    "sgd", ...), an optimizer class or `params -> optimizer`, built fresh per candidate.
-    `loss_fn(model, batch)`: default the output's `.loss`, else its first tensor's mean.
-    `micro_batches`: per optimizer step (gradient accumulation under the candidate's
-    `accumulation` mode). `warmup` / `steps`: untimed and timed optimizer steps per candidate
-    in the first pass (the last warm-up step is the probe for memory and collectives; with fewer
-    than 2, one more step after the timed ones);
-    `steps` again after `passes.SECOND_PASS_WARMUP` in the second (twice for a close call,
-    `passes.CLOSE_CALL`). `passes`: 2 measures the contenders (within `passes.RECHECK_WITHIN` of
-    the fastest) again, stepped in turn, and picks among them by that pass (where they do not
-    fit together: one after another, each keeping its faster pass, the fastest the median of
-    three when its two disagree, `passes.DISAGREE`); 1 measures each candidate once.
-    `memory_budget`: bytes per rank (default `config.memory_budget`, else the device's or this
-    rank's share of RAM, less 10 %). `model` is copied per candidate, never changed; nor is the
-    random number generator state.
+    Every rank must call it with the same arguments (each rank's own micro-batch), on an
+    initialised process group. `model` is copied per candidate, never changed; nor is the random
+    number generator state. Candidates whose estimated peak exceeds the budget are not run.
+
+    Args:
+        model: The unsharded model, holding real weights.
+        example_batch: One rank's micro-batch (a tensor, a tuple of positional inputs or a dict of
+            keyword inputs, real tensors).
+        config: The base settings every candidate keeps (precision, offload, checkpointing, ...):
+            an `FSDP2Config`, a dict of its fields, a YAML path, or None for the defaults.
+        candidates: Dicts of FSDP2Config fields (`TUNABLE_FIELDS`, an optional "label") or
+            `Candidate`s; None: `default_candidates`.
+        optimizer: A name ("adamw", "sgd", ...), an optimizer class or `params -> optimizer`,
+            built fresh per candidate.
+        loss_fn: `loss_fn(model, batch)` computes the loss (default: the output's `.loss`, else its
+            first tensor's mean).
+        micro_batches: Micro-batches per optimizer step (gradient accumulation under the
+            candidate's `accumulation` mode).
+        warmup: Untimed optimizer steps per candidate in the first pass (the last is the probe for
+            memory and collectives; with fewer than 2, one more step after the timed ones).
+        steps: Timed optimizer steps per candidate in the first pass, and again after
+            `passes.SECOND_PASS_WARMUP` in the second (twice for a close call,
+            `passes.CLOSE_CALL`).
+        passes: 2 measures the contenders (within `passes.RECHECK_WITHIN` of the fastest) again,
+            stepped in turn, and picks among them by that pass (where they do not fit together:
+            one after another, each keeping its faster pass, the fastest the median of three when
+            its two disagree, `passes.DISAGREE`); 1 measures each candidate once.
+        memory_budget: Bytes per rank, or text like "80GiB" (default `config.memory_budget`, else
+            the device's memory or this rank's share of RAM, less 10 %).
+
+    Returns:
+        The table of every candidate (estimate, measurement, prediction, or why it was skipped),
+        the fastest row, its config (`TuneResult.best_config`, for `shard_model`) and the fitted
+        step-time model; the same on every rank.
+
+    Raises:
+        RuntimeError: If no process group is initialised.
+        ValueError: If an argument is invalid, `model` is sharded already, the ranks disagree on
+            the arguments, or no candidate fits in the budget.
     """
     start = time.perf_counter()
     _check_inputs(model, example_batch, micro_batches, warmup, steps, passes)

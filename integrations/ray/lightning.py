@@ -47,7 +47,8 @@ class RayFSDP2Strategy(FSDP2Strategy):
         report_checkpoints: report every saved checkpoint to Ray (`ray.train.report`) with the
             trainer's `callback_metrics` (default True). Saves are collective, so every worker
             reports the same number of times, as Ray requires.
-        *args, **kwargs: `FSDP2Strategy`'s arguments (`FSDP2Config` fields, `state_dict_type`, ...).
+        *args: `FSDP2Strategy`'s positional arguments.
+        **kwargs: `FSDP2Strategy`'s keyword arguments (`FSDP2Config` fields, `state_dict_type`, ...).
     """
 
     def __init__(self, *args: Any, report_checkpoints: bool = True, **kwargs: Any) -> None:

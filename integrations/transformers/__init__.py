@@ -12,7 +12,7 @@ instead of the stock `Accelerator`: the model is sharded by the core on CPU (glo
 process gets its share of every batch, `max_grad_norm` clips by the global norm, `bf16=True` is an
 FSDP2 policy, checkpoints are committed, checksummed `save_state` directories, and `save_model()`
 writes Hugging Face safetensors (or a PEFT adapter) for either `fsdp_state_dict_type`.
-See docs/transformers.md.
+See docs/integrations/transformers.md.
 """
 
 from .checkpoint import committed_checkpoints, latest_checkpoint

@@ -67,7 +67,8 @@ class FSDP2TrainerMixin:
     directories. Every other argument and method is the Trainer's.
 
     Args:
-        *args, **kwargs: the Trainer's own arguments.
+        *args: the Trainer's own positional arguments.
+        **kwargs: the Trainer's own keyword arguments.
         fsdp_plugin: an `FSDP2Plugin` (settings the accelerate config cannot carry); default `FSDP2Plugin()`.
         log_throughput: add `tokens_per_s`, `step_time_s`, `mfu` and `peak_memory_gib` (this rank's,
             of the last optimizer step) to the Trainer's training logs (every `logging_steps`, to
