@@ -5,13 +5,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: test lint test-matrix example venv clean
+.PHONY: test lint docs docs-serve test-matrix example venv clean
 
 $(STAMP):
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,docs]"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -23,13 +23,21 @@ lint: $(STAMP)
 	PYTHONPATH=. $(BIN)/lint-imports  # integrations/ is analysed as the top-level package it is here
 	$(BIN)/mypy
 
+# The site in site/, with warnings as errors: a broken link, an unresolved reference or a docstring that
+# does not parse fails the build (and so `make test`).
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --quiet --site-dir site
+
+docs-serve: $(STAMP)
+	$(BIN)/mkdocs serve
+
 # Two pytest workers, each taking whole files (so module fixtures start each world once). One file at
 # a time left a quarter of the two cores idle, mostly while a launcher's first rank imports Lightning
 # or Accelerate before it starts the next (18 min 19 s in one process, 11 min 42 s on two workers).
 # PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
 
-test: lint
+test: lint docs
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
 
 # One cell of the version matrix in a scratch venv (.venv-matrix/): TORCH=2.15.0 [PINS="lightning==2.6.6"]
@@ -43,4 +51,4 @@ example: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python examples/lightning_finetune.py
 
 clean:
-	rm -rf $(VENV) .venv-matrix build *.egg-info
+	rm -rf $(VENV) .venv-matrix build site *.egg-info

@@ -69,9 +69,9 @@ def test_declared_floors_are_the_oldest_tested_releases():
         assert found == {versions.TESTED[name][0]}, (name, found, versions.TESTED[name])
 
 
-def test_readme_matrix_names_the_tested_range():
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Tested versions") :]
+def test_compatibility_matrix_names_the_tested_range():
+    page = (ROOT / "docs" / "compatibility.md").read_text()
+    section = page[page.index("## Tested versions") :]
     section = section[: section.index("\n## ", 4)]
     for name, (low, high) in versions.TESTED.items():
         assert name in section.lower(), name
