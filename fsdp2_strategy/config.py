@@ -98,7 +98,7 @@ class ModuleOverride:
 
 @dataclass
 class FSDP2Config:
-    """How `shard_model` applies FSDP2 to a model. Every field is optional."""
+    """How `shard_model` applies FSDP2 to a model; every field is optional."""
 
     sharding_strategy: Any = "FULL_SHARD"
     """"auto" (the memory planner picks the strategy with the least communication that fits

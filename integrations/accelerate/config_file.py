@@ -36,8 +36,20 @@ _DEEPSPEED_VARS = {
 def accelerate_config_env(path: str | os.PathLike) -> dict[str, str]:
     """The environment `accelerate launch --config_file path` gives each process, FSDP part only.
 
-    Raises FileNotFoundError for a missing file and ValueError when the file is not an
-    accelerate config (no mapping at the top, or `fsdp_config` not a mapping).
+    The file is read, not applied; `apply_accelerate_config` sets the result in `os.environ`.
+
+    Args:
+        path: An accelerate config file (YAML, as `accelerate config` writes it).
+
+    Returns:
+        The variables the launcher would set: `fsdp_config`'s keys (FSDP_*), ACCELERATE_USE_FSDP
+        or ACCELERATE_USE_DEEPSPEED and the DeepSpeed settings, ACCELERATE_MIXED_PRECISION and
+        ACCELERATE_USE_CPU where the file sets them.
+
+    Raises:
+        FileNotFoundError: If `path` is not a file.
+        ValueError: If the file is not an accelerate config (no mapping at the top, `fsdp_config`
+            not a mapping, or a key under it not starting with "fsdp_").
     """
     path = Path(path)
     if not path.is_file():
@@ -73,7 +85,21 @@ def accelerate_config_env(path: str | os.PathLike) -> dict[str, str]:
 
 
 def apply_accelerate_config(path: str | os.PathLike) -> dict[str, str]:
-    """Set `accelerate_config_env(path)` in `os.environ` (call before building the plugin); return it."""
+    """Set the environment of an accelerate config file in `os.environ`, as `accelerate launch` does.
+
+    Call it before building the plugin or accelerator, in scripts started without
+    `accelerate launch` (torchrun, plain python).
+
+    Args:
+        path: An accelerate config file (YAML, as `accelerate config` writes it).
+
+    Returns:
+        The variables set (`accelerate_config_env(path)`).
+
+    Raises:
+        FileNotFoundError: If `path` is not a file.
+        ValueError: If the file is not an accelerate config.
+    """
     env = accelerate_config_env(path)
     os.environ.update(env)
     return env

@@ -146,8 +146,19 @@ def read_accelerate_env(environ: Mapping[str, str] | None = None) -> dict[str, A
     """`FSDP2Config` fields and adapter options from Accelerate's launch environment.
 
     Only variables that are set contribute; the result is empty outside `accelerate launch`.
-    Adapter options (`ADAPTER_KEYS`) are included when set. Raises ValueError naming the
-    variable and its accelerate config key for any value it cannot honour.
+    Adapter options (`ADAPTER_KEYS`) are included when set.
+
+    Args:
+        environ: The variables to read (None: `os.environ`).
+
+    Returns:
+        `FSDP2Config` field names and adapter options mapped to the values the variables give
+        (a DeepSpeed config is translated; an FSDP config in the same launch wins).
+
+    Raises:
+        ValueError: If a variable holds a value the plugin cannot honour (FSDP1, activation
+            checkpointing offload, a value outside its choices, ...); the message names the variable and
+            its accelerate config key.
     """
     env = os.environ if environ is None else environ
     version = env.get("FSDP_VERSION")

@@ -34,11 +34,13 @@ class _FSDP2Policy:
 
 
 class FSDP2FabricPrecision(_FSDP2Policy, Precision):
-    """fp32 everywhere ("32-true")."""
+    """FSDP2 precision plugin for "32-true": fp32 everywhere."""
 
 
 class FSDP2FabricMixedPrecision(_FSDP2Policy, MixedPrecision):
-    """ "bf16-mixed" / "16-mixed": fp32 sharded weights, low-precision compute, fp32 reduction.
+    """FSDP2 precision plugin for "bf16-mixed" / "16-mixed": fp32 weights, low-precision compute.
+
+    The sharded weights and the gradient reduction stay in fp32.
 
     "16-mixed" scales the loss with `ShardedGradScaler`, which agrees on inf/NaN across ranks so
     that every rank skips the same steps (Fabric's default `torch.amp.GradScaler` checks per rank).
@@ -51,8 +53,10 @@ class FSDP2FabricMixedPrecision(_FSDP2Policy, MixedPrecision):
 
 
 class FSDP2FabricHalfPrecision(_FSDP2Policy, HalfPrecision):
-    """ "bf16-true" / "16-true": the module is cast before sharding (Fabric's `setup` calls
-    `convert_module` first), so shards, compute and reduction are all in that dtype."""
+    """FSDP2 precision plugin for "bf16-true" / "16-true": everything in that dtype.
+
+    The module is cast before sharding (Fabric's `setup` calls `convert_module` first), so
+    shards, compute and reduction are all in that dtype."""
 
 
 def precision_for(precision: str | None, device_type: str) -> Precision:

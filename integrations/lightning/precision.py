@@ -44,11 +44,13 @@ class _ShardedClipping:
 
 
 class FSDP2Precision(_ShardedClipping, Precision):
-    """fp32 everywhere ("32-true")."""
+    """FSDP2 precision plugin for "32-true": fp32 everywhere."""
 
 
 class FSDP2MixedPrecision(_ShardedClipping, MixedPrecision):
-    """ "bf16-mixed" / "16-mixed": fp32 sharded weights, low-precision compute, fp32 reduction.
+    """FSDP2 precision plugin for "bf16-mixed" / "16-mixed": fp32 weights, low-precision compute.
+
+    The sharded weights and the gradient reduction stay in fp32.
 
     FSDP2 casts each group's gathered parameters (its mixed-precision policy) and autocast
     keeps numerically sensitive ops (softmax, norms, losses) in fp32. "16-mixed" scales the
@@ -63,8 +65,9 @@ class FSDP2MixedPrecision(_ShardedClipping, MixedPrecision):
 
 
 class FSDP2HalfPrecision(_ShardedClipping, HalfPrecision):
-    """ "bf16-true" / "16-true": the module is cast before sharding, so shards, compute and
-    reduction are all in that dtype."""
+    """FSDP2 precision plugin for "bf16-true" / "16-true": everything in that dtype.
+
+    The module is cast before sharding, so shards, compute and reduction are all in that dtype."""
 
 
 def to_fsdp2_precision(plugin: Precision | None) -> Precision | None:

@@ -32,8 +32,16 @@ METRICS_DIR = ".ray-metrics"  # not a step-N/ name: Checkpointer and retention i
 def report_step(checkpointer: Checkpointer, step: int, metrics: Mapping[str, Any] | None = None) -> None:
     """Collective: report committed step `step` of `checkpointer` to Ray with `metrics`.
 
-    Waits for an asynchronous save to commit first. Raises ValueError if the step is not
-    committed (never reports a partial save). Ray stores the copy as `<storage>/<run>/step-N`.
+    Waits for an asynchronous save to commit first; a partial save is never reported. Ray
+    stores the copy as `<storage>/<run>/step-N`. Every worker must call it.
+
+    Args:
+        checkpointer: The `Checkpointer` that saved the step.
+        step: The step to report.
+        metrics: The metrics reported with it (None: none).
+
+    Raises:
+        ValueError: If step `step` is not committed under `checkpointer.root`.
     """
     checkpointer.wait()
     path = checkpointer.step_path(step)
@@ -54,14 +62,27 @@ def save_and_report(
     optimizer: torch.optim.Optimizer | None = None,
     extra: Any = None,
 ) -> None:
-    """Collective: `checkpointer.save(step, ...)`, and step `step` reported to Ray with `metrics` once
-    committed: before this returns, or with an asynchronous Checkpointer (`async_save=True` or
-    "overlap") when `checkpointer.wait()` commits it - the next save does; call
-    `checkpointer.close()` at the end of the train function for the last one.
+    """Collective: save step `step` with `checkpointer` and report it to Ray once it commits.
+
+    The report happens when the step commits: before this returns, or with an asynchronous
+    Checkpointer (`async_save=True` or "overlap") when `checkpointer.wait()` commits it - the next
+    save does; call `checkpointer.close()` at the end of the train function for the last one.
 
     The metrics are also kept beside the step (`<root>/.ray-metrics/step-N.json`, removed with the
     step by `keep_last`), so that `resume` can report the step again with them if Ray lost the
     report (see `resume`).
+
+    Args:
+        checkpointer: The `Checkpointer` that saves the step.
+        step: The step to save and report.
+        metrics: The metrics reported with it (None: none).
+        model: Passed to `checkpointer.save`: the sharded model to save.
+        optimizer: Passed to `checkpointer.save`: its optimizer.
+        extra: Passed to `checkpointer.save`: any picklable object saved with the step (rank 0's;
+            `resume` returns it).
+
+    Raises:
+        ValueError: If step `step` is already committed, or `step` is not an int >= 0.
     """
 
     def report(path: Path) -> None:
@@ -91,7 +112,19 @@ def resume(
     Ray registers a report only when its controller next polls the workers, so a report made
     just before a death is lost by Ray itself. Such a step is committed, so it is resumed and
     reported again (with the metrics `save_and_report` kept) instead of being trained twice.
-    Returns None (and loads nothing) on a first start, when neither has a checkpoint.
+
+    Args:
+        checkpointer: The `Checkpointer` whose root holds the run's steps.
+        model: The sharded model to load into (None: not loaded).
+        optimizer: Its optimizer, to load into (None: not loaded).
+
+    Returns:
+        The `extra` saved with the step loaded, or None (and nothing loaded) on a first start,
+        when neither has a checkpoint.
+
+    Raises:
+        ValueError: If Ray's checkpoint was not reported by this module (not a `step-N`
+            directory) or is damaged, or the checkpoint does not match `model`/`optimizer`.
     """
     checkpoint = ray.train.get_checkpoint()
     reported = _step_of(Path(checkpoint.path)) if checkpoint is not None else None

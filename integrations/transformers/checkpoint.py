@@ -35,12 +35,30 @@ CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
 def committed_checkpoints(run_dir: str | os.PathLike) -> dict[int, Path]:
-    """The committed `checkpoint-N/` directories under `run_dir`, by step (partial saves left out)."""
+    """The committed `checkpoint-N/` directories under `run_dir`, by step (partial saves left out).
+
+    Args:
+        run_dir: The Trainer's output directory (`TrainingArguments.output_dir`).
+
+    Returns:
+        Step -> checkpoint directory, in step order; empty when none is committed.
+    """
     return cdir.committed_steps(Path(run_dir), CHECKPOINT_NAME)
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> str:
-    """The newest committed `checkpoint-N/` under `run_dir`; ValueError naming the partial ones if none."""
+    """The newest committed `checkpoint-N/` under `run_dir`, for `resume_from_checkpoint`.
+
+    Args:
+        run_dir: The Trainer's output directory (`TrainingArguments.output_dir`).
+
+    Returns:
+        The checkpoint directory's path.
+
+    Raises:
+        ValueError: If no checkpoint under `run_dir` is committed; the message names the partial
+            ones.
+    """
     found = committed_checkpoints(run_dir)
     if found:
         return str(found[max(found)])

@@ -238,9 +238,18 @@ class FSDP2Trainer(FSDP2TrainerMixin, transformers.Trainer):
 
 
 def fsdp2_trainer(cls: T) -> T:
-    """`cls` (a `transformers.Trainer` subclass, e.g. `trl.SFTTrainer`) with `FSDP2TrainerMixin` in front.
+    """Make a Trainer class run on the fsdp2_strategy engine, with `FSDP2TrainerMixin` in front.
 
-    Raises TypeError for a class that is not a Trainer."""
+    Args:
+        cls: A `transformers.Trainer` subclass, e.g. `trl.SFTTrainer`.
+
+    Returns:
+        `FSDP2<name>`, a subclass of `FSDP2TrainerMixin` and `cls` (`cls` itself when it already
+        has the mixin).
+
+    Raises:
+        TypeError: If `cls` is not a `transformers.Trainer` subclass.
+    """
     if not (isinstance(cls, type) and issubclass(cls, transformers.Trainer)):
         raise TypeError(f"fsdp2_trainer() takes a transformers.Trainer subclass (e.g. trl.SFTTrainer), got {cls!r}.")
     if issubclass(cls, FSDP2TrainerMixin):
