@@ -1,12 +1,12 @@
 """This package's version, the releases it was tested with, and the one message every compatibility
 check raises.
 
-`TESTED` is the version matrix of the README ("Tested versions"), which `make test-matrix` reruns:
-for each distribution, the oldest and the newest release the whole suite passed on. The
-floors in `pyproject.toml` are the oldest of these. At import, `fsdp2_strategy` logs one warning
-(rank 0, once) for each of torch, Lightning and Accelerate that is newer than its tested range:
-the private-name checks (`_torch_compat`, the adapters' `_compat.py`) still run, but a newer
-release may change behaviour they cannot see.
+`TESTED` is the version matrix of docs/compatibility.md ("Tested versions"), which
+`make test-matrix` reruns: for each distribution, the oldest and the newest release the whole
+suite passed on. The floors in `pyproject.toml` are the oldest of these. At import,
+`fsdp2_strategy` logs one warning (rank 0, once) for each of torch, Lightning and Accelerate
+that is newer than its tested range: the private-name checks (`_torch_compat`, the adapters'
+`_compat.py`) still run, but a newer release may change behaviour they cannot see.
 
 A leaf: imports only the standard library.
 """
@@ -29,8 +29,9 @@ TESTED: dict[str, tuple[str, str]] = {
     "transformers": ("5.17.0", "5.24.0"),
     "ray": ("2.60.0", "2.60.0"),
 }
-"""Per distribution: (oldest, newest) release the whole suite passed on (README, "Tested versions").
-A newer patch release of the newest minor counts as tested; a newer minor release does not."""
+"""Per distribution: (oldest, newest) release the whole suite passed on (docs/compatibility.md,
+"Tested versions"). A newer patch release of the newest minor counts as tested; a newer minor
+release does not."""
 
 WARNED_AT_IMPORT = ("torch", "lightning", "accelerate")
 """What `import fsdp2_strategy` checks against `TESTED` (the engine and the adapters' frameworks)."""
