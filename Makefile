@@ -26,7 +26,7 @@ lint: $(STAMP)
 # The site in site/, with warnings as errors: a broken link, an unresolved reference or a docstring that
 # does not parse fails the build (and so `make test`).
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 
 docs-serve: $(STAMP)
 	$(BIN)/mkdocs serve
