@@ -72,7 +72,9 @@ def test_snippets_run(page, launch, tmp_path):
     # No FSDP_* / ACCELERATE_* from outside: the config file alone decides (ACCELERATE_USE_CPU: Accelerate's
     # FSDP launcher drops the file's `use_cpu: true`).
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
-    env.update(OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(ROOT / "tests"), TOKENIZERS_PARALLELISM="false")
+    env.update(
+        OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(ROOT / "tests"), TOKENIZERS_PARALLELISM="false"
+    )
     proc = subprocess.run(
         _command(launch, page, names, tmp_path), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
@@ -85,7 +87,9 @@ def test_snippets_run(page, launch, tmp_path):
 
 
 README_LIMIT = 250
-NOTEBOOK = re.compile(r"\brun [A-Z]\b|\bruns [A-Z]-[A-Z]\b|this round|not investigated|before this round|\b[0-9a-f]{7,40}\b")
+NOTEBOOK = re.compile(
+    r"\brun [A-Z]\b|\bruns [A-Z]-[A-Z]\b|this round|not investigated|before this round|\b[0-9a-f]{7,40}\b"
+)
 
 
 @pytest.mark.parametrize("page", ["README.md", *PAGES[1:]])

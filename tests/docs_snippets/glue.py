@@ -129,6 +129,41 @@ def text_dataset():
     return Dataset.from_dict({"text": texts * 4})
 
 
+def train_step_fn():
+    """`train_step(model, optimizer)`: one forward, backward and optimizer step on random data."""
+
+    def train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return train_step
+
+
+class GPTLike(nn.Module):
+    """FSDP1-era layout: an embedding, `gpt_layers` (sharded by hand), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 32)
+        self.gpt_layers = nn.Sequential(Block(32), Block(32))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gpt_layers(self.embed(x)))
+
+
+def tiny_bert() -> nn.Module:
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_labels=2
+    )
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(config)
+
+
 # ----- the glue per snippet ---------------------------------------------------------------------
 
 _CLASSIFIER = """
@@ -143,6 +178,24 @@ import torch.distributed as _dist
 from torch.distributed.tensor import DTensor as _DTensor
 assert _dist.get_world_size() == 2
 assert all(isinstance(p, _DTensor) for p in model.parameters()), "not sharded"
+"""
+_UNLABELLED = """
+import torch
+from docs_snippets.glue import Net
+torch.manual_seed(0)
+model = Net()
+loader = [torch.randn(8, 16) for _ in range(4)]
+loss_fn = lambda out: out.float().pow(2).mean()  # noqa: E731
+"""
+_SHARDED_CLASSIFIER = """
+import torch
+import fsdp2_strategy as f2
+from docs_snippets.glue import Net, train_step_fn
+f2.init_distributed()
+torch.manual_seed(0)
+model = f2.shard_model(Net())
+optimizer = torch.optim.AdamW(model.parameters())
+train_step = train_step_fn()
 """
 _ACCELERATE_BLOCK = """
 distributed_type: FSDP
@@ -191,5 +244,119 @@ GLUE: dict[tuple[str, str], Glue] = {
     ("README.md", "pytorch"): Glue(
         setup=_CLASSIFIER,
         check=_SHARDED + "from pathlib import Path\nassert Path('ckpt/step-000001/.metadata').is_file()",
+    ),
+    ("docs/get-started/quickstart.md", "train-script"): Glue(
+        check="assert checkpointer.latest_step() == 9 and step == 9\nmodel = model\n" + _SHARDED,
+    ),
+    ("docs/integrations/lightning.md", "trainer"): Glue(
+        setup="from docs_snippets.glue import lightning_module, loader as _loader\n"
+        "model, loader = lightning_module(), _loader()",
+        check="assert trainer.global_step == 3\nfrom pathlib import Path\nassert Path('last.ckpt/.metadata').is_file()\n"
+        "model = model.net\n" + _SHARDED,
+    ),
+    ("docs/integrations/fabric.md", "loop"): Glue(
+        setup=_CLASSIFIER + "optimizer = torch.optim.AdamW(model.parameters())",
+        check=_SHARDED + "assert remainder == {'step': 100}, remainder",
+    ),
+    ("docs/integrations/accelerate.md", "loop"): Glue(
+        setup=_CLASSIFIER + "optimizer = torch.optim.AdamW(model.parameters())\n"
+        "scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)",
+        check=_SHARDED + "from pathlib import Path\nassert (Path('ckpt') / '.metadata').is_file()\n"
+        "assert Path('weights/model.safetensors').is_file()",
+        launch="accelerate",
+        config=_ACCELERATE_BLOCK.format(precision="bf16", layer="Block"),
+    ),
+    ("docs/integrations/pytorch.md", "loop"): Glue(setup=_CLASSIFIER, check=_SHARDED),
+    ("docs/integrations/transformers.md", "trainer"): Glue(
+        setup="from transformers import TrainingArguments\nfrom docs_snippets.glue import tiny_llama, lm_dataset\n"
+        "model, train, evals = tiny_llama(), lm_dataset(), lm_dataset()[:4]\n"
+        "training_args = TrainingArguments('out', max_steps=2, report_to=[])",
+        check="assert trainer.state.global_step == 2\nfrom pathlib import Path\nassert Path('out/model.safetensors').is_file()\n"
+        + _SHARDED,
+        launch="accelerate",
+        config=_ACCELERATE_BLOCK.format(precision="'no'", layer="LlamaDecoderLayer"),
+    ),
+    ("docs/integrations/transformers.md", "trl"): Glue(
+        check="assert SFTTrainer.__name__ == 'FSDP2SFTTrainer' and issubclass(MyDPO, FSDP2TrainerMixin)",
+        launch="python",
+    ),
+    ("docs/guides/accumulation.md", "core"): Glue(
+        setup=_CLASSIFIER + "import fsdp2_strategy as f2\nf2.init_distributed()",
+        check=_SHARDED + "assert 'keep_gathered' in str(f2.sharding_plan(model))",
+    ),
+    ("docs/guides/checkpoints.md", "save-load"): Glue(
+        setup=_SHARDED_CLASSIFIER,
+        check="assert extra['step'] == 9 and ckpt.latest_step() == 9",
+    ),
+    ("docs/guides/preemption.md", "exit-if-preempted"): Glue(
+        setup=_SHARDED_CLASSIFIER,
+        check="assert ckpt.latest_step() == 9",
+    ),
+    ("docs/guides/peft.md", "lora"): Glue(
+        setup="import torch\nimport fsdp2_strategy as f2\nf2.init_distributed()\n"
+        "from docs_snippets.glue import tiny_bert\nmodel = tiny_bert()\n"
+        "def train_step(model, optimizer):\n"
+        "    ids = torch.randint(0, 64, (4, 8))\n"
+        "    model(input_ids=ids, labels=torch.randint(0, 2, (4,))).loss.backward()\n"
+        "    optimizer.step()\n"
+        "    optimizer.zero_grad()",
+        check="from pathlib import Path\nassert Path('adapter/adapter_model.safetensors').is_file()\n"
+        "assert Path('ckpts/step-000001/.metadata').is_file()\nassert any(Path('merged').glob('*.safetensors'))",
+    ),
+    ("docs/guides/tuner.md", "tune"): Glue(
+        setup="import torch\nfrom docs_snippets.glue import Net\ntorch.manual_seed(0)\nmodel, batch = Net(), torch.randn(8, 16)",
+        check=_SHARDED + "assert other.wrap_policy is not None",
+    ),
+    ("docs/guides/memory-planner.md", "estimate"): Glue(
+        setup="import torch\nfrom docs_snippets.glue import Net\nmodel, batch = Net(), torch.randn(8, 16)",
+        check="assert est.peak_bytes > 0",
+        launch="python",
+    ),
+    ("docs/guides/memory-planner.md", "auto"): Glue(
+        setup="import fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import tiny_llama\nmodel = tiny_llama()",
+        check=_SHARDED,
+    ),
+    ("docs/guides/metrics.md", "core"): Glue(
+        setup="import torch\nimport fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import tiny_llama\n"
+        "model = f2.shard_model(tiny_llama())\noptimizer = torch.optim.AdamW(model.parameters())\n"
+        "loader = [torch.randint(3, 32, (4, 12)) for _ in range(10)]  # every=10: one report",
+        check="assert tracker.meter.last is not None and tracker.meter.last.tokens_per_s > 0",
+    ),
+    ("docs/migration/fsdp1.md", "replicate"): Glue(
+        setup="import torch\nimport fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import GPTLike\n"
+        "torch.manual_seed(0)\nmodel = GPTLike()\nloss_fn = torch.nn.functional.cross_entropy\n"
+        "x0, x1, y0, y1 = torch.randn(8, 16), torch.randn(8, 16), torch.randint(0, 4, (8,)), torch.randint(0, 4, (8,))",
+        check="assert 'REPLICATED' in str(f2.sharding_plan(model))",
+    ),
+    ("docs/migration/fsdp1.md", "ddp"): Glue(
+        setup="import torch\nimport fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import GPTLike\n"
+        "torch.manual_seed(0)\nmodel = GPTLike()\nf2.fully_shard(model.gpt_layers)",
+        check="model(torch.randn(8, 16)).sum().backward()\nassert model.module.embed.weight.grad is not None",
+    ),
+    ("docs/guides/mixed-precision.md", "precision-forms"): Glue(
+        check="assert with_bn.module_overrides and custom.mixed_precision['reduce_dtype'] == 'bf16'",
+        launch="python",
+    ),
+    ("docs/guides/mixed-precision.md", "fp16-scaler"): Glue(setup=_UNLABELLED, check=_SHARDED),
+    ("docs/guides/multi-node.md", "hybrid-train"): Glue(
+        setup=_UNLABELLED,
+        check=_SHARDED + "assert ckpt.latest_step() == 0 and 'HYBRID_SHARD' in str(f2.sharding_plan(model))",
+    ),
+    ("docs/migration/lightning.md", "strategy-object"): Glue(
+        setup="from docs_snippets.glue import lightning_module, loader as _loader\n"
+        "model, loader = lightning_module(), _loader()",
+        check="assert trainer.global_step > 0\nmodel = model.net\n" + _SHARDED,
+    ),
+    ("docs/migration/accelerate.md", "accelerator-swap"): Glue(
+        setup=_UNLABELLED + "optimizer = torch.optim.AdamW(model.parameters())",
+        check=_SHARDED + "from pathlib import Path\nassert (Path('ckpt') / '.metadata').is_file()",
+        launch="accelerate",
+        config=_ACCELERATE_BLOCK.format(precision="'no'", layer="Block"),
+    ),
+    ("docs/concepts/fsdp2.md", "sharding-plan"): Glue(setup=_UNLABELLED, check=_SHARDED),
+    ("docs/concepts/memory-model.md", "estimate-fields"): Glue(
+        setup="import torch\nfrom docs_snippets.glue import Net\nmodel, batch = Net(), torch.randn(8, 16)",
+        check="assert est.peak_bytes > 0",
+        launch="python",
     ),
 }

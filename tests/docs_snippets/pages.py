@@ -13,10 +13,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = ["README.md"] + sorted(
     str(p.relative_to(ROOT))
-    for folder in ("get-started", "integrations", "guides", "migration")
+    for folder in ("get-started", "integrations", "guides", "migration", "concepts")
     for p in (ROOT / "docs" / folder).glob("*.md")
 )
-"""The pages whose Python blocks must run: the README, quickstart, integration, how-to and migration pages."""
+"""The pages whose Python blocks must run: the README, quickstart, integration, how-to, migration and concept pages."""
 
 _FENCE = re.compile(r"^```python[^\n]*\n(.*?)^```\s*$", re.S | re.M)
 _MARK = re.compile(r"<!-- snippet: ([a-z0-9-]+) -->\s*$")
