@@ -98,7 +98,11 @@ def _tables(source: str):
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.List) and len(node.targets) == 1:
             target = node.targets[0]
             if isinstance(target, ast.Name) and target.id.endswith("ROWS"):
-                rows = [r for r in node.value.elts if isinstance(r, ast.Call) and _call_name(r) in ("Row", "CliRow", "WorldRow")]
+                rows = [
+                    r
+                    for r in node.value.elts
+                    if isinstance(r, ast.Call) and _call_name(r) in ("Row", "CliRow", "WorldRow")
+                ]
                 if rows:
                     yield target.id, rows
 

@@ -319,7 +319,7 @@ GLUE: dict[tuple[str, str], Glue] = {
     ("docs/guides/metrics.md", "core"): Glue(
         setup="import torch\nimport fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import tiny_llama\n"
         "model = f2.shard_model(tiny_llama())\noptimizer = torch.optim.AdamW(model.parameters())\n"
-        "loader = [torch.randint(3, 32, (4, 12)) for _ in range(10)]  # every=10: one report",
+        "loader = [torch.randint(3, 32, (4, 12)) for _ in range(11)]  # the first step starts the clock, 10 more: one report",
         check="assert tracker.meter.last is not None and tracker.meter.last.tokens_per_s > 0",
     ),
     ("docs/migration/fsdp1.md", "replicate"): Glue(
