@@ -41,7 +41,7 @@ test: lint docs
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
 
 # One cell of the version matrix in a scratch venv (.venv-matrix/): TORCH=2.15.0 [PINS="lightning==2.6.6"]
-# [PYTEST_ARGS=...]. The README's "Tested versions" lists the cells run and their pass counts.
+# [PYTEST_ARGS=...]. docs/compatibility.md ("Tested versions") lists the cells run and their pass counts.
 test-matrix:
 	TORCH="$(TORCH)" PINS="$(PINS)" PYTEST_ARGS="$(PYTEST_ARGS)" PYTEST_WORKERS="$(PYTEST_WORKERS)" PY="$(PY)" bash .ci/matrix
 

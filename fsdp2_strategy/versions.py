@@ -87,7 +87,7 @@ def warn_untested_versions() -> None:
     _warned = True
     found = ", ".join(f"{name} {version} (tested {tested_range(name)})" for name, version in newer.items())
     _logger.warning(
-        "fsdp2_strategy %s was tested up to the releases in its README's version matrix; this "
+        "fsdp2_strategy %s was tested up to the releases in its version matrix (docs/compatibility.md); this "
         "environment has newer ones: %s. Run your tests, or pin the tested releases.",
         _package_version(),
         found,

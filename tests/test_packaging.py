@@ -1,4 +1,4 @@
-"""The release: the built wheel ships the adapters as fsdp2_strategy.integrations (a package-dir
+"""The release: the sdist and the wheel build, install into a clean virtualenv; the wheel ships the adapters as fsdp2_strategy.integrations (a package-dir
 mapping), its version is the package's one version, it carries the licence; the command line has a
 version and help text on every option."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -20,67 +21,70 @@ def test_editable_install_maps_integrations():
     assert Path(integrations.__file__).resolve().parent == ROOT / "integrations"
 
 
-def test_wheel_contains_core_and_integrations(tmp_path):
-    pytest.importorskip("setuptools")
+def test_sdist_and_wheel_build_and_install_into_a_clean_venv(tmp_path):
+    """`python -m build` (the wheel built from the sdist, so the sdist is complete), installed with
+    pip into a new virtualenv: every adapter imports from there and the console script runs."""
+    pytest.importorskip("build")
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(ROOT),
-        ],
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp_path / "dist"), str(ROOT)],
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr
-    wheel = next(tmp_path.glob("fsdp2_strategy-*.whl"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import fsdp2_strategy
+
+    version = fsdp2_strategy.__version__
+    wheel = tmp_path / "dist" / f"fsdp2_strategy-{version}-py3-none-any.whl"
+    sdist = tmp_path / "dist" / f"fsdp2_strategy-{version}.tar.gz"
+    assert wheel.is_file() and sdist.is_file(), sorted(p.name for p in (tmp_path / "dist").iterdir())
+    with tarfile.open(sdist) as tar:
+        in_sdist = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    assert {"LICENSE", "README.md", "pyproject.toml", "integrations/lightning/strategy.py"} <= in_sdist
     names = set(zipfile.ZipFile(wheel).namelist())
-    packages = ("train", "estimate", "shard", "checkpoint", "fsdp1", "cli")
-    assert {"fsdp2_strategy/__init__.py", "fsdp2_strategy/shard/sharding.py", "fsdp2_strategy/cli/__main__.py"} <= names
+    packages = ("train", "estimate", "shard", "checkpoint", "fsdp1", "cli", "migrate", "tuning")
     assert all(f"fsdp2_strategy/{p}/__init__.py" in names for p in packages), sorted(names)
-    assert "fsdp2_strategy/integrations/__init__.py" in names
-    assert (
-        "fsdp2_strategy/integrations/accelerate/accelerator.py" in names
-        and "fsdp2_strategy/integrations/lightning/strategy.py" in names
-    )
-    assert (
-        "fsdp2_strategy/integrations/fabric/strategy.py" in names
-        and "fsdp2_strategy/integrations/_lightning_shared/config.py" in names
-        and "fsdp2_strategy/integrations/transformers/trainer.py" in names
-        and "fsdp2_strategy/checkpoint/peft.py" in names
-    )
+    assert {
+        "fsdp2_strategy/integrations/accelerate/accelerator.py",
+        "fsdp2_strategy/integrations/lightning/strategy.py",
+        "fsdp2_strategy/integrations/fabric/strategy.py",
+        "fsdp2_strategy/integrations/_lightning_shared/config.py",
+        "fsdp2_strategy/integrations/transformers/trainer.py",
+    } <= names
     assert not any(n.startswith("integrations/") for n in names)
-    # The wheel imports on its own (unpacked beside nothing else of the repo).
-    target = tmp_path / "site"
-    zipfile.ZipFile(wheel).extractall(target)
+    assert f"fsdp2_strategy-{version}.dist-info/licenses/LICENSE" in names
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+
+    # A new virtualenv; pip installs the wheel into it. Its dependencies (torch, the frameworks) come from
+    # this environment's site-packages, appended after the new venv's own, so the package is the installed one.
+    venv = tmp_path / "clean"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    install = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index"]
+    proc = subprocess.run([*install, str(wheel)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    site = next(venv.glob("lib/python*/site-packages"))
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    (site / "zz_dependencies.pth").write_text("\n".join(deps) + "\n")
     code = (
-        "import fsdp2_strategy, fsdp2_strategy.integrations as i; print(i.__file__); "
+        "import fsdp2_strategy, fsdp2_strategy.integrations as i; print(fsdp2_strategy.__file__, i.__file__); "
         "import fsdp2_strategy.integrations.lightning, fsdp2_strategy.integrations.fabric, "
         "fsdp2_strategy.integrations.accelerate, fsdp2_strategy.integrations.transformers, "
         "fsdp2_strategy.integrations.ray"
     )
+    clean_env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)}
     out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
-        timeout=120,
+        [str(python), "-c", code], cwd=tmp_path, capture_output=True, text=True, env=clean_env, timeout=300
     )
-    assert out.returncode == 0, out.stderr
-    assert str(target) in out.stdout
-    import fsdp2_strategy
-
-    assert wheel.name.startswith(f"fsdp2_strategy-{fsdp2_strategy.__version__}-")
-    assert f"fsdp2_strategy-{fsdp2_strategy.__version__}.dist-info/licenses/LICENSE" in names
-    assert "Apache License" in (ROOT / "LICENSE").read_text()
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [
+        str(site / "fsdp2_strategy" / "__init__.py"),
+        str(site / "fsdp2_strategy" / "integrations" / "__init__.py"),
+    ]
+    cli = subprocess.run(
+        [str(venv / "bin" / "fsdp2-strategy"), "--version"], capture_output=True, text=True, env=clean_env, timeout=120
+    )
+    assert cli.returncode == 0 and cli.stdout.strip() == f"fsdp2-strategy {version}", cli.stdout + cli.stderr
 
 
 def _options(parser):

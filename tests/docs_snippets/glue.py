@@ -213,7 +213,7 @@ GLUE: dict[tuple[str, str], Glue] = {
     ("README.md", "lightning"): Glue(
         setup="from docs_snippets.glue import lightning_module, loader as _loader\n"
         "model, loader = lightning_module(), _loader()",
-        check="assert trainer.global_step == 3, trainer.global_step  # 3 epochs of 4 batches, accumulating 4\n"
+        check="assert trainer.global_step == 6, trainer.global_step  # 3 epochs of 2 batches per rank\n"
         "model = model.net\n" + _SHARDED,
     ),
     ("README.md", "fabric"): Glue(
