@@ -217,7 +217,7 @@ GLUE: dict[tuple[str, str], Glue] = {
         "model = model.net\n" + _SHARDED,
     ),
     ("README.md", "fabric"): Glue(
-        setup=_CLASSIFIER,
+        setup=_CLASSIFIER + "optimizer = torch.optim.AdamW(model.parameters())",
         check=_SHARDED + "from pathlib import Path\nassert Path('ckpt/step-1/.metadata').is_file()",
     ),
     ("README.md", "accelerate"): Glue(
