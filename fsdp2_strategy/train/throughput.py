@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -163,6 +163,9 @@ class StepMetrics:
     `tokens_per_s` and `mfu` are per rank; `peak_memory_bytes` is the device allocator's peak
     since the last report on an accelerator (`torch.accelerator`), the process's peak resident memory on the CPU.
     """
+
+    TRACKER_PREFIX: ClassVar[str] = "throughput/"
+    """What the adapters prepend to the metric names in a framework's trackers and loggers."""
 
     step: int
     step_time_s: float

@@ -10,9 +10,6 @@ import fsdp2_strategy as f2
 
 from . import _compat as compat
 
-PREFIX = "throughput/"
-"""Prepended to the metric names in the trackers."""
-
 
 def attach(accelerator: Any, every: int | None) -> f2.ThroughputTracker | None:
     """A tracker on the first prepared model and optimizer once both exist (None before, or when `every`
@@ -24,7 +21,7 @@ def attach(accelerator: Any, every: int | None) -> f2.ThroughputTracker | None:
         return None
 
     def log(metrics: f2.StepMetrics) -> None:
-        accelerator.log(metrics.as_log(PREFIX), step=metrics.step)
+        accelerator.log(metrics.as_log(f2.StepMetrics.TRACKER_PREFIX), step=metrics.step)
 
     model = prepared.models[0]
     meter = f2.ThroughputMeter(model=model, every=every, log=log, device=accelerator.device)

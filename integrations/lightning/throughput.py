@@ -46,7 +46,7 @@ class FSDP2ThroughputMonitor(pl.Callback):
         *,
         tokens_fn: Callable[[Any], int] | None = None,
         flops_per_token: float | None = None,
-        prefix: str = "throughput/",
+        prefix: str = f2.StepMetrics.TRACKER_PREFIX,
     ):
         if every < 1:
             raise ValueError(f"FSDP2ThroughputMonitor(every={every}) is invalid; use a step count of 1 or more.")
