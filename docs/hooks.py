@@ -66,10 +66,10 @@ def _parser_section(parser: argparse.ArgumentParser, title: str, *, level: int, 
             lines.append(f"| `{{{','.join(action.choices)}}}` | the subcommand (sections below) | |")
             continue
         names = ", ".join(f"`{n}`" for n in action.option_strings) or f"`{action.dest}`"
-        if action.choices and not isinstance(action, argparse._SubParsersAction):
+        if action.choices:
             names += " {" + ", ".join(str(c) for c in action.choices) + "}"
         default = "" if action.default in (None, argparse.SUPPRESS, False) or action.required else action.default
-        lines.append(f"| {names} | {_escape(action.help or '')} | {_escape(str(default)) if default != '' else ''} |")
+        lines.append(f"| {names} | {_escape(action.help or '')} | {_escape(str(default))} |")
     return "\n".join(lines)
 
 

@@ -199,3 +199,18 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return mlp_forward(self, x)
+
+
+def word_tokenizer():
+    """A word-level Hugging Face tokenizer over a few words, built here (no download): for TRL's
+    trainers, which tokenize text themselves."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = "the a cat dog sat ran on under mat log red blue big small".split()
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<eos>", *words])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>"
+    )

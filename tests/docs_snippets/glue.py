@@ -3,7 +3,7 @@
 `GLUE[(page, name)]` holds, for the snippet `<!-- snippet: name -->` of `page`: `setup`, the code a
 user has before it (a model, data, a loss: the free names the page says are yours), `check`, asserts
 on what the snippet did, and `launch`: "torchrun" (2 CPU processes), "accelerate" (`accelerate launch`
-of 2 processes with the accelerate config `config`), "python" (one process), or "skip" with `reason`
+of 2 processes with the accelerate config file `config`, a path under tests/), "python" (one process), or "skip" with `reason`
 (needs a GPU or a cluster). The set-up code uses the small models and data below.
 """
 
@@ -20,7 +20,7 @@ class Glue:
     setup: str = ""
     check: str = ""
     launch: str = "torchrun"
-    config: str = ""
+    config: str = ""  # an accelerate config file, relative to tests/
     reason: str = ""
 
 
@@ -82,20 +82,6 @@ def lightning_module() -> nn.Module:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     return LitNet()
-
-
-def tokenizer():
-    """A word-level tokenizer built here (no download)."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = "the cat sat on mat a dog ran under log big red small blue".split()
-    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<eos>", *words])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>"
-    )
 
 
 def tiny_llama(vocab: int = 32) -> nn.Module:
@@ -197,22 +183,24 @@ model = f2.shard_model(Net())
 optimizer = torch.optim.AdamW(model.parameters())
 train_step = train_step_fn()
 """
-_ACCELERATE_BLOCK = """
-distributed_type: FSDP
-num_processes: 2
-mixed_precision: {precision}
-use_cpu: true
-fsdp_config:
-  fsdp_version: 2
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_transformer_layer_cls_to_wrap: {layer}
-  fsdp_state_dict_type: SHARDED_STATE_DICT
+# accelerate configs (paths under tests/): the suite's own, and one with bf16 for the README's snippet
+_BF16_BLOCK = "docs_snippets/fsdp2_bf16.yaml"
+_BLOCK = "accelerate_scripts/fsdp2.yaml"  # fp32, one group per Block
+_HF = "transformers_scripts/fsdp2_sharded.yaml"  # fp32, groups from the model's _no_split_modules
+_LIGHTNING = """
+from docs_snippets.glue import lightning_module, loader as _loader
+model, loader = lightning_module(), _loader()
+"""
+_NET_AND_BATCH = """
+import torch
+from docs_snippets.glue import Net
+torch.manual_seed(0)
+model, batch = Net(), torch.randn(8, 16)
 """
 
 GLUE: dict[tuple[str, str], Glue] = {
     ("README.md", "lightning"): Glue(
-        setup="from docs_snippets.glue import lightning_module, loader as _loader\n"
-        "model, loader = lightning_module(), _loader()",
+        setup=_LIGHTNING,
         check="assert trainer.global_step == 6, trainer.global_step  # 3 epochs of 2 batches per rank\n"
         "model = model.net\n" + _SHARDED,
     ),
@@ -225,32 +213,31 @@ GLUE: dict[tuple[str, str], Glue] = {
         check=_SHARDED + "assert str(accelerator.distributed_type) == 'DistributedType.FSDP'\n"
         "from pathlib import Path\nassert (Path('ckpt') / '.metadata').is_file()",
         launch="accelerate",
-        config=_ACCELERATE_BLOCK.format(precision="bf16", layer="Block"),
+        config=_BF16_BLOCK,
     ),
     ("README.md", "hf-trainer"): Glue(
         setup="from docs_snippets.glue import tiny_llama, lm_dataset\nmodel, dataset = tiny_llama(), lm_dataset()",
         check="assert trainer.state.global_step == 3\n"
         "from pathlib import Path\nassert Path('out/model.safetensors').is_file()\n" + _SHARDED,
         launch="accelerate",
-        config=_ACCELERATE_BLOCK.format(precision="'no'", layer="LlamaDecoderLayer"),
+        config=_HF,
     ),
     ("README.md", "trl"): Glue(
-        setup="from docs_snippets.glue import tiny_llama, text_dataset, tokenizer as _tok\n"
-        "tokenizer = _tok()\nmodel, text_dataset = tiny_llama(len(tokenizer)), text_dataset()",
+        setup="from _models import word_tokenizer\nfrom docs_snippets.glue import tiny_llama, text_dataset\n"
+        "tokenizer = word_tokenizer()\nmodel, text_dataset = tiny_llama(len(tokenizer)), text_dataset()",
         check="assert trainer.state.global_step == 3\n" + _SHARDED,
         launch="accelerate",
-        config=_ACCELERATE_BLOCK.format(precision="'no'", layer="LlamaDecoderLayer"),
+        config=_HF,
     ),
     ("README.md", "pytorch"): Glue(
         setup=_CLASSIFIER,
         check=_SHARDED + "from pathlib import Path\nassert Path('ckpt/step-000001/.metadata').is_file()",
     ),
     ("docs/get-started/quickstart.md", "train-script"): Glue(
-        check="assert checkpointer.latest_step() == 9 and step == 9\nmodel = model\n" + _SHARDED,
+        check="assert checkpointer.latest_step() == 9 and step == 9\n" + _SHARDED,
     ),
     ("docs/integrations/lightning.md", "trainer"): Glue(
-        setup="from docs_snippets.glue import lightning_module, loader as _loader\n"
-        "model, loader = lightning_module(), _loader()",
+        setup=_LIGHTNING,
         check="assert trainer.global_step == 3\nfrom pathlib import Path\nassert Path('last.ckpt/.metadata').is_file()\n"
         "model = model.net\n" + _SHARDED,
     ),
@@ -264,7 +251,7 @@ GLUE: dict[tuple[str, str], Glue] = {
         check=_SHARDED + "from pathlib import Path\nassert (Path('ckpt') / '.metadata').is_file()\n"
         "assert Path('weights/model.safetensors').is_file()",
         launch="accelerate",
-        config=_ACCELERATE_BLOCK.format(precision="bf16", layer="Block"),
+        config=_BF16_BLOCK,
     ),
     ("docs/integrations/pytorch.md", "loop"): Glue(setup=_CLASSIFIER, check=_SHARDED),
     ("docs/integrations/transformers.md", "trainer"): Glue(
@@ -274,7 +261,7 @@ GLUE: dict[tuple[str, str], Glue] = {
         check="assert trainer.state.global_step == 2\nfrom pathlib import Path\nassert Path('out/model.safetensors').is_file()\n"
         + _SHARDED,
         launch="accelerate",
-        config=_ACCELERATE_BLOCK.format(precision="'no'", layer="LlamaDecoderLayer"),
+        config=_HF,
     ),
     ("docs/integrations/transformers.md", "trl"): Glue(
         check="assert SFTTrainer.__name__ == 'FSDP2SFTTrainer' and issubclass(MyDPO, FSDP2TrainerMixin)",
@@ -304,11 +291,11 @@ GLUE: dict[tuple[str, str], Glue] = {
         "assert Path('ckpts/step-000001/.metadata').is_file()\nassert any(Path('merged').glob('*.safetensors'))",
     ),
     ("docs/guides/tuner.md", "tune"): Glue(
-        setup="import torch\nfrom docs_snippets.glue import Net\ntorch.manual_seed(0)\nmodel, batch = Net(), torch.randn(8, 16)",
+        setup=_NET_AND_BATCH,
         check=_SHARDED + "assert other.wrap_policy is not None",
     ),
     ("docs/guides/memory-planner.md", "estimate"): Glue(
-        setup="import torch\nfrom docs_snippets.glue import Net\nmodel, batch = Net(), torch.randn(8, 16)",
+        setup=_NET_AND_BATCH,
         check="assert est.peak_bytes > 0",
         launch="python",
     ),
@@ -343,19 +330,18 @@ GLUE: dict[tuple[str, str], Glue] = {
         check=_SHARDED + "assert ckpt.latest_step() == 0 and 'HYBRID_SHARD' in str(f2.sharding_plan(model))",
     ),
     ("docs/migration/lightning.md", "strategy-object"): Glue(
-        setup="from docs_snippets.glue import lightning_module, loader as _loader\n"
-        "model, loader = lightning_module(), _loader()",
+        setup=_LIGHTNING,
         check="assert trainer.global_step > 0\nmodel = model.net\n" + _SHARDED,
     ),
     ("docs/migration/accelerate.md", "accelerator-swap"): Glue(
         setup=_UNLABELLED + "optimizer = torch.optim.AdamW(model.parameters())",
         check=_SHARDED + "from pathlib import Path\nassert (Path('ckpt') / '.metadata').is_file()",
         launch="accelerate",
-        config=_ACCELERATE_BLOCK.format(precision="'no'", layer="Block"),
+        config=_BLOCK,
     ),
     ("docs/concepts/fsdp2.md", "sharding-plan"): Glue(setup=_UNLABELLED, check=_SHARDED),
     ("docs/concepts/memory-model.md", "estimate-fields"): Glue(
-        setup="import torch\nfrom docs_snippets.glue import Net\nmodel, batch = Net(), torch.randn(8, 16)",
+        setup=_NET_AND_BATCH,
         check="assert est.peak_bytes > 0",
         launch="python",
     ),

@@ -13,9 +13,10 @@ import torch.distributed as dist
 import transformers
 from torch.utils.data import Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _collect
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _collect, _models
 
 from _collect import full_params, gather, write_json  # noqa: E402,F401
+from _models import word_tokenizer  # noqa: E402,F401
 
 import fsdp2_strategy as f2  # noqa: E402
 

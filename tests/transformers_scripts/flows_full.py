@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
-from common import Snapshots, Tokens, args, bert, checkpoint_args, full_params, main, vector_rel_diff
+from common import Snapshots, Tokens, args, bert, checkpoint_args, full_params, main, vector_rel_diff, word_tokenizer
 
 from fsdp2_strategy.integrations.transformers import (
     FSDP2Trainer,
@@ -82,25 +82,12 @@ def peft_lora(entry: dict, work: Path) -> None:
         entry["adapter_tensors"] = len(trained)
 
 
-def _tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer built here (no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = "the a cat dog sat ran on under mat log red blue big small".split()
-    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<eos>", *words])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>"
-    )
-
-
 def sft(entry: dict, work: Path) -> None:
     """TRL's SFTTrainer through fsdp2_trainer() on a tiny Llama: loss finite and falling, weights moved."""
     import trl
     from datasets import Dataset
 
-    tokenizer = _tokenizer()
+    tokenizer = word_tokenizer()
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=32,
