@@ -6,6 +6,7 @@ Not a public API: the benchmark scripts put this folder on `sys.path` and import
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -189,3 +190,32 @@ def tensor_loader(n_batches: int, batch: int):
     world = dist.get_world_size() if dist.is_initialized() else 1
     x = torch.randn(n_batches * batch * world, 32, generator=gen)
     return DataLoader(TensorDataset(x, x @ w), batch_size=batch)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a world's rendezvous (the default 29500 may still be held
+    by the previous world's exiting processes)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_fsdp2_config(*, layer: str, processes: int, mixed_precision: str, cpu: bool) -> str:
+    """The text of an ordinary accelerate FSDP config file (the shape `accelerate config` writes) with
+    fsdp_version 2: one group per `layer` class, full resharding, sharded `save_state`."""
+    return f"""compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_machines: 1
+num_processes: {processes}
+machine_rank: 0
+mixed_precision: '{mixed_precision}'
+use_cpu: {str(cpu).lower()}
+rdzv_backend: static
+same_network: true
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: {layer}
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+"""

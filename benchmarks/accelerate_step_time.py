@@ -22,32 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import _bench  # this folder: the script's own directory is on sys.path
+
 RESULT = "ACCELERATE_STEP_TIME_RESULT "
 OURS, STOCK = "FSDP2Accelerator", "stock Accelerator"
-
-CONFIG = """compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-num_machines: 1
-num_processes: {processes}
-machine_rank: 0
-mixed_precision: 'no'
-use_cpu: {cpu}
-rdzv_backend: static
-same_network: true
-fsdp_config:
-  fsdp_version: 2
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_transformer_layer_cls_to_wrap: Block
-  fsdp_reshard_after_forward: true
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-"""
 
 
 # --------------------------------------------------------------------------- worker (one rank)
@@ -72,9 +56,6 @@ def worker(variant: str, args: argparse.Namespace) -> None:
 
     import torch
     import torch.nn.functional as F
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    import _bench
 
     accelerator = _accelerator(variant, args.accumulate)
     model = _bench.make_net(args.dim, args.layers)
@@ -122,9 +103,6 @@ def reference_losses(args: argparse.Namespace) -> list[float]:
     import torch
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    import _bench
-
     model = _bench.make_net(args.dim, args.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     n = args.accumulate * (args.steps + 2)
@@ -151,9 +129,7 @@ def launch(variant: str, config: Path, args: argparse.Namespace) -> dict:
         # Accelerate's FSDP launcher drops the file's `use_cpu: true`; this variable reaches both
         # variants (the stock one then becomes MULTI_CPU + DDP instead of DistributedType.NO).
         env["ACCELERATE_USE_CPU"] = "true"
-    with socket.socket() as s:  # a free port: 29500 may still be held by the previous world
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _bench.free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -216,7 +192,9 @@ def main() -> None:
     cpu = args.cpu or not torch.accelerator.is_available()
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "fsdp2.yaml"
-        config.write_text(CONFIG.format(processes=args.processes, cpu=str(cpu).lower()))
+        config.write_text(
+            _bench.accelerate_fsdp2_config(layer="Block", processes=args.processes, mixed_precision="no", cpu=cpu)
+        )
         ours = [f"{OURS} {m}" for m in args.accumulation] if args.accumulation else [OURS]
         runs: dict[str, list[dict]] = {v: [] for v in [*ours, STOCK]}
         for r in range(args.warmup_rounds + args.rounds):

@@ -31,13 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import _bench  # this folder: on sys.path as the script's directory, or put there by device_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "GPU_THROUGHPUT_RESULT "
@@ -63,22 +64,6 @@ FLOAT8 = ("hand+compile+float8", "core+compile+float8")
 """torchao's float8 training (`convert_to_float8_training`, float8 all-gather; the output layer
 kept in bf16, as torchtitan does), compiled: needs torchao and float8 tensor cores."""
 ACCELERATE_PATHS = ("fsdp2_accelerator", "stock_accelerator", "hf_trainer_fsdp2", "hf_trainer_stock")
-ACCELERATE_CONFIG = """compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-num_machines: 1
-num_processes: 1
-machine_rank: 0
-mixed_precision: bf16
-use_cpu: {cpu}
-rdzv_backend: static
-same_network: true
-fsdp_config:
-  fsdp_version: 2
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer
-  fsdp_reshard_after_forward: true
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-"""
 
 
 # --------------------------------------------------------------------------- one path (one process)
@@ -341,12 +326,6 @@ def worker(path: str, size_name: str, steps: int, warmup: int, work: Path) -> No
 
 
 # --------------------------------------------------------------------------- the interleaved runs
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(path: str, size: str, steps: int, warmup: int, work: Path, timeout: float) -> dict:
     """One fresh process for `path`: `accelerate launch` with the FSDP config file for the
     Accelerate and HF Trainer paths, a world of one under `torchrun`'s variables for the others."""
@@ -357,13 +336,16 @@ def launch(path: str, size: str, steps: int, warmup: int, work: Path, timeout: f
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     if path in ACCELERATE_PATHS:
         config = work / "accelerate_fsdp2.yaml"
-        config.write_text(ACCELERATE_CONFIG.format(cpu=str(not torch.accelerator.is_available()).lower()))
+        cpu = not torch.accelerator.is_available()
+        config.write_text(
+            _bench.accelerate_fsdp2_config(layer="LlamaDecoderLayer", processes=1, mixed_precision="bf16", cpu=cpu)
+        )
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
-        cmd += ["--main_process_port", str(_free_port()), *script]
+        cmd += ["--main_process_port", str(_bench.free_port()), *script]
     else:
         cmd = [sys.executable, *script]
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        env.update(MASTER_PORT=str(_free_port()))
+        env.update(MASTER_PORT=str(_bench.free_port()))
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
