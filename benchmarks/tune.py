@@ -68,7 +68,7 @@ def _interleaved(model, batch, loss_fn, result, k: int, rounds: int, steps: int,
         opt = torch.optim.AdamW(sharded.parameters())
 
         def step(_: int) -> None:
-            train_step(sharded, opt, batch, loss_fn, k, cfg.accumulation)
+            train_step(sharded, opt, batch, loss_fn, k)
 
         for i in range(2):
             step(i)

@@ -26,13 +26,17 @@ from .migrate import DeepSpeedTranslation, translate_deepspeed
 from .preemption import PREEMPTION_EXIT_CODE, PreemptionWatch
 from .shard import ShardingPlan, replicate, shard_model, sharding_plan
 from .train import (
+    AccumulationMode,
+    EngineState,
     PeakFlops,
     StepMetrics,
     ThroughputMeter,
     ThroughputTracker,
+    accumulation_mode,
     check_optimizer,
     clip_grad_norm_,
     clip_grad_value_,
+    engine_state,
     flops_per_token,
     no_sync,
     peak_flops,
@@ -45,8 +49,10 @@ from .versions import __version__ as __version__
 from .versions import warn_untested_versions
 
 __all__ = [
+    "AccumulationMode",
     "Checkpointer",
     "DeepSpeedTranslation",
+    "EngineState",
     "PREEMPTION_EXIT_CODE",
     "PeakFlops",
     "PreemptionWatch",
@@ -59,10 +65,12 @@ __all__ = [
     "ThroughputMeter",
     "ThroughputTracker",
     "TuneResult",
+    "accumulation_mode",
     "check_optimizer",
     "clip_grad_norm_",
     "clip_grad_value_",
     "compare_strategies",
+    "engine_state",
     "estimate_memory",
     "export_full",
     "export_peft",

@@ -19,8 +19,6 @@ from .distributed import log_rank_zero
 from .precision import resolve_mixed_precision, resolve_offload
 from .wrap_policy import match_override, modules_matching, select_wrapped, wrappable
 
-GROUP_ATTR = "_fsdp2_group"
-
 
 @dataclass
 class GroupSettings:

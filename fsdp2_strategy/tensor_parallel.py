@@ -27,8 +27,6 @@ from torch.distributed.tensor.parallel import (
 
 TP_DIM = "tp"
 """Name of the tensor-parallel dim in meshes the core builds."""
-STYLE_ATTR = "_fsdp2_tp_style"
-"""Attribute naming the TP style `apply_tensor_parallel` gave a module."""
 
 STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise": ColwiseParallel,
@@ -139,8 +137,8 @@ def check_sizes(model: nn.Module, plan: Mapping[str, tuple[str, ParallelStyle]],
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Any, tp_mesh: DeviceMesh) -> dict[str, str]:
-    """Parallelise `model` on `tp_mesh` by `plan`; returns {module name: style}, also recorded on
-    each module (`STYLE_ATTR`) for the sharding plan."""
+    """Parallelise `model` on `tp_mesh` by `plan`; returns {module name: style} (`shard_model`
+    records each in the module's engine state, for the sharding plan)."""
     if callable(plan) and not isinstance(plan, Mapping):
         before = {n for n, m in model.named_modules() if _user_parallelised(m)}
         result = plan(model, tp_mesh)
@@ -157,8 +155,6 @@ def apply_tensor_parallel(model: nn.Module, plan: Any, tp_mesh: DeviceMesh) -> d
         check_sizes(model, resolved, tp_mesh.size())
         parallelize_module(model, tp_mesh, {n: style for n, (_, style) in resolved.items()})
         styles = {n: label for n, (label, _) in resolved.items()}
-    for name, label in styles.items():
-        setattr(model.get_submodule(name), STYLE_ATTR, label)
     return styles
 
 
@@ -169,23 +165,3 @@ def _user_parallelised(module: nn.Module) -> bool:
 def user_parallelised_modules(model: nn.Module) -> list[nn.Module]:
     """Modules whose own parameters are DTensors already (parallelised by the user before FSDP)."""
     return [m for m in model.modules() if _user_parallelised(m)]
-
-
-def mark_user_parallelised(model: nn.Module) -> None:
-    """Label modules whose parameters are DTensors before FSDP (parallelised by the user), for the plan."""
-    for module in model.modules():
-        if not hasattr(module, STYLE_ATTR) and _user_parallelised(module):
-            setattr(module, STYLE_ATTR, "user")
-
-
-def tp_summary(group: nn.Module, is_group: Callable[[nn.Module], bool]) -> str:
-    """The TP styles inside one FSDP group (nested groups excluded), e.g. "colwise 3, rowwise 2"."""
-    counts: dict[str, int] = {}
-    stack = [group]
-    while stack:
-        module = stack.pop()
-        label = getattr(module, STYLE_ATTR, None)
-        if label:
-            counts[label] = counts.get(label, 0) + 1
-        stack.extend(c for c in module.children() if not is_group(c))
-    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"

@@ -111,13 +111,12 @@ MODELS = {
 }
 
 
-def train_step(model, opt, batch, loss_fn, micro_batches: int, accumulation: str, tracker=None) -> None:
+def train_step(model, opt, batch, loss_fn, micro_batches: int, tracker=None) -> None:
+    """One optimizer step; `f2.no_sync` on all but the last micro-batch follows the model's mode."""
     for i in range(micro_batches):
         if tracker is not None and i:
             tracker.reset_mod_stats()  # MemTracker refuses a second forward otherwise; totals are kept
-        last = i == micro_batches - 1
-        skip_sync = not last and accumulation != "sync_each"
-        with f2.no_sync(model) if skip_sync else contextlib.nullcontext():
+        with f2.no_sync(model) if i < micro_batches - 1 else contextlib.nullcontext():
             loss_fn(model, batch).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -138,20 +137,20 @@ def measure_peak(
     config: dict,
     optimizer="adamw",
     micro_batches: int = 1,
-    accumulation: str = "sync_last",
     batch_size: int = 8,
 ) -> int:
-    """Peak live tensor bytes of this rank during one steady-state optimizer step."""
+    """Peak live tensor bytes of this rank during one steady-state optimizer step (the accumulation
+    mode is the config's)."""
 
     make_model, make_batch_, loss_fn = MODELS[model_name]
     model = f2.shard_model(make_model(), {**config, "log_plan": False})
     opt = optimizer_factory(optimizer)(list(model.parameters()))
     batch = make_batch_(batch_size)
-    train_step(model, opt, batch, loss_fn, micro_batches, accumulation)  # warm-up: optimizer state exists
+    train_step(model, opt, batch, loss_fn, micro_batches)  # warm-up: optimizer state exists
     tracker = FrozenAwareTracker()
     tracker.track_external(model, opt)
     with tracker:
-        train_step(model, opt, batch, loss_fn, micro_batches, accumulation, tracker)
+        train_step(model, opt, batch, loss_fn, micro_batches, tracker)
     snapshot = tracker.get_tracker_snapshot("peak")
     return max(s["Total"] for s in snapshot.values())
 
@@ -162,7 +161,6 @@ def estimate_peak(
     world_size: int,
     optimizer="adamw",
     micro_batches: int = 1,
-    accumulation: str = "sync_last",
     batch_size: int = 8,
     nodes: int = 1,
 ):
@@ -175,6 +173,5 @@ def estimate_peak(
         optimizer=optimizer,
         example_batch=make_batch_(batch_size),
         loss_fn=loss_fn,
-        accumulation=accumulation,
         micro_batches=micro_batches,
     )

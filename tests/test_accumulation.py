@@ -311,6 +311,26 @@ def test_collectives_per_optimizer_step(results, variant, mode):
     assert r["all_reduces"] == scalar + (1 if variant == "override" else 0), r
 
 
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "hsdp_2x1", "checkpointing", "two_blocks"])
+@pytest.mark.parametrize("mode", MODES)
+def test_the_estimator_counts_the_collectives_each_mode_runs(results, variant, mode):
+    # The estimator asks the same AccumulationMode as no_sync: its counts are the measured ones (the
+    # replicated scalar's all-reduces aside: the estimator leaves 0-dim parameters out).
+    import fsdp2_strategy as f2
+
+    r = results[(variant, mode)]
+    estimate = f2.estimate_memory(
+        SkipGPT(temperature=True), {**VARIANTS[variant], "accumulation": mode}, world_size=2, micro_batches=K
+    )
+    scalar = K if mode == "sync_each" else 1
+    measured = {
+        "all_gather": r["all_gathers"],
+        "reduce_scatter": r["reduce_scatters"],
+        "all_reduce": r["all_reduces"] - scalar,
+    }
+    assert estimate.collective_calls == measured
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_blocks_sharded_together_gather_and_reduce_once_per_group(results, mode):
     r = results[("two_blocks", mode)]

@@ -29,7 +29,7 @@ SETTINGS = {
 # Measured at one micro-batch (k) only.
 ONLY_AT_K = {
     "FULL_SHARD+bf16": {"sharding_strategy": "FULL_SHARD", "mixed_precision": "bf16"},
-    # On CPU every group is gathered at once on the first micro-batch (accumulation._KeptGroups.keep).
+    # On CPU every group is gathered at once on the first micro-batch (train.kept_gathered.KeptGroups.keep).
     "keep_gathered": {"sharding_strategy": "FULL_SHARD", "accumulation": "keep_gathered"},
 }
 
@@ -39,9 +39,7 @@ def _measure_all():
     peaks[("convnet", "FULL_SHARD", 1)] = measure_peak("convnet", SETTINGS["FULL_SHARD"])
     peaks[("gpt", "FULL_SHARD", 4)] = measure_peak("gpt", SETTINGS["FULL_SHARD"], micro_batches=4)
     peaks[("gpt", "FULL_SHARD+bf16", 1)] = measure_peak("gpt", ONLY_AT_K["FULL_SHARD+bf16"])
-    peaks[("gpt", "keep_gathered", 4)] = measure_peak(
-        "gpt", ONLY_AT_K["keep_gathered"], micro_batches=4, accumulation="keep_gathered"
-    )
+    peaks[("gpt", "keep_gathered", 4)] = measure_peak("gpt", ONLY_AT_K["keep_gathered"], micro_batches=4)
     return peaks
 
 
@@ -51,9 +49,7 @@ def test_estimates_match_measured_peaks_of_two_rank_runs():
     for key in measured[0]:
         model, name, k = key
         config = SETTINGS.get(name) or ONLY_AT_K[name]
-        estimate = estimate_peak(
-            model, config, 2, micro_batches=k, accumulation=config.get("accumulation", "sync_last")
-        )
+        estimate = estimate_peak(model, config, 2, micro_batches=k)
         peak = max(r[key] for r in measured)
         # Checkpointing's recomputation temporaries and bf16 casts are approximated (measured -5.3 %
         # and +3.2 %); everything else is played exactly (measured within 0.02 %).

@@ -65,7 +65,7 @@ def _auto_world(budget_fits_full_only, budget_nothing, batch_budgets=()):
     from torch.distributed.fsdp import FSDPModule
 
     model = f2.shard_model(gpt(8), sharding_strategy="auto", memory_budget=budget_fits_full_only, log_plan=False)
-    chosen = model.blocks[0]._fsdp2_group.strategy
+    chosen = f2.engine_state(model.blocks[0]).group.strategy
     assert isinstance(model, FSDPModule)
     error = None
     try:
@@ -81,7 +81,7 @@ def _auto_world(budget_fits_full_only, budget_nothing, batch_budgets=()):
                 sharded = f2.shard_model(
                     gpt(8), sharding_strategy="auto", memory_budget=budget, log_plan=False, example_batch=batch
                 )
-                row.append(sharded.blocks[0]._fsdp2_group.strategy)
+                row.append(f2.engine_state(sharded.blocks[0]).group.strategy)
             except ValueError as exc:
                 row.append(str(exc))
         by_batch.append(row)

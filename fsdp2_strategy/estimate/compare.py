@@ -302,7 +302,6 @@ def resolve_auto(
         example_batch=example_batch,
         loss_fn=loss_fn,
         device_type=device_type,
-        accumulation=config.accumulation,
     )
     base = dataclasses.replace(config, sharding_strategy="FULL_SHARD")
     comparison = compare_strategies(

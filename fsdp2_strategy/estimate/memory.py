@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from ..activation_checkpoint import apply_activation_checkpointing
-from ..config import ACCUMULATION_MODES, FSDP2Config
-from ..config_checks import check_choice
+from ..config import FSDP2Config
 from ..groups import group_members, ignored_names, select_groups, settings_for
+from ..train import AccumulationMode, accumulation_mode
 from .sim_device import resolve_device_type
 from .sim_model import meta_copy
 from .sim_optimizer import measure_optimizer
@@ -150,7 +150,7 @@ def _shard_and_replicate(strategy: str, config: FSDP2Config, world_size: int, no
     return world_size, 1
 
 
-def _check_args(world_size: Any, nodes: Any, accumulation: Any, micro_batches: Any) -> None:
+def _check_args(world_size: Any, nodes: Any, micro_batches: Any) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(
             f"estimate_memory: world_size={world_size!r} is invalid; use a positive int (ranks in the job)."
@@ -159,7 +159,6 @@ def _check_args(world_size: Any, nodes: Any, accumulation: Any, micro_batches: A
         raise ValueError(
             f"estimate_memory: nodes={nodes!r} is invalid; use a positive int that divides world_size={world_size}."
         )
-    check_choice(accumulation, ACCUMULATION_MODES, "estimate_memory: accumulation")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"estimate_memory: micro_batches={micro_batches!r} is invalid; use a positive int.")
 
@@ -173,7 +172,7 @@ def estimate_memory(
     optimizer: Any = "adamw",
     example_batch: Any = None,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
-    accumulation: str = "sync_last",
+    accumulation: str | None = None,
     micro_batches: int = 1,
     device_type: str | None = None,
 ) -> MemoryEstimate:
@@ -195,7 +194,7 @@ def estimate_memory(
             keyword inputs (tensors may be real, meta or fake); None estimates without activations.
         loss_fn: `loss_fn(model, batch)` returns the loss (default: the output's `.loss`, else the
             first output tensor's mean).
-        accumulation: The gradient accumulation mode (`FSDP2Config.accumulation`).
+        accumulation: The gradient accumulation mode (None: the config's `accumulation`).
         micro_batches: Micro-batches per optimizer step.
         device_type: The device the job trains on ("cpu", "cuda", ...; None: this machine's
             accelerator, else "cpu"). It decides which attention kernel the activations are
@@ -213,10 +212,14 @@ def estimate_memory(
     config = FSDP2Config.coerce(config, log_plan=False)
     if config.sharding_strategy == "auto":
         raise ValueError("estimate_memory needs a concrete sharding_strategy; use compare_strategies to choose one.")
-    _check_args(world_size, nodes, accumulation, micro_batches)
+    _check_args(world_size, nodes, micro_batches)
+    try:
+        mode = accumulation_mode(config.accumulation if accumulation is None else accumulation)
+    except ValueError as exc:
+        raise ValueError(f"estimate_memory: {exc}") from None
     device_type = resolve_device_type(device_type)
     root = settings_for("", config)
-    shard, replicate = _shard_and_replicate(root.strategy, config, world_size, nodes)
+    shard, _ = _shard_and_replicate(root.strategy, config, world_size, nodes)
     compute_dtype = root.mp_policy.param_dtype
     sim_model, batch = meta_copy(model, example_batch, compute_dtype, root.mp_policy.cast_forward_inputs)
     ignored = ignored_names(sim_model, config)
@@ -233,7 +236,7 @@ def estimate_memory(
     base = _resident_bytes(sizes, opt_bytes, config.cpu_offload)
     tracker = LiveBytes()
     if batch is not None:
-        run_step(sim_model, batch, loss_fn, sizes, tracker, base, config, accumulation, micro_batches, device_type)
+        run_step(sim_model, batch, loss_fn, sizes, tracker, base, config, mode, micro_batches, device_type)
     else:
         states_without_batch(
             sizes, tracker, base, config.backward_prefetch or 1, config.cpu_offload, device_type, config.collectives
@@ -242,9 +245,8 @@ def estimate_memory(
         root.strategy,
         world_size,
         shard,
-        replicate,
         config,
-        accumulation,
+        mode,
         micro_batches,
         sizes,
         opt_bytes,
@@ -264,9 +266,8 @@ def _result(
     strategy,
     world_size,
     shard,
-    replicate,
     config,
-    accumulation,
+    mode: AccumulationMode,
     micro_batches,
     sizes,
     opt_bytes,
@@ -293,7 +294,7 @@ def _result(
         shard_size=shard,
         cpu_offload=offload,
         activation_checkpointing=config.activation_checkpointing is not None,
-        accumulation=accumulation,
+        accumulation=mode.name,
         micro_batches=micro_batches,
         param_bytes=(0 if offload else shards) + replicated,
         gathered_param_bytes=at_peak.get("gathered", 0),
@@ -307,95 +308,71 @@ def _result(
         peak_bytes=int(peak),
         peak_phase=phase,
         host_bytes=(shards + grads + opt_bytes + step_temp) if offload else 0,
-        communication=communication_bytes(sizes, config, shard, replicate, accumulation, micro_batches),
-        collective_calls=collective_calls(sizes, accumulation, micro_batches),
+        communication=communication_bytes(sizes, mode, micro_batches),
+        collective_calls=collective_calls(sizes, mode, micro_batches),
         gathering_groups=sum(1 for g in sizes.values() if g.params and g.shard_size > 1),
-        local_calls=local_calls(sizes, accumulation, micro_batches),
+        local_calls=local_calls(sizes, mode, micro_batches),
         local_groups=sum(1 for g in sizes.values() if g.params and g.shard_size == 1),
-        host_copy_bytes=host_copies(sizes, accumulation, micro_batches) if offload else 0,
+        host_copy_bytes=host_copies(sizes, mode, micro_batches) if offload else 0,
     )
 
 
-def communication_bytes(
-    sizes: dict[str, GroupSizes], config: FSDP2Config, shard: int, replicate: int, accumulation: str, micro_batches: int
-) -> dict[str, int]:
+def communication_bytes(sizes: dict[str, GroupSizes], mode: AccumulationMode, micro_batches: int) -> dict[str, int]:
     """Bytes each rank sends per optimizer step, by collective (ring algorithms).
 
     All-gather and reduce-scatter of N bytes over S ranks send N*(S-1)/S per rank; an all-reduce
-    sends twice that. Forward gathers every group once per micro-batch; backward gathers again the
-    groups resharded after forward. "keep_gathered" (k > 1) gathers every group once per step: it
-    stays gathered from the first forward to the last backward (`train.accumulation`); gradients are
-    reduce-scattered on every micro-batch ("sync_each") or the last one only, then all-reduced
-    across replicas (HSDP, NO_SHARD).
+    sends twice that. How many of each a step runs per group is what `mode` says
+    (`AccumulationMode.unshards`, `.reduce_scatters`, `.all_reduces`).
     """
-    kept = accumulation == "keep_gathered" and micro_batches > 1
-    gathers = 1 if kept else micro_batches
-    syncs = _syncs(accumulation, micro_batches)
     ag = rs = ar = 0.0
     for g in sizes.values():
         s = g.shard_size
         ring = (s - 1) / s
-        ag += gathers * g.gathered * ring * (1 if g.keep_after_forward or kept else 2)
-        rs += syncs * g.reduce_bytes * ring
+        ag += mode.unshards(micro_batches, g.keep_after_forward) * g.gathered * ring
+        rs += mode.reduce_scatters(micro_batches) * g.reduce_bytes * ring
         if g.replicate_size > 1:
-            ar += syncs * 2 * (g.replicate_size - 1) / g.replicate_size * g.reduce_bytes / s
+            ar += mode.all_reduces(micro_batches) * 2 * (g.replicate_size - 1) / g.replicate_size * g.reduce_bytes / s
     return {"all_gather": int(math.ceil(ag)), "reduce_scatter": int(math.ceil(rs)), "all_reduce": int(math.ceil(ar))}
 
 
-def collective_calls(sizes: dict[str, GroupSizes], accumulation: str, micro_batches: int) -> dict[str, int]:
+def collective_calls(sizes: dict[str, GroupSizes], mode: AccumulationMode, micro_batches: int) -> dict[str, int]:
     """Collective calls per optimizer step, by collective, counted as `communication_bytes` counts
-    their bytes: per group with parameters, one all-gather per forward and one more per backward
-    unless it stays gathered ("keep_gathered": one per step); one reduce-scatter per gradient sync
-    (sharded groups), one all-reduce per sync across replicas."""
-    syncs = _syncs(accumulation, micro_batches)
+    their bytes, for the groups with parameters: all-gathers and reduce-scatters where a group is
+    sharded over several ranks, all-reduces across replicas."""
     ag = rs = ar = 0
     for g in sizes.values():
         if not g.params:
             continue
         if g.shard_size > 1:
-            ag += _unshards(g, accumulation, micro_batches)
-            rs += syncs if g.reduce_bytes else 0
+            ag += mode.unshards(micro_batches, g.keep_after_forward)
+            rs += mode.reduce_scatters(micro_batches) if g.reduce_bytes else 0
         if g.replicate_size > 1 and g.reduce_bytes:
-            ar += syncs
+            ar += mode.all_reduces(micro_batches)
     return {"all_gather": ag, "reduce_scatter": rs, "all_reduce": ar}
 
 
-def local_calls(sizes: dict[str, GroupSizes], accumulation: str, micro_batches: int) -> dict[str, int]:
+def local_calls(sizes: dict[str, GroupSizes], mode: AccumulationMode, micro_batches: int) -> dict[str, int]:
     """`MemoryEstimate.local_calls`: what `collective_calls` counts for a group sharded over
     several ranks, for the groups sharded over one rank, less the all-reduces it does count."""
-    syncs = _syncs(accumulation, micro_batches)
     ag = rs = 0
     for g in sizes.values():
         if g.params and g.shard_size == 1:
-            ag += _unshards(g, accumulation, micro_batches)
-            rs += syncs if g.reduce_bytes and g.replicate_size == 1 else 0
+            ag += mode.unshards(micro_batches, g.keep_after_forward)
+            rs += mode.reduce_scatters(micro_batches) if g.reduce_bytes and g.replicate_size == 1 else 0
     return {"all_gather": ag, "reduce_scatter": rs}
 
 
-def host_copies(sizes: dict[str, GroupSizes], accumulation: str, micro_batches: int) -> int:
+def host_copies(sizes: dict[str, GroupSizes], mode: AccumulationMode, micro_batches: int) -> int:
     """Bytes an offloaded step copies between host and device: FSDP2 copies a group's shard to the
     device for every all-gather from the sharded state (each forward's; backward's too unless
     the group stays gathered or keeps a partial copy, `reshard_to`) and each reduced gradient
-    shard back to the host (one per sync)."""
-    syncs = _syncs(accumulation, micro_batches)
+    shard back to the host (one per reduce-scatter)."""
     total = 0
     for g in sizes.values():
         if not g.params:
             continue
-        unshards = _unshards(g, accumulation, micro_batches)
+        unshards = mode.unshards(micro_batches, g.keep_after_forward)
         from_host = micro_batches if g.reshard_to and unshards > micro_batches else unshards
-        total += from_host * g.sharded + (syncs * g.trainable_sharded if g.reduce_bytes else 0)
+        reduced = mode.reduce_scatters(micro_batches) * g.trainable_sharded if g.reduce_bytes else 0
+        total += from_host * g.sharded + reduced
     return total
-
-
-def _syncs(accumulation: str, micro_batches: int) -> int:
-    """Gradient syncs per optimizer step: one per micro-batch under "sync_each", else one."""
-    return micro_batches if accumulation == "sync_each" else 1
-
-
-def _unshards(group: GroupSizes, accumulation: str, micro_batches: int) -> int:
-    """Times per optimizer step `group` is unsharded: once per forward, and again in backward
-    unless it stays gathered after forward; once per step under "keep_gathered" (k > 1)."""
-    if accumulation == "keep_gathered" and micro_batches > 1:
-        return 1
-    return micro_batches * (1 if group.keep_after_forward else 2)

@@ -21,7 +21,7 @@ from torch import nn
 
 from .. import _torch_compat as tc
 from ..config import FSDP2Config
-from ..train import gathers_up_front
+from ..train import AccumulationMode
 from .sim_device import attention_kernels, reduce_scatter_scratch
 from .sim_model import default_loss
 from .sim_sizes import GroupSizes
@@ -235,15 +235,18 @@ class _Schedule:
             self.tracker.add("grads", self.upcast[name])
         self.tracker.note_virtual(0, "backward")
 
-    def start_micro_batch(self, sync: bool, keep_forward: bool, keep_backward: bool) -> None:
-        self.sync, self.keep_forward, self.keep_backward = sync, keep_forward, keep_backward
+    def start_micro_batch(self, mode: AccumulationMode, index: int, micro_batches: int) -> None:
+        """Micro-batch `index` of `micro_batches`: whether it reduces and what it keeps gathered, as
+        `mode` says (its last backward reshards; "keep_gathered" on CPU gathers every group first)."""
+        self.sync = mode.syncs_on(index, micro_batches)
+        self.keep_forward, self.keep_backward = mode.kept_through(index, micro_batches)
         self.pending = {}
         self._counted: set[int] = set()
-        if keep_backward and gathers_up_front(self.device_type):
+        if self.keep_backward and mode.gathers_up_front(self.device_type):
             self.gather_all()
 
     def gather_all(self) -> None:
-        """ "keep_gathered" on CPU (`accumulation._KeptGroups.keep`): every group's all-gather
+        """ "keep_gathered" on CPU (`train.kept_gathered.KeptGroups.keep`): every group's all-gather
         starts at once, then each is copied out in turn, its output freed after its copy-out."""
         names = [n for n, g in self.sizes.items() if g.gathered and self.gathered.get(n, 0) < g.gathered]
         alive = sum(self.sizes[n].gathered for n in names)
@@ -296,7 +299,7 @@ def run_step(
     tracker: LiveBytes,
     resident: int,
     config: FSDP2Config,
-    accumulation: str,
+    accumulation: AccumulationMode,
     micro_batches: int,
     device_type: str,
 ) -> None:
@@ -313,14 +316,9 @@ def run_step(
     try:
         with attention_kernels(device_type), tracker:
             for i in range(runs):
-                last = i == runs - 1
                 tracker.phase = "forward"
-                # "keep_gathered": the last micro-batch's forward still keeps every group gathered
-                # (accumulation._KeptGroups restores each group's choice after it); its backward reshards.
-                kept = accumulation == "keep_gathered" and micro_batches > 1
-                schedule.start_micro_batch(
-                    sync=last or accumulation == "sync_each", keep_forward=kept, keep_backward=kept and not last
-                )
+                # Up to two micro-batches are played: the second stands for the last one.
+                schedule.start_micro_batch(accumulation, micro_batches - runs + i, micro_batches)
                 loss = loss_fn(model, batch)
                 tracker.phase = "backward"
                 loss.backward()

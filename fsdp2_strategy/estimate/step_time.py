@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..train import accumulation_mode
 from .memory import MemoryEstimate
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -286,12 +287,12 @@ def _call_costs(estimate: MemoryEstimate, per_call_s: float, local_call_s: float
 
 
 def _per_forward(estimate: MemoryEstimate) -> int:
-    return 1 if estimate.accumulation == "keep_gathered" else estimate.micro_batches
+    return accumulation_mode(estimate.accumulation).gathering_forwards(estimate.micro_batches)
 
 
 def _forward_gathers(estimate: MemoryEstimate) -> int:
-    """All-gather calls made in forward: every gathering group once per forward (once per step
-    under "keep_gathered"); the rest of `collective_calls["all_gather"]` happen in backward."""
+    """All-gather calls made in forward: every gathering group once per gathering forward
+    (`AccumulationMode.gathering_forwards`); the rest of `collective_calls["all_gather"]` happen in backward."""
     gathers = estimate.collective_calls.get("all_gather", 0)
     return min(estimate.gathering_groups * _per_forward(estimate), gathers)
 

@@ -31,9 +31,9 @@ from torch.distributed.fsdp import CPUOffload, MixedPrecision, MixedPrecisionPol
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 from .. import _torch_compat as tc
-from ..groups import GROUP_ATTR
 from ..mesh import mesh_device_type
 from ..shard import shard_model
+from ..train import recorded_state
 from ..wrap_policy import modules_matching
 from .wrap import policy_groups
 
@@ -322,6 +322,7 @@ def _mark_root(module: nn.Module, root_cast: torch.dtype | None, buffer_note: st
     if root_cast is not None:
         module.register_forward_pre_hook(_root_input_cast(root_cast), with_kwargs=True)
         notes.insert(0, f"inputs cast to {str(root_cast).removeprefix('torch.')} when root")
-    settings = getattr(module, GROUP_ATTR, None)
+    state = recorded_state(module)
+    settings = state.group if state is not None else None
     if settings is not None:
         settings.precision_note = "; ".join(notes)

@@ -21,8 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from ..distributed import log_rank_zero
 from ..mesh import mesh_device, mesh_device_type
-from ..train import REPLICATED_ATTR as ATTR
-from ..train import ReplicatedParams, replicated_params_of
+from ..train import ReplicatedParams, engine_state, replicated_params_of
 
 REPLICATE_REASON = "no fully_shard group owns it: f2.replicate averages grads"
 
@@ -80,7 +79,7 @@ def replicate(model: nn.Module, *, mesh: DeviceMesh | None = None) -> nn.Module:
         return model
     if existing is None:
         replicated = ReplicatedParams(new, mesh, REPLICATE_REASON)
-        setattr(model, ATTR, replicated)
+        engine_state(model).replicated = replicated
     else:
         if existing.mesh.size() != mesh.size():
             raise ValueError(

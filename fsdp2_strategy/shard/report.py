@@ -8,19 +8,18 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from ..groups import GROUP_ATTR, own_named_params
+from ..groups import own_named_params
 from ..precision import describe_precision
-from ..tensor_parallel import tp_summary
-from ..train import DEFAULT_MODE, SCALAR_REASON, mode_of, replicated_params_of
+from ..train import (
+    DEFAULT_MODE,
+    SCALAR_REASON,
+    accumulation_mode,
+    mode_of,
+    recorded_state,
+    replicated_params_of,
+)
 from .host_memory import freed_memory_kept
 from .quantised import QUANTISED_REASON
-from .ring_comms import ATTR as RING_ATTR
-
-ACCUMULATION_SUMMARY = {
-    "sync_each": "reduce-scatter every micro-batch, sharded gradients",
-    "sync_last": "reduce on the last micro-batch, unsharded gradients held",
-    "keep_gathered": "reduce on the last micro-batch, parameters gathered for the whole step",
-}
 
 
 @dataclass
@@ -56,7 +55,7 @@ class ShardingPlan:
     """The plan of a sharded model; `str()` renders a table."""
 
     groups: list[GroupPlan] = field(default_factory=list)
-    accumulation: str = DEFAULT_MODE
+    accumulation: str = DEFAULT_MODE.name
     """The `FSDP2Config.accumulation` mode `f2.no_sync` follows for this model."""
     ring_groups: int = 0
     """FSDP groups whose all-gather and reduce-scatter run as point-to-point rings
@@ -106,7 +105,7 @@ class ShardingPlan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        lines.append(f"gradient accumulation: {self.accumulation} ({ACCUMULATION_SUMMARY[self.accumulation]})")
+        lines.append(f"gradient accumulation: {self.accumulation} ({accumulation_mode(self.accumulation).summary})")
         sharded = sum(g.strategy not in ("REPLICATED", "IGNORED") for g in self.groups)
         lines.append(
             f"collectives: point-to-point rings on {self.ring_groups} of {sharded} FSDP groups, torch's on the rest"
@@ -140,16 +139,17 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
         One row per group (its modules, parameter count, mesh, resharding and precision notes) and
         per replicated parameter set, with the accumulation mode; `str()` of it is a table.
     """
-    plan = ShardingPlan(accumulation=mode_of(model), freed_memory_kept=freed_memory_kept())
+    plan = ShardingPlan(accumulation=mode_of(model).name, freed_memory_kept=freed_memory_kept())
     for name, module in model.named_modules():
         is_group = isinstance(module, FSDPModule)  # (a flag: `module` stays typed as nn.Module)
-        settings = getattr(module, GROUP_ATTR, None)
+        state = recorded_state(module)
+        settings = state.group if state is not None else None
         members = settings.members if settings is not None else ()
         if not is_group or (members and name != members[0]):  # a group sharded together: one row
             continue
         params = [p for m in members or [name] for p in _managed_params(model.get_submodule(m))]
         name = " + ".join(members) if members else name
-        plan.ring_groups += bool(getattr(module, RING_ATTR, False))
+        plan.ring_groups += bool(state is not None and state.ring_comms)
         # With tensor parallel, TP'd parameters live on the (data, tp) mesh, the others on data only.
         mesh_shape = max((tuple(p.device_mesh.shape) for p in params), key=len, default=())
         note = ""
@@ -170,7 +170,7 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
                 reshard_after_forward=settings.reshard_after_forward if settings else "?",
                 precision=describe_precision(settings.mp_policy) if settings else "?",
                 cpu_offload=settings.cpu_offload if settings else False,
-                tensor_parallel=tp_summary(module, lambda m: isinstance(m, FSDPModule)),
+                tensor_parallel=_tp_summary(module),
                 note=note if settings else "sharded by the user",
             )
         )
@@ -192,6 +192,19 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
             )
         )
     return plan
+
+
+def _tp_summary(group: nn.Module) -> str:
+    """The TP styles inside one FSDP group (nested groups excluded), e.g. "colwise 3, rowwise 2"."""
+    counts: dict[str, int] = {}
+    stack = [group]
+    while stack:
+        module = stack.pop()
+        state = recorded_state(module)
+        if state is not None and state.tp_style:
+            counts[state.tp_style] = counts.get(state.tp_style, 0) + 1
+        stack.extend(c for c in module.children() if not isinstance(c, FSDPModule))
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"
 
 
 def _owner_names(params: dict) -> str:

@@ -17,6 +17,7 @@ while it runs, instead of gloo's copy of the whole input.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -26,9 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from .. import _torch_compat as tc
 from ..config import COLLECTIVES
 from ..config_checks import check_choice
-
-ATTR = "_fsdp2_ring_comms"
-"""Set (True) on each FSDP module given the rings, for `sharding_plan`."""
+from ..train import engine_state
 
 
 class _Pending(dist.Work):
@@ -160,6 +159,6 @@ def install_ring_comms(model: nn.Module, collectives: str = "auto") -> int:
             continue
         module.set_custom_all_gather(all_gather)
         module.set_custom_reduce_scatter(reduce_scatter)
-        setattr(module, ATTR, True)
+        engine_state(cast(nn.Module, module)).ring_comms = True  # for `sharding_plan`
         installed += 1
     return installed

@@ -18,7 +18,6 @@ from ..config import FSDP2Config
 from ..distributed import log_rank_zero
 from ..estimate import resolve_strategy
 from ..groups import (
-    GROUP_ATTR,
     GroupSettings,
     group_members,
     ignored_names,
@@ -36,8 +35,8 @@ from ..mesh import (
     mesh_device_type,
     shard_group_size,
 )
-from ..tensor_parallel import apply_tensor_parallel, mark_user_parallelised, split_mesh
-from ..train import REPLICATED_ATTR, ReplicatedParams, find_scalar_params, mark_replaced_params, record_mode
+from ..tensor_parallel import apply_tensor_parallel, split_mesh, user_parallelised_modules
+from ..train import ReplicatedParams, engine_state, find_scalar_params, mark_replaced_params, record_mode
 from .frozen import cast_frozen
 from .host_memory import apply_host_allocator
 from .materialize import check_initialisable, has_meta_tensors, materialize
@@ -112,8 +111,13 @@ def shard_model(
     if tp > 1:
         # Before FSDP: fully_shard then shards the TP DTensors over the data-parallel dims.
         assert meshes.tp_mesh is not None  # split off the root mesh when tp > 1
-        apply_tensor_parallel(model, config.tensor_parallel_plan, meshes.tp_mesh)
-    mark_user_parallelised(model)  # after FSDP every managed parameter is a DTensor
+        styles = apply_tensor_parallel(model, config.tensor_parallel_plan, meshes.tp_mesh)
+        for module_name, style in styles.items():
+            engine_state(model.get_submodule(module_name)).tp_style = style
+    # Labelled now: after FSDP every managed parameter is a DTensor.
+    for module in user_parallelised_modules(model):
+        state = engine_state(module)
+        state.tp_style = state.tp_style or "user"
     apply_activation_checkpointing(model, config.activation_checkpointing, groups)
     if config.compile:
         _compile_blocks(model, groups, config.compile)
@@ -143,7 +147,7 @@ def shard_model(
         # Added after the broadcast: every rank loaded the same quantised weights, and their
         # quantisation state (absmax, code map) lives outside the parameter's data.
         replicated.add(quantised, QUANTISED_REASON)
-        setattr(model, REPLICATED_ATTR, replicated)
+        engine_state(model).replicated = replicated
     if config.log_plan:
         log_rank_zero("FSDP2 sharding plan:\n%s", sharding_plan(model))
     return model
@@ -214,7 +218,7 @@ def _shard_one(modules: list[nn.Module], name: str, settings: GroupSettings, mes
     # torch's None means False for the root and True elsewhere: record what really happens.
     settings.reshard_after_forward = reshard if reshard is not None else name != ""
     for m in modules:
-        setattr(m, GROUP_ATTR, settings)
+        engine_state(m).group = settings
 
 
 def _compile_blocks(model: nn.Module, groups: list[str], options: bool | dict) -> None:
@@ -261,6 +265,8 @@ def _gathered(module: FSDPModule) -> bool:
 
 
 def _guard_direct_forward(model: nn.Module) -> None:
+    # An instance attribute, as torch's own `register_fsdp_forward_method` sets: no module hook sees
+    # a direct `forward` call (hooks run only through `__call__`).
     for module in model.modules():
         if not isinstance(module, FSDPModule) or isinstance(module.forward, _GuardedForward):
             continue

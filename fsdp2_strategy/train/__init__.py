@@ -5,12 +5,13 @@ throughput metrics (tokens/s, MFU, peak memory).
 Imports only the base modules of the core. `__all__` is what other packages and the adapters use.
 """
 
-from .accumulation import DEFAULT_MODE, gathers_up_front, mode_of, no_sync, record_mode, set_gradient_sync
+from .accumulation import mode_of, no_sync, record_mode, set_gradient_sync
+from .accumulation_mode import DEFAULT_MODE, MODES, AccumulationMode, accumulation_mode
 from .clipping import clip_grad_norm_, clip_grad_value_
 from .optimizer import check_optimizer, mark_replaced_params, parameters_by_name, rebind_optimizer
-from .replicated import ATTR as REPLICATED_ATTR
-from .replicated import SCALAR_REASON, ReplicatedParams, find_scalar_params, replicated_params_of
+from .replicated import SCALAR_REASON, ReplicatedParams, find_scalar_params
 from .resharding import reshard
+from .state import EngineState, engine_state, recorded_state, replicated_params_of
 from .step_methods import register_step_method
 from .throughput import (
     PeakFlops,
@@ -34,21 +35,25 @@ __all__ = [
     "log_step_metrics",
     "peak_flops",
     "track_throughput",
+    "AccumulationMode",
     "DEFAULT_MODE",
-    "REPLICATED_ATTR",
+    "MODES",
+    "EngineState",
     "SCALAR_REASON",
     "ReplicatedParams",
     "check_optimizer",
     "clip_grad_norm_",
     "clip_grad_value_",
+    "accumulation_mode",
+    "engine_state",
     "find_scalar_params",
-    "gathers_up_front",
     "mark_replaced_params",
     "mode_of",
     "no_sync",
     "parameters_by_name",
     "rebind_optimizer",
     "record_mode",
+    "recorded_state",
     "register_step_method",
     "replicated_params_of",
     "reshard",

@@ -1,6 +1,7 @@
 """Gradient accumulation modes: what the non-final micro-batches of an optimizer step skip.
 
-`shard_model` records `FSDP2Config.accumulation` on the model; `no_sync` and
+`shard_model` records the `AccumulationMode` of `FSDP2Config.accumulation` in the model's
+`EngineState`; `no_sync` and
 `set_gradient_sync` (the public switches, at the end) call `pause_sync` before the non-final
 micro-batches and `resume_sync` before the last one. Per mode (see `FSDP2Config.accumulation`):
 
@@ -21,31 +22,29 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from .. import _torch_compat as tc
-from ..config import ACCUMULATION_MODES
-from ..config_checks import check_choice
-from .replicated import replicated_params_of
-
-MODE_ATTR = "_fsdp2_accumulation"
-DEFAULT_MODE = "sync_last"
-_KEPT_ATTR = "_fsdp2_kept_gathered"
-_PREPARED_ATTR = "_fsdp2_accumulation_ready"
+from .accumulation_mode import DEFAULT_MODE, AccumulationMode, accumulation_mode
+from .kept_gathered import KeptGroups
+from .state import engine_state, recorded_state
 
 
-def record_mode(model: nn.Module, mode: str) -> None:
-    """Remember the accumulation mode `no_sync` follows for `model`."""
-    check_choice(mode, ACCUMULATION_MODES, "accumulation")
-    setattr(model, MODE_ATTR, mode)
+def record_mode(model: nn.Module, mode: str | AccumulationMode) -> None:
+    """Remember the accumulation mode `no_sync` follows for `model` (a name or a mode).
+
+    Raises:
+        ValueError: `mode` names no mode.
+    """
+    engine_state(model).accumulation = accumulation_mode(mode)
 
 
-def mode_of(model: nn.Module) -> str:
+def mode_of(model: nn.Module) -> AccumulationMode:
     """The mode recorded by `shard_model` ("sync_last" for models sharded some other way)."""
-    return getattr(model, MODE_ATTR, DEFAULT_MODE)
+    state = recorded_state(model)
+    return state.accumulation if state is not None else DEFAULT_MODE
 
 
 def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
@@ -54,9 +53,9 @@ def _fsdp_modules(model: nn.Module) -> list[FSDPModule]:
 
 
 def _set_replicated_sync(model: nn.Module, enabled: bool) -> None:
-    replicated = replicated_params_of(model)
-    if replicated is not None:
-        replicated.requires_sync = enabled
+    state = recorded_state(model)
+    if state is not None and state.replicated is not None:
+        state.replicated.requires_sync = enabled
 
 
 # --------------------------------------------------------------------------- sync_last
@@ -70,109 +69,30 @@ def _gather_each_group_once(model: nn.Module) -> None:
     per model. "sync_each" never switches sync off, so it does not need it; "sync_last" and
     "keep_gathered" do (tests/test_accumulation.py: a block first used on a later micro-batch).
     """
-    if getattr(model, _PREPARED_ATTR, False):
+    state = engine_state(model)
+    if state.gathered_once:
         return
     for module in _fsdp_modules(model):
         module.unshard()
         module.reshard()
-    setattr(model, _PREPARED_ATTR, True)
+    state.gathered_once = True
 
 
-# --------------------------------------------------------------------------- keep_gathered
-def gathers_up_front(device_type: str) -> bool:
-    """Whether "keep_gathered" gathers every group when a step's first `no_sync` begins, rather than
-    each in its own forward (`_KeptGroups.keep` says why: on CPU). `estimate.simulate` plays the same rule."""
-    return device_type == "cpu"
-
-
-class _KeptGroups:
-    """The groups "keep_gathered" holds unsharded, with their own reshard-after-forward choice.
-
-    torch's `set_reshard_after_forward` takes only a bool, while a group's choice can be an int
-    (reshard onto a smaller group): the choice is saved and restored as torch stores it
-    (`post_forward_mesh_info` of each parameter group), after the root's lazy init has fixed it.
-    """
-
-    def __init__(self, modules: list[FSDPModule]):
-        self.modules = modules
-        self.saved = [[(g, tc.post_forward_mesh_info(g)) for g in tc.param_groups(m)] for m in modules]
-        self.pending: list[Any] = []
-        groups = [g for m in modules for g in tc.param_groups(m)]
-        self.gather_up_front = any(gathers_up_front(g.device.type) for g in groups)
-
-    def keep(self) -> None:
-        """Every group stays gathered until the last backward; on CPU, all are gathered now.
-
-        Why up front on CPU: the first forward of a step otherwise runs one all-gather per group,
-        each a blocking exchange with the other ranks in turn; started together they stream back
-        to back, which makes the step faster (`benchmarks/accumulation.py`). All
-        of them are waited for here, because FSDP drops an all-gather nobody waited for at the end
-        of a backward (a group this micro-batch does not use), which would gather it twice.
-        Memory: the all-gather outputs and the gathered parameters reach at most twice the gathered
-        parameters, no more than the backward holds (gathered parameters and unsharded gradients of
-        at least their size); `estimate.simulate` plays it. On an accelerator each group is gathered by its
-        own forward, where FSDP overlaps the next group's all-gather with compute. Groups already
-        gathered do nothing.
-        """
-        self.drop_pending()
-        for module in self.modules:
-            module.set_reshard_after_backward(False, recurse=False)
-            for group in tc.param_groups(module):
-                tc.set_post_forward_mesh_info(group, None)  # what set_reshard_after_forward(False) writes
-        if self.gather_up_front:
-            for handle in [module.unshard(async_op=True) for module in self.modules]:
-                if handle is not None:  # always a handle with async_op=True
-                    handle.wait()
-
-    def release_after_last_backward(self) -> None:
-        """Reshard after the coming backward; restore each group's forward choice after its next forward."""
-        self.drop_pending()
-        for module, saved in zip(self.modules, self.saved):
-            module.set_reshard_after_backward(True, recurse=False)
-            # FSDP's post-forward of modules sharded together runs at the end of the last one.
-            last = tc.group_modules(module)[-1]
-            handle = last.register_forward_hook(_restore_hook(saved), always_call=True)
-            self.pending.append(handle)
-
-    def restore_flags(self) -> None:
-        """Each group's own reshard choices back at once (after an exception)."""
-        self.drop_pending()
-        for module, saved in zip(self.modules, self.saved):
-            module.set_reshard_after_backward(True, recurse=False)
-            _restore(saved)
-
-    def drop_pending(self) -> None:
-        for handle in self.pending:
-            handle.remove()
-        self.pending = []
-
-
-def _restore(saved) -> None:
-    for group, info in saved:
-        tc.set_post_forward_mesh_info(group, info)
-
-
-def _restore_hook(saved):
-    def hook(module, args, output):
-        # Runs after FSDP's own post-forward (registered later), so this forward kept the
-        # group gathered for its backward; later forwards use the group's own choice.
-        _restore(saved)
-        return None
-
-    return hook
-
-
-def _kept_groups(model: nn.Module) -> _KeptGroups:
-    kept = getattr(model, _KEPT_ATTR, None)
-    if kept is None:
+def _kept_groups(model: nn.Module) -> KeptGroups:
+    state = engine_state(model)
+    if state.kept_groups is None:
         modules = _fsdp_modules(model)
         if modules:
             # The root's lazy init (normally at its first forward) decides its reshard choice;
             # run it now so the saved choices are the final ones. It is idempotent.
             tc.lazy_init(modules[0])
-        kept = _KeptGroups(modules)
-        setattr(model, _KEPT_ATTR, kept)
-    return kept
+        state.kept_groups = KeptGroups(modules)
+    return state.kept_groups
+
+
+def _recorded_kept_groups(model: nn.Module) -> KeptGroups | None:
+    state = recorded_state(model)
+    return state.kept_groups if state is not None else None
 
 
 # --------------------------------------------------------------------------- entry points
@@ -180,7 +100,7 @@ def pause_sync(model: nn.Module) -> None:
     """Before a non-final micro-batch: skip what the model's mode skips."""
     mode = mode_of(model)
     modules = _fsdp_modules(model)
-    if mode == "sync_each":
+    if not mode.pauses_gradient_sync:
         for module in modules:
             module.set_requires_all_reduce(False, recurse=False)
         # Replicated parameters (0-dim, or `f2.replicate`'s) stay averaged on every micro-batch, as the
@@ -188,7 +108,7 @@ def pause_sync(model: nn.Module) -> None:
         # accumulated gradient again is exact: the part from earlier micro-batches is equal on all ranks.)
         return
     _gather_each_group_once(model)
-    if mode == "keep_gathered":
+    if mode.keeps_gathered:
         _kept_groups(model).keep()
     for module in modules:
         module.set_requires_gradient_sync(False, recurse=False)
@@ -200,8 +120,8 @@ def resume_sync(model: nn.Module) -> None:
     for module in _fsdp_modules(model):
         module.set_requires_gradient_sync(True, recurse=False)  # also turns the all-reduce back on
     _set_replicated_sync(model, True)
-    kept = getattr(model, _KEPT_ATTR, None)
-    if kept is not None and mode_of(model) == "keep_gathered":
+    kept = _recorded_kept_groups(model)
+    if kept is not None and mode_of(model).keeps_gathered:
         kept.release_after_last_backward()
 
 
@@ -228,7 +148,7 @@ def abandon(model: nn.Module) -> None:
     for module in modules:
         module.set_requires_gradient_sync(True, recurse=False)
     _set_replicated_sync(model, True)
-    kept = getattr(model, _KEPT_ATTR, None)
+    kept = _recorded_kept_groups(model)
     if kept is not None:
         kept.restore_flags()
     _drop_unreduced_grads(modules)

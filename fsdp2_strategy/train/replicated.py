@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-ATTR = "_fsdp2_replicated"
 SCALAR_REASON = "0-dim: fully_shard cannot shard it; grads averaged"
 
 
@@ -70,11 +69,6 @@ class ReplicatedParams:
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
         grad.div_(self.mesh.size())
-
-
-def replicated_params_of(model: nn.Module) -> ReplicatedParams | None:
-    """The `ReplicatedParams` that `shard_model` or `replicate` attached to `model`, if any."""
-    return getattr(model, ATTR, None)
 
 
 def find_scalar_params(model: nn.Module, exclude: set[int]) -> dict[str, nn.Parameter]:

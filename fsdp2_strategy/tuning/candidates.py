@@ -8,7 +8,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import ACCUMULATION_MODES, FSDP2Config
+from ..config import FSDP2Config
+from ..train import MODES, accumulation_mode
 
 TUNABLE_FIELDS = (
     "sharding_strategy",
@@ -111,16 +112,16 @@ def default_candidates(base: FSDP2Config, nodes: int, micro_batches: int, blocks
         if strategy == "FULL_SHARD" and middle and base.blocks_per_group == 1:
             changes.append({"sharding_strategy": strategy, "blocks_per_group": middle})
     if micro_batches > 1:
-        mode = base.accumulation
-        # "sync_each" adds k - 1 reduce-scatters per group to "sync_last"'s one and nothing else: it
-        # saves memory, never time, so it is tried only as the base's own mode. Under
-        # "keep_gathered" every group stays gathered from the step's first forward to its last
-        # backward, so SHARD_GRAD_OP would repeat FULL_SHARD (same peak, same collectives).
-        for other in ACCUMULATION_MODES:
-            if other not in (mode, "sync_each"):
-                changes.append({"sharding_strategy": "FULL_SHARD", "accumulation": other})
-        if mode != "keep_gathered":
-            changes.append({"sharding_strategy": "FULL_SHARD", "wrap_policy": None, "accumulation": "keep_gathered"})
+        mode = accumulation_mode(base.accumulation)
+        # Only the modes that can save time are tried over the base's own (`saves_time`). A mode that
+        # keeps parameters gathered from the step's first forward to its last backward makes
+        # SHARD_GRAD_OP repeat FULL_SHARD (same peak, same collectives), so it is tried under
+        # FULL_SHARD only, also with one group.
+        for other in MODES.values():
+            if other is not mode and other.saves_time:
+                changes.append({"sharding_strategy": "FULL_SHARD", "accumulation": other.name})
+                if other.keeps_gathered:
+                    changes.append({"sharding_strategy": "FULL_SHARD", "wrap_policy": None, "accumulation": other.name})
     if base.blocks_per_group > 1:  # said in the settings, so the label says "groups of N", not "blocks"
         changes = [c if "wrap_policy" in c else {**c, "blocks_per_group": base.blocks_per_group} for c in changes]
     return [Candidate(_label(c), c) for c in changes]

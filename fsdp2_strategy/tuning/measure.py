@@ -106,14 +106,13 @@ def train_step(
     batch: Any,
     loss_fn: Callable,
     micro_batches: int,
-    accumulation: str,
 ) -> tuple[float, float, float]:
-    """One optimizer step of `micro_batches` micro-batches; seconds of forward, backward (both
-    summed over the micro-batches) and the optimizer step."""
+    """One optimizer step of `micro_batches` micro-batches, `no_sync` on all but the last (it follows
+    the model's accumulation mode, as in training); seconds of forward, backward (both summed over
+    the micro-batches) and the optimizer step."""
     fwd = bwd = 0.0
     for i in range(micro_batches):
-        skip_sync = i < micro_batches - 1 and accumulation != "sync_each"
-        with no_sync(model) if skip_sync else contextlib.nullcontext():
+        with no_sync(model) if i < micro_batches - 1 else contextlib.nullcontext():
             t0 = time.perf_counter()
             loss = loss_fn(model, batch)
             if micro_batches > 1:
@@ -131,7 +130,7 @@ def train_step(
     return fwd, bwd, time.perf_counter() - t2
 
 
-def _probe(model, opt, batch, loss_fn, micro_batches, accumulation) -> tuple[int, dict[str, int]]:
+def _probe(model, opt, batch, loss_fn, micro_batches) -> tuple[int, dict[str, int]]:
     """Peak bytes (CPU: live tensors; accelerators: the allocator's peak) and collective counts
     of one step."""
     on_cpu = collective_device().type == "cpu"
@@ -139,7 +138,7 @@ def _probe(model, opt, batch, loss_fn, micro_batches, accumulation) -> tuple[int
     if not on_cpu:
         torch.accelerator.reset_peak_memory_stats()
     with counter:
-        train_step(model, opt, batch, loss_fn, micro_batches, accumulation)
+        train_step(model, opt, batch, loss_fn, micro_batches)
     peak = counter.peak if isinstance(counter, LiveTensorBytes) else torch.accelerator.max_memory_allocated()
     return int(peak), dict(counter.counts)
 
@@ -168,7 +167,7 @@ def measure_candidate(
     start = time.perf_counter()
     args = _built(model, config, make_optimizer, batch, loss_fn, micro_batches)
     for _ in range(process_warmup):
-        train_step(args[0], args[1], batch, loss_fn, 1, config.accumulation)
+        train_step(args[0], args[1], batch, loss_fn, 1)
     # The probe needs a step before it (the optimizer state exists); the last warm-up step has one.
     probe_in_warmup = probe and warmup >= 2
     for _ in range(warmup - probe_in_warmup):
@@ -265,7 +264,7 @@ def _built(model: nn.Module, config: FSDP2Config, make_optimizer, batch, loss_fn
     sharded = shard_model(copy.deepcopy(model), config, log_plan=False)
     sharded.train()
     opt = make_optimizer(list(sharded.parameters())) if make_optimizer is not None else None
-    return sharded, opt, batch, loss_fn, micro_batches, config.accumulation
+    return sharded, opt, batch, loss_fn, micro_batches
 
 
 def _timed_step(args: tuple) -> list[float]:

@@ -236,7 +236,7 @@ def _plan(model: nn.Module, base: FSDP2Config, cands: list[Candidate], budget: i
     for cand in cands:
         try:
             cfg = cand.config(base)
-            est = estimate_memory(model, cfg, accumulation=cfg.accumulation, **inputs)
+            est = estimate_memory(model, cfg, **inputs)
         except ValueError as exc:
             rows.append(TuneRow(cand, skipped=f"not estimated: {exc}"))
             continue

@@ -178,9 +178,10 @@ class FSDP2Accelerator(Accelerator):
         `GradientAccumulationPlugin(sync_each_batch=True)` means "reduce every micro-batch": the
         config's `accumulation` becomes "sync_each" (combined with "keep_gathered" it raises)."""
         config = self.fsdp_plugin.fsdp2_config
-        if not self._sync_each_batch() or config.accumulation == "sync_each":
+        mode = f2.accumulation_mode(config.accumulation)
+        if not self._sync_each_batch() or mode.reduces_every_micro_batch:
             return config
-        if config.accumulation == "keep_gathered":
+        if mode.keeps_gathered:
             raise ValueError(
                 "GradientAccumulationPlugin(sync_each_batch=True) reduces every micro-batch, but the FSDP2 config "
                 "has accumulation='keep_gathered'; drop sync_each_batch or set accumulation='sync_each'."
