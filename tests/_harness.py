@@ -2,8 +2,10 @@
 
 `run_distributed(fn, world_size, *args)` spawns `world_size` processes, initialises a gloo
 process group in each (with a collective timeout), calls `fn(*args)` and returns the list of
-per-rank return values. If any rank raises, its traceback is re-raised in the test; if the
-world does not finish within `timeout` seconds, every process is killed and the test fails.
+per-rank return values. Each rank is judged on its own: one that raises (its traceback is shown),
+exits with another code than expected (0, or the given `exit_codes`), exits without a result or
+hangs (killed once the world times out, or soon after another rank went wrong) fails the test,
+and the failure names every such rank and why.
 
 Workers end with barrier, destroy, flush, `os._exit`: with torch 2.13 on gloo, a process
 that ran a DCP save otherwise aborts at interpreter exit about 1 run in 5
@@ -19,12 +21,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -115,8 +118,24 @@ def run_distributed(
     *args: Any,
     timeout: float = 180.0,
     env: dict | None = None,
+    exit_codes: int | Sequence[int] | None = None,
+    grace: float = 30.0,
 ) -> list[Any]:
-    """Run `fn(*args)` on `world_size` gloo ranks; return each rank's result (rank order)."""
+    """Run `fn(*args)` on `world_size` gloo ranks; return each rank's result (rank order).
+
+    By default every rank must return from `fn` and exit 0. `exit_codes` (one code for every rank,
+    or one per rank) says instead that the ranks end their own processes (`os._exit`, `f2.shutdown`;
+    `-N` for a signal N) with these codes; such a rank's result is None. Anything else fails the test
+    with one paragraph per rank that went wrong: it raised (its traceback), exited with another code,
+    exited without a result, or hung: still running `grace` seconds after another rank went wrong,
+    or when the world timed out (`timeout`, the ranks' collective timeout, plus a little slack).
+    """
+    if exit_codes is None or isinstance(exit_codes, int):
+        expected = [exit_codes or 0] * world_size
+    else:
+        expected = list(exit_codes)
+        if len(expected) != world_size:
+            raise ValueError(f"exit_codes={exit_codes!r} has {len(expected)} codes for {world_size} ranks")
     ctx = _forkserver()
     parent_environ = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="f2dist-") as outdir:
@@ -129,46 +148,60 @@ def run_distributed(
             )
             p.start()
             procs.append(p)
+
+        def problem(rank: int, written: tuple | None = None, hung_why: str | None = None) -> str | None:
+            """What went wrong with `rank`, given what it `written` (None: read it now); None: nothing,
+            or it is still running and `hung_why` is None."""
+            code, want = procs[rank].exitcode, expected[rank]
+            if code is None and hung_why is None:
+                return None
+            status, value = written or _read(outdir, rank)
+            if hung_why is not None:
+                return f"rank {rank} {'returned, then ' if status == 'ok' else ''}hung: still running {hung_why}"
+            if status == "error":
+                return f"rank {rank} raised (exit code {code}):\n{value}"
+            if code != want:
+                what = "returned, then exited" if status == "ok" else "exited without a result"
+                return f"rank {rank} {what} with code {_describe(code)}, expected {_describe(want)}"
+            if status is None and exit_codes is None:
+                return f"rank {rank} exited with code 0 without a result (it ended its own process)"
+            return None
+
         # Slack past the ranks' own collective timeout, so a rank can report its timeout first.
         limit = timeout + min(10.0, timeout)
-        deadline = time.monotonic() + limit
-        failure = None
-        while any(p.is_alive() for p in procs):
-            if time.monotonic() > deadline:
-                failure = f"timed out after {limit:.0f}s"
-                break
-            exited_bad = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if exited_bad:
-                # Give the others a moment to report their own errors, then stop waiting.
-                time.sleep(2)
-                failure = f"rank(s) {exited_bad} exited with codes {[procs[r].exitcode for r in exited_bad]}"
-                break
+        deadline, why = time.monotonic() + limit, f"when the world timed out after {limit:.0f}s"
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            bad = [r for r in range(world_size) if problem(r) is not None]
+            if bad and deadline > time.monotonic() + grace:
+                # The others get `grace` seconds to end on their own (and report their own errors).
+                deadline, why = time.monotonic() + grace, f"{grace:.0f}s after rank {bad[0]} went wrong"
             time.sleep(0.05)
+        hung = {r for r, p in enumerate(procs) if p.is_alive()}
         for p in procs:
             if p.is_alive():
                 p.kill()
             p.join(10)
-        results, errors = [], []
-        for rank, p in enumerate(procs):
-            path = os.path.join(outdir, f"rank{rank}.pkl")
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    status, value = pickle.load(f)
-                if status == "error":
-                    errors.append(f"--- rank {rank} ---\n{value}")
-                results.append(value)
-            else:
-                results.append(None)
-                if failure is None and p.exitcode != 0:
-                    failure = f"rank {rank} exited with code {p.exitcode} without a result"
-        if errors:
-            raise DistributedTestError("a rank raised:\n" + "\n".join(errors))
-        if failure is not None:
-            raise DistributedTestError(failure)
-        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-        if bad:
-            raise DistributedTestError(f"ranks exited non-zero after returning: {bad}")
-        return results
+        written = [_read(outdir, r) for r in range(world_size)]
+        problems = [problem(r, written[r], why if r in hung else None) for r in range(world_size)]
+        if any(problems):
+            raise DistributedTestError("\n".join(m for m in problems if m))
+        return [value if status == "ok" else None for status, value in written]
+
+
+def _read(outdir: str, rank: int) -> tuple[str | None, Any]:
+    """What `rank` wrote: ("ok", its result), ("error", its traceback), or (None, None): nothing."""
+    try:
+        with open(os.path.join(outdir, f"rank{rank}.pkl"), "rb") as f:
+            return pickle.load(f)
+    except (FileNotFoundError, EOFError):  # not written (an EOFError: killed while writing it)
+        return None, None
+
+
+def _describe(code: int | None) -> str:
+    """An exit code as multiprocessing gives it: -N is "killed by signal N"."""
+    if code is not None and code < 0 and -code in signal.valid_signals():
+        return f"{code} ({signal.Signals(-code).name})"
+    return str(code)
 
 
 def run_agreeing(fn: Callable, world_size: int = 2, *args: Any, **kwargs: Any) -> Any:

@@ -445,7 +445,7 @@ def _after_kill_world(root: str) -> dict:
 
 def test_sigkill_during_save_loses_only_that_step(tmp_path):
     root = tmp_path / "run"
-    with pytest.raises(DistributedTestError):
+    with pytest.raises(DistributedTestError, match=r"rank 1 exited without a result with code -9 \(SIGKILL\)"):
         run_distributed(_killed_world, 2, str(root), timeout=TIMEOUT)
     partial = root / ".tmp-step-000002"
     assert (root / "step-000001" / ".metadata").is_file()

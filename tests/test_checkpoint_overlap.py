@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from _harness import DistributedTestError, run_distributed
+from _harness import run_distributed
 from _slow_staging import differing, full_state, slow
 from torch import nn
 
@@ -101,8 +101,7 @@ def _killed_world(root: str) -> None:
 
 
 def test_killed_during_the_copy_the_previous_step_stays_the_latest(tmp_path):
-    with pytest.raises(DistributedTestError, match="exited with code"):
-        run_distributed(_killed_world, 2, str(tmp_path), timeout=60)
+    run_distributed(_killed_world, 2, str(tmp_path), timeout=60, exit_codes=3)
     assert f2.Checkpointer(tmp_path).latest_step() == 1
     assert not (tmp_path / "step-000002").exists()
 
@@ -164,9 +163,11 @@ def _preempted_world(root: str) -> None:
 
 def test_sigterm_to_one_rank_mid_step_saves_that_step_and_every_rank_exits_143(tmp_path):
     start = time.perf_counter()
-    with pytest.raises(DistributedTestError, match=rf"exited with codes? \[?{f2.PREEMPTION_EXIT_CODE}\b"):
-        run_distributed(_preempted_world, 2, str(tmp_path), timeout=120)
-    assert time.perf_counter() - start < 90  # no rank waited for a timeout
+    # Each rank must end its process with 143: one that exits otherwise, raises or hangs is named.
+    run_distributed(_preempted_world, 2, str(tmp_path), timeout=60, exit_codes=f2.PREEMPTION_EXIT_CODE)
+    # No rank waited for a timeout: a collective's (60 s) or f2.shutdown's final barrier's (60 s, after
+    # which a rank still exits 143).
+    assert time.perf_counter() - start < 30
     ckpt = f2.Checkpointer(tmp_path)
     assert ckpt.latest_step() == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["step-000002", "step-000003"]
     # The state after three steps of one process on the same batches (every rank saw the whole batch).
