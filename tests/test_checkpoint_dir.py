@@ -83,3 +83,48 @@ def test_mismatch_lists_keys_and_shapes(tmp_path):
     cdir.check_compatible(
         cdir.read_metadata(final), {"w": torch.zeros(4, 3), "new": torch.zeros(2)}, "state_dict.", final, strict=False
     )
+
+
+def test_one_save_sequence_runs_its_steps_in_order(tmp_path):
+    # prepare (rank 0's files), add_files, write (the shards), complete (sees them), commit, on_commit.
+    final, seen = tmp_path / "c.ckpt", []
+
+    def add_files(tmp):
+        seen.append(("add_files", sorted(p.name for p in tmp.iterdir())))
+        torch.save({"sched": 1}, tmp / "scheduler.pt")
+
+    def complete(tmp):
+        seen.append(("complete", cdir.is_committed(tmp), final.exists()))
+        (tmp / "view.txt").write_text("written after the shards")
+
+    cdir.save_dir(
+        final,
+        _state(1.0),
+        files={"meta.pt": {"step": 1}},
+        add_files=add_files,
+        complete=complete,
+        on_commit=lambda path: seen.append(("on_commit", path, cdir.is_committed(path))),
+    )
+    assert seen == [("add_files", ["meta.pt"]), ("complete", True, False), ("on_commit", final, True)]
+    for name in ("scheduler.pt", "view.txt"):  # what the caller added is covered by the checksums too
+        original = (final / name).read_bytes()
+        (final / name).write_bytes(b"tampered")
+        with pytest.raises(ValueError, match=name):
+            cdir.verify_dir(final)
+        (final / name).write_bytes(original)
+    cdir.verify_dir(final)
+
+
+def test_prune_keeps_the_newest_and_the_protected_and_unpublishes_first(tmp_path, monkeypatch):
+    for step in range(1, 6):
+        cdir.save_dir(tmp_path / f"step-{step}", _state(float(step)))
+    (tmp_path / "step-9").mkdir()  # not committed: never counted, never removed
+    order = []
+    real_unpublish = cdir.unpublish
+    monkeypatch.setattr(cdir, "unpublish", lambda p: order.append(p.name) or real_unpublish(p))
+    removed = cdir.prune(tmp_path, 2, protect=[tmp_path / "step-2"])
+    assert [p.name for p in removed] == ["step-1", "step-3", "step-4"] == order  # each renamed away first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-5", "step-9"]
+    # keep_newest=False (the Hugging Face Trainer's end of training): only the protected one stays.
+    assert [p.name for p in cdir.prune(tmp_path, 1, protect=[tmp_path / "step-2"], keep_newest=False)] == ["step-5"]
+    assert sorted(cdir.committed_steps(tmp_path)) == [2]

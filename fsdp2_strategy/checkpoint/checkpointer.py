@@ -15,6 +15,7 @@ verifies the files against `checksums.json` first (see `integrity`).
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import threading
@@ -134,20 +135,15 @@ class Checkpointer:
         state = sharded_state(
             *_named(model, optimizer), trainable_only=self.trainable_only
         )  # validates the arguments before touching the disk
-        tmp = cdir.prepare_tmp(final, {EXTRA_FILE: extra} if extra is not None else None)
-        writer = self._storage_writer(tmp)
-
-        def finish() -> None:
-            self._commit(step)
-            if on_commit is not None:
-                on_commit(final)
-
-        if self._saver is not None:
-            models = {MODEL_KEY: model} if model is not None else {}
-            self._saver.start(state, tmp, finish, writer=writer, models=models)
-            return
-        cdir.write_dcp(state, tmp, writer)
-        finish()
+        cdir.save_dir(
+            final,
+            state,
+            files={EXTRA_FILE: extra} if extra is not None else None,
+            saver=self._saver,
+            models={MODEL_KEY: model} if model is not None else {},
+            make_writer=self._storage_writer,
+            on_commit=functools.partial(self._on_commit, on_commit=on_commit),
+        )
 
     def wait_staged(self) -> None:
         """Wait until an "overlap" save's copy of the state exists (then parameters may change).
@@ -230,16 +226,17 @@ class Checkpointer:
         slow the copy down."""
         return default_stager(self.async_save)
 
-    def _commit(self, step: int) -> None:
-        """Publish `.tmp-step-N` as `step-N` once every rank's shards and `.metadata` are written."""
-        cdir.commit(self.step_path(step))
+    def _on_commit(self, path: Path, *, on_commit: Callable[[Path], None] | None) -> None:
+        """Every rank, once step directory `path` is committed: retention, then the caller's `on_commit`."""
         if rank() == 0:
             try:
                 self._apply_retention()
             except OSError as exc:  # pruning is housekeeping: the step itself is committed
                 logger.warning("Could not prune old checkpoints under %s: %s", self.root, exc)
         barrier()  # retention done before any rank saves again
-        log_rank_zero("Saved checkpoint %s", self.step_path(step))
+        log_rank_zero("Saved checkpoint %s", path)
+        if on_commit is not None:
+            on_commit(path)
 
     def _apply_retention(self) -> None:
         """Rank 0: drop committed steps beyond the newest `keep_last`, and stale `.tmp-*` dirs.

@@ -1,15 +1,19 @@
 """One atomic DCP directory: the save/commit/verify/load primitives behind every checkpoint.
 
-`Checkpointer` (one directory per step) and the trainer adapters (Lightning's
-`trainer.save_checkpoint(path)`, Accelerate's `save_state(dir)`) all write a checkpoint the
-same way:
+`Checkpointer` (one directory per step) and every trainer adapter (Lightning's
+`trainer.save_checkpoint(path)`, Fabric's `fabric.save`, Accelerate's `save_state(dir)` and with
+it the Hugging Face Trainer's `checkpoint-N`, Ray's reported steps) write a checkpoint with one
+call, `save_dir`, whose steps are:
 
-1. `prepare_tmp(final, files)`: rank 0 empties `.tmp-<name>/` beside `final` and writes the
-   small non-tensor files (pickled with `torch.save`, fsynced) into it;
-2. `write_dcp(state, tmp)`: every rank writes its own shards; DCP writes `.metadata` last;
-3. `commit(final)`: every rank hashes its files into `checksums.json`, then rank 0 renames
-   the directory into place. Until that rename nothing at `final` changes, so a crash at any
-   moment loses at most the save in progress.
+1. prepare (`prepare_tmp`): rank 0 empties `.tmp-<name>/` beside `final` and writes the small
+   non-tensor files (pickled with `torch.save`, fsynced) into it; the caller's `add_files` then
+   writes its own (every rank);
+2. write (`write_dcp`, or `AsyncSaver.start` in the background): every rank writes its own shards;
+   DCP writes `.metadata` last; the caller's `complete` then adds what needs the shards;
+3. commit (`commit`): every rank hashes its files into `checksums.json`, then rank 0 publishes
+   the directory with one rename. Until that rename nothing at `final` changes, so a crash at
+   any moment loses at most the save in progress;
+4. the caller's `on_commit(final)`: pruning older checkpoints (`prune`), logging, reporting.
 
 `load_dir(path, models, optimizers)` is the counterpart: it verifies the checksums (every rank
 raises the same error together) and checks the models against the checkpoint before DCP reads
@@ -24,7 +28,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -170,32 +174,55 @@ def save_dir(
     state: dict,
     *,
     files: Mapping[str, Any] | None = None,
+    add_files: Callable[[Path], None] | None = None,
+    complete: Callable[[Path], None] | None = None,
     replace: bool = False,
     saver: AsyncSaver | None = None,
     models: Mapping[str, nn.Module] | None = None,
-    on_commit: Callable[[], None] | None = None,
+    make_writer: Callable[[Path], FileSystemWriter] | None = None,
+    on_commit: Callable[[Path], None] | None = None,
 ) -> None:
-    """Collective: atomically write `state` (sharded, DCP) plus rank 0's `files` as directory `final`,
-    then call `on_commit()` on every rank.
+    """Collective: the one save sequence (module docstring): write `state` (sharded, DCP) and rank
+    0's `files` as directory `final`, atomically, then call `on_commit(final)` on every rank.
 
-    With `saver` the shards are written in the background and `final` appears when `saver.wait()`
-    commits it (the next save through the same saver does); `models` are those whose flat state is
-    `state[key]` (their buffers are copied first in "overlap" mode)."""
+    Args:
+        final: The checkpoint directory to create (or replace, with `replace`).
+        state: What DCP writes: every rank's shards.
+        files: Rank 0's small files, name -> object (`torch.save`d).
+        add_files: Every rank, after prepare: writes the caller's own files into the uncommitted
+            directory it is given (covered by the checksums like the rest).
+        complete: Every rank, once the shards are written, before the commit: adds what needs
+            them (a view onto the shards, consolidated weights).
+        replace: Replace a committed `final` (a name a trainer rewrites, e.g. `last.ckpt`);
+            otherwise a committed `final` is never rewritten.
+        saver: Writes the shards in the background; `final` is committed by `saver.wait()`
+            (the next save through the same saver calls it).
+        models: The models whose flat state is `state[key]` (with `saver` in "overlap" mode their
+            buffers are copied first).
+        make_writer: The DCP writer for the uncommitted directory (default `FileSystemWriter`).
+        on_commit: Every rank, once `final` is committed (pruning, logging, reporting).
+    """
     final = Path(final)
 
-    def finish() -> None:
+    def commit_and_report() -> None:  # every rank, once all shards are written
+        tmp = tmp_path_for(final)
+        if complete is not None:
+            complete(tmp)
         commit(final, replace=replace)
         if on_commit is not None:
-            on_commit()
+            on_commit(final)
 
     if saver is not None:
         saver.wait()  # the save in flight may be writing into the same `.tmp-<name>`
     tmp = prepare_tmp(final, files)
+    if add_files is not None:
+        add_files(tmp)
+    writer = make_writer(tmp) if make_writer is not None else None
     if saver is not None:
-        saver.start(state, tmp, finish, models=models)
+        saver.start(state, tmp, commit_and_report, writer=writer, models=models)
         return
-    write_dcp(state, tmp)
-    finish()
+    write_dcp(state, tmp, writer)
+    commit_and_report()
 
 
 # ---------------------------------------------------------------------- removal (rank 0 only)
@@ -220,11 +247,31 @@ def remove_dir(final: Path) -> None:
     shutil.rmtree(unpublish(Path(final)), ignore_errors=True)
 
 
-def prune(root: Path, keep_last: int, pattern: re.Pattern = STEP_DIR, *, delete: bool = True) -> list[Path]:
-    """Rank 0: remove all but the newest `keep_last` committed directories under `root` named by
-    `pattern`; returns the removed paths. `delete=False` only un-publishes them (renamed to
-    `trash_path_for(path)`, loadable no more) and leaves the deleting to the caller."""
-    doomed = list(committed_steps(root, pattern).values())[:-keep_last]
+def prune(
+    root: Path,
+    keep_last: int,
+    pattern: re.Pattern = STEP_DIR,
+    *,
+    protect: Iterable[str | os.PathLike] = (),
+    keep_newest: bool = True,
+    delete: bool = True,
+) -> list[Path]:
+    """Rank 0: the one way old checkpoints go. Removes the oldest committed directories under `root`
+    named by `pattern` until `keep_last` are left, never one in `protect` nor (`keep_newest`) the
+    newest, which may keep more; returns the removed paths, oldest first. Each is un-published
+    (renamed, loadable no more) before it is deleted, so a crash mid-delete leaves nothing loadable.
+    `delete=False` only un-publishes them (to `trash_path_for(path)`) and leaves the deleting to the
+    caller."""
+    paths = list(committed_steps(root, pattern).values())
+    protected = {Path(p).resolve() for p in protect}
+    if keep_newest and paths:
+        protected.add(paths[-1].resolve())
+    keep, doomed = max(keep_last, len(protected)), list[Path]()
+    for path in paths:
+        if len(paths) - len(doomed) <= keep:
+            break
+        if path.resolve() not in protected:
+            doomed.append(path)
     for path in doomed:
         remove_dir(path) if delete else unpublish(path)
     return doomed

@@ -116,10 +116,24 @@ def save_state(
     path = Path(from_rank_zero(str(path.resolve())))  # one directory, rank 0's spelling
     models, optimizers = _named(acc)
     state = sharded_state(models, optimizers, trainable_only=acc.fsdp_plugin.fsdp2_config.checkpoint_trainable_only)
-    saver = checkpoint_saver(acc)
-    if saver is not None:
-        saver.wait()  # the save in flight may be writing into the same `.tmp-<name>`
-    tmp = cdir.prepare_tmp(path)
+    # With an asynchronous saver the commit comes with the next save_state/load_state, end_training
+    # or f2.shutdown().
+    cdir.save_dir(
+        path,
+        state,
+        add_files=functools.partial(_accelerate_files, acc, safe_serialization),
+        complete=functools.partial(_add_views, acc, len(models)),
+        replace=not automatic,  # an explicit directory is replaced whole, never mixed
+        saver=checkpoint_saver(acc),
+        models=models,
+        on_commit=functools.partial(_after_commit, acc, automatic, on_commit),
+    )
+    return str(path)
+
+
+def _accelerate_files(acc: Accelerator, safe_serialization: bool, tmp: Path) -> None:
+    """Every rank: Accelerate's own files, registered objects and save-hook files into the uncommitted
+    directory (so the commit's checksums cover them)."""
     prepared = compat.registries(acc)
     compat.save_accelerator_state(
         str(tmp),
@@ -136,32 +150,26 @@ def save_state(
     for i, obj in enumerate(prepared.custom_objects):
         compat.save_custom_state(obj, str(tmp), i)
     for hook in prepared.save_hooks.values():
-        hook(prepared.models, [], str(tmp))  # before the commit, so hook files are covered by it
+        hook(prepared.models, [], str(tmp))
     acc.project_configuration.iteration += 1
-    finish = functools.partial(_finish_save, acc, path, len(models), automatic, on_commit)
-    if saver is not None:  # committed by the next save_state/load_state, end_training or f2.shutdown()
-        saver.start(state, tmp, finish, models=models)
-        return str(path)
-    cdir.write_dcp(state, tmp)
-    finish()
-    return str(path)
 
 
-def _finish_save(
-    acc: Accelerator, path: Path, n_models: int, automatic: bool, on_commit: Callable[[Path], None] | None
-) -> None:
-    """Collective, once every rank's shards are written: Accelerate's views, the full weights when
-    asked, the commit, then the pruning of automatic checkpoints."""
-    tmp = cdir.tmp_path_for(path)
-    if rank() == 0:
-        # Accelerate's `merge-weights` reads one model per directory, `pytorch_model_fsdp_<i>/` in
-        # its own layout: a view onto the shards above (no tensor written twice) keeps it working.
-        for i in range(n_models):
-            write_model_view(tmp, _key("model", i), f"{FSDP_MODEL_NAME}_{i}")
-        if acc.fsdp_plugin.full_state_dict:
-            # Read back from the shards just written, one file at a time: no rank gathers the model.
-            f2.export_full(tmp, tmp)
-    cdir.commit(path, replace=not automatic)  # an explicit directory is replaced whole, never mixed
+def _add_views(acc: Accelerator, n_models: int, tmp: Path) -> None:
+    """Every rank, once the shards are written: rank 0 adds Accelerate's per-model views and, when
+    asked, the full weights."""
+    if rank() != 0:
+        return
+    # Accelerate's `merge-weights` reads one model per directory, `pytorch_model_fsdp_<i>/` in
+    # its own layout: a view onto the shards (no tensor written twice) keeps it working.
+    for i in range(n_models):
+        write_model_view(tmp, _key("model", i), f"{FSDP_MODEL_NAME}_{i}")
+    if acc.fsdp_plugin.full_state_dict:
+        # Read back from the shards just written, one file at a time: no rank gathers the model.
+        f2.export_full(tmp, tmp)
+
+
+def _after_commit(acc: Accelerator, automatic: bool, on_commit: Callable[[Path], None] | None, path: Path) -> None:
+    """Every rank, once `path` is committed: the pruning of automatic checkpoints, then `on_commit`."""
     if automatic:
         _prune(acc, path.parent)
         barrier()

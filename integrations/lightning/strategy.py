@@ -289,14 +289,14 @@ class FSDP2Strategy(ModelParallelStrategy):
         state.update(side_entries(_MODEL_KEY, self.model, self._trainable_only()))
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         # Names Lightning rewrites (`last.ckpt`, `save_top_k` slots) are replaced, never mixed.
-        saver, models, on_commit = self._checkpoint_saver(), {_MODEL_KEY: self.model}, self._on_commit(path)
+        saver, models, on_commit = self._checkpoint_saver(), {_MODEL_KEY: self.model}, self._on_commit()
         cdir.save_dir(
             path, state, files={META_FILE: checkpoint}, replace=True, saver=saver, models=models, on_commit=on_commit
         )
 
-    def _on_commit(self, path: Path) -> Callable[[], None] | None:
-        """What runs on every rank once the sharded checkpoint at `path` is committed (a hook: the Ray
-        strategy reports it then)."""
+    def _on_commit(self) -> Callable[[Path], None] | None:
+        """What runs on every rank once a sharded checkpoint is committed, given its directory (a hook:
+        the Ray strategy reports it then)."""
         return None
 
     def _checkpoint_saver(self) -> AsyncSaver | None:

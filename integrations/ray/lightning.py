@@ -89,9 +89,11 @@ class RayFSDP2Strategy(FSDP2Strategy):
         if self.report_checkpoints and not self._save_distributed_checkpoint:
             _report_file(Path(filepath), _metrics(self.lightning_module))
 
-    def _on_commit(self, path: Path) -> Callable[[], None] | None:
+    def _on_commit(self) -> Callable[[Path], None] | None:
         # The metrics of the moment of the save, reported when the directory is committed.
-        return functools.partial(report_dir, path, _metrics(self.lightning_module)) if self.report_checkpoints else None
+        return (
+            functools.partial(report_dir, metrics=_metrics(self.lightning_module)) if self.report_checkpoints else None
+        )
 
 
 def checkpoint_path(dirpath: str | Path | None = None) -> str | None:

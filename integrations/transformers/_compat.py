@@ -8,6 +8,8 @@ methods of it (their stock bodies call Accelerate's FSDP1-shaped helpers or buil
 - `_save_checkpoint`, `_load_from_checkpoint`, `_load_optimizer_and_scheduler`, `_load_best_model`
   (checkpoints become `FSDP2Accelerator.save_state` directories) and `_save_rng_state`, `_save`
   (reused inside them);
+- `_finalize_training` (its end-of-training deletion of checkpoints other than the best is done
+  crash-safely before it runs);
 - `_has_mixed_mesh_grads` (the Trainer clips by its own per-mesh norm when it sees gradients on
   several meshes; the core's `clip_grad_norm_` spans meshes itself);
 - the file names `TRAINER_STATE_NAME`, `SCHEDULER_NAME`, `TRAINING_ARGS_NAME` of `transformers.trainer`.
@@ -38,6 +40,7 @@ TRAINER_METHODS = (
     "_has_mixed_mesh_grads",
     "_get_output_dir",
     "_push_from_checkpoint",
+    "_finalize_training",
 )
 for _name in TRAINER_METHODS:
     find_private(f"transformers.trainer:Trainer.{_name}", _missing)

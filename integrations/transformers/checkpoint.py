@@ -9,7 +9,9 @@ checksums cover them: `trainer_state.json`, `scheduler.pt`, `rng_state_<rank>.pt
 
 Only committed directories count: `resume_from_checkpoint=True` picks the newest committed
 `checkpoint-N`, and `save_total_limit` deletes the oldest committed ones (never the newest nor the
-best), each with the core's crash-safe `remove_dir`.
+best) after each save, and at the end of training with `save_total_limit=1` every one but the best,
+as the stock Trainer does; each through the core's `prune`, which un-publishes a directory before
+deleting it (a crash mid-delete leaves nothing loadable).
 """
 
 from __future__ import annotations
@@ -147,18 +149,29 @@ def rotate(run_dir: Path, limit: int | None, best: str | None) -> list[Path]:
     """Rank 0: delete the oldest committed checkpoints beyond `limit`, never the newest nor `best`."""
     if not limit or limit <= 0 or rank() != 0:
         return []
-    paths = list(committed_checkpoints(run_dir).values())
-    protected = {paths[-1].resolve()} if paths else set()
-    if best is not None:
-        protected.add(Path(best).resolve())
-    keep, removed = max(limit, len(protected)), []
-    for path in paths:
-        if len(paths) - len(removed) <= keep:
-            break
-        if path.resolve() not in protected:
-            cdir.remove_dir(path)
-            removed.append(path)
+    return cdir.prune(run_dir, limit, CHECKPOINT_NAME, protect=[best] if best is not None else [])
+
+
+def keep_only_best(trainer: Any, trial: Any) -> list[Path]:
+    """Collective, at the end of training: what the stock Trainer then deletes with `shutil.rmtree`
+    (with `save_total_limit=1` and a best checkpoint, every committed checkpoint but the best), done
+    first and crash-safely by rank 0, so the stock loop finds nothing left to delete."""
+    args, best = trainer.args, trainer.state.best_model_checkpoint
+    if best is None or args.save_total_limit != 1:
+        return []
+    trainer.accelerator.wait_for_checkpoint()  # a save still in flight is committed (and counted) first
+    removed = []
+    if args.should_save:
+        run_dir = Path(trainer._get_output_dir(trial=trial))
+        removed = cdir.prune(run_dir, 1, CHECKPOINT_NAME, protect=[best], keep_newest=False)
+        if removed:
+            log_rank_zero("Deleted checkpoints other than the best (save_total_limit=1): %s", _names(removed))
+    barrier()
     return removed
+
+
+def _names(paths: list[Path]) -> str:
+    return ", ".join(p.name for p in paths)
 
 
 def save_checkpoint(trainer: Any, trial: Any) -> str:
@@ -175,7 +188,7 @@ def save_checkpoint(trainer: Any, trial: Any) -> str:
         trainer._push_from_checkpoint(str(path))
     removed = rotate(run_dir, trainer.args.save_total_limit, trainer.state.best_model_checkpoint)
     if removed:
-        log_rank_zero("Deleted older checkpoints (save_total_limit): %s", ", ".join(p.name for p in removed))
+        log_rank_zero("Deleted older checkpoints (save_total_limit): %s", _names(removed))
     barrier()
     return str(path)
 

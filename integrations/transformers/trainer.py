@@ -195,6 +195,13 @@ class FSDP2TrainerMixin:
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         checkpoint.save_checkpoint(self, trial)
 
+    def _finalize_training(self, trial: Any, *args: Any, **kwargs: Any) -> Any:
+        # The stock method deletes, with save_total_limit=1, every checkpoint but the best by
+        # shutil.rmtree, which a crash can stop half-way with a directory still looking committed:
+        # they are pruned crash-safely first, and the stock loop finds none left.
+        checkpoint.keep_only_best(self, trial)
+        return super()._finalize_training(trial, *args, **kwargs)  # type: ignore[misc]
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         # Model, optimizer, accelerate's RNG and step: all prepared objects, resharded to this world size.
         self.accelerator.load_state(checkpoint.check_resumable(resume_from_checkpoint))
