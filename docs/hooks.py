@@ -5,7 +5,8 @@ parser `fsdp2-strategy` runs (`fsdp2_strategy.cli.main.build_parser`): every sub
 with its help text and default. A page holding `<!-- generated: errors -->` gets the catalogue of
 error messages, read (with `ast`, nothing imported) from the bad-input tables the test suite
 asserts: `tests/test_bad_inputs*.py`, one row per bad input, with the call, the exception and the
-phrases its message must hold.
+phrases its message must hold. A page holding `<!-- generated: accelerate-keys -->` gets the table
+of accelerate config keys the Accelerate adapter reads (`integrations/accelerate/keys.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001
         markdown = markdown.replace("<!-- generated: cli -->", cli_reference())
     if "<!-- generated: errors -->" in markdown:
         markdown = markdown.replace("<!-- generated: errors -->", error_catalogue())
+    if "<!-- generated: accelerate-keys -->" in markdown:
+        from fsdp2_strategy.integrations.accelerate.keys import markdown_table
+
+        markdown = markdown.replace("<!-- generated: accelerate-keys -->", markdown_table())
     return markdown
 
 

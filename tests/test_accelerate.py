@@ -468,8 +468,36 @@ def test_a_deepspeed_launch_is_read_as_its_fsdp2_equivalent(tmp_path, caplog):
     assert read_accelerate_env(file_env) == {"sharding_strategy": "SHARD_GRAD_OP", "mixed_precision": "fp16"}
     with pytest.raises(FileNotFoundError, match="`deepspeed_config_file`"):
         read_accelerate_env({**file_env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "no.json")})
-    with pytest.raises(ValueError, match="ACCELERATE_DEEPSPEED_ZERO_STAGE='three'"):
+    with pytest.raises(
+        ValueError, match=r"ACCELERATE_DEEPSPEED_ZERO_STAGE \(accelerate config key `zero_stage`\)='three'"
+    ):
         read_accelerate_env({**DEEPSPEED, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "three"})
+
+
+def test_one_table_names_each_key_in_both_directions(tmp_path):
+    """`keys.KEYS`: the YAML written with every listed key gives each one's variable, and an error about
+    that variable names the key again; booleans read alike everywhere (DeepSpeed's switch included)."""
+    import yaml
+
+    from fsdp2_strategy.integrations.accelerate import accelerate_config_env, keys
+    from fsdp2_strategy.integrations.accelerate.deepspeed_env import deepspeed_requested
+
+    for distributed_type in ("FSDP", "DEEPSPEED"):
+        config: dict = {"distributed_type": distributed_type}
+        for key in keys.KEYS:
+            if key.section != keys.DEEPSPEED or distributed_type == "DEEPSPEED":
+                (config.setdefault(key.section, {}) if key.section else config)[key.key] = f"v-{key.key}"
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+        env = accelerate_config_env(tmp_path / "c.yaml")
+        for key in keys.KEYS:
+            if key.section != keys.DEEPSPEED or distributed_type == "DEEPSPEED":
+                assert env[key.var] == f"v-{key.key}", key
+                assert keys.where(key.var) == f"{key.var} (accelerate config key `{key.key}`)"
+    assert len({k.var for k in keys.KEYS}) == len(keys.KEYS)  # no two keys share a variable
+    for spelling in ("on", "Y", "1"):
+        assert deepspeed_requested({"ACCELERATE_USE_DEEPSPEED": spelling}) and accelerate_cpu_requested(
+            {"ACCELERATE_USE_CPU": spelling}
+        )
 
 
 def test_use_cpu_from_the_launcher():

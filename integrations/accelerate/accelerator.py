@@ -134,14 +134,18 @@ class FSDP2Accelerator(Accelerator):
         with _env_without("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG", "ACCELERATE_USE_DEEPSPEED"):
             super().__init__(mixed_precision="no", cpu=cpu, fsdp_plugin=None, **kwargs)
         compat.check_accelerator(self)
+        # The settings every prepared model is sharded with, final from here on: the plugin's
+        # (accelerate config, FSDP2Config, keywords, mixed_precision=, parallelism_config) with the
+        # gradient accumulation plugin's sync_each_batch, which Accelerate set up just now.
+        self._fsdp2_config = _with_sync_each_batch(fsdp_plugin.fsdp2_config, self._sync_each_batch())
         # Accelerate's data loaders read this mesh: one batch per data-parallel rank, the same
         # batch across a TP group. Accelerate's own parallelism_config stays None (its TP/FSDP
         # code paths must not run); the core shards on this same mesh.
-        self._fsdp2_mesh = parallelism_mesh(fsdp_plugin.fsdp2_config)
+        self._fsdp2_mesh = parallelism_mesh(self._fsdp2_config)
         self.state.device_mesh = self._fsdp2_mesh  # also None: the state is shared by later accelerators
         fsdp_plugin.claim()
         # SIGTERM on any process becomes Accelerate's own cross-process flag (`check_trigger`).
-        self._preemption = f2.PreemptionWatch() if fsdp_plugin.fsdp2_config.checkpoint_on_preemption else None
+        self._preemption = f2.PreemptionWatch() if self._fsdp2_config.checkpoint_on_preemption else None
         compat.claim_fsdp_state(self.state, fsdp_plugin, fsdp_plugin.accelerate_precision)
         if fsdp_plugin.accelerate_precision == "fp16":
             # fp16 gradients overflow: a scaler that agrees on inf/NaN across ranks (the sharded
@@ -173,22 +177,14 @@ class FSDP2Accelerator(Accelerator):
 
     @property
     def fsdp2_config(self) -> f2.FSDP2Config:
-        """The core config every prepared model is sharded with.
+        """The core config every prepared model is sharded with, fixed when the accelerator is built.
 
         `GradientAccumulationPlugin(sync_each_batch=True)` means "reduce every micro-batch": the
         config's `accumulation` becomes "sync_each" (combined with "keep_gathered" it raises)."""
-        config = self.fsdp_plugin.fsdp2_config
-        mode = f2.accumulation_mode(config.accumulation)
-        if not self._sync_each_batch() or mode.reduces_every_micro_batch:
-            return config
-        if mode.keeps_gathered:
-            raise ValueError(
-                "GradientAccumulationPlugin(sync_each_batch=True) reduces every micro-batch, but the FSDP2 config "
-                "has accumulation='keep_gathered'; drop sync_each_batch or set accumulation='sync_each'."
-            )
-        return f2.FSDP2Config.coerce(config, accumulation="sync_each")
+        return self._fsdp2_config
 
     def _sync_each_batch(self) -> bool:
+        """What the gradient accumulation plugin says (Accelerate's `accumulate` reads the same)."""
         return bool(self.gradient_state.plugin_kwargs.get("sync_each_batch", False))
 
     # ------------------------------------------------------------------ prepare
@@ -388,3 +384,21 @@ class FSDP2Accelerator(Accelerator):
         if load_model_func_kwargs:
             raise TypeError(f"FSDP2Accelerator.load_state does not take {sorted(load_model_func_kwargs)}.")
         checkpoint.load_state(self, input_dir, load_kwargs)
+
+
+def _with_sync_each_batch(config: f2.FSDP2Config, sync_each_batch: bool) -> f2.FSDP2Config:
+    """`config` as `GradientAccumulationPlugin(sync_each_batch=...)` asks: reducing every micro-batch
+    is the "sync_each" accumulation mode.
+
+    Raises:
+        ValueError: sync_each_batch=True with a mode that keeps parameters gathered across the step.
+    """
+    mode = f2.accumulation_mode(config.accumulation)
+    if not sync_each_batch or mode.reduces_every_micro_batch:
+        return config
+    if mode.keeps_gathered:
+        raise ValueError(
+            "GradientAccumulationPlugin(sync_each_batch=True) reduces every micro-batch, but the FSDP2 config "
+            "has accumulation='keep_gathered'; drop sync_each_batch or set accumulation='sync_each'."
+        )
+    return f2.FSDP2Config.coerce(config, accumulation="sync_each")

@@ -115,7 +115,7 @@ def save_state(
         path = Path(output_dir)
     path = Path(from_rank_zero(str(path.resolve())))  # one directory, rank 0's spelling
     models, optimizers = _named(acc)
-    state = sharded_state(models, optimizers, trainable_only=acc.fsdp_plugin.fsdp2_config.checkpoint_trainable_only)
+    state = sharded_state(models, optimizers, trainable_only=acc.fsdp2_config.checkpoint_trainable_only)
     # With an asynchronous saver the commit comes with the next save_state/load_state, end_training
     # or f2.shutdown().
     cdir.save_dir(
@@ -181,7 +181,7 @@ def _after_commit(acc: Accelerator, automatic: bool, on_commit: Callable[[Path],
 def checkpoint_saver(acc: Accelerator) -> AsyncSaver | None:
     """The accelerator's background writer for `FSDP2Config.checkpoint_async_save` (None: synchronous)."""
     if not hasattr(acc, "_fsdp2_saver"):
-        acc._fsdp2_saver = make_saver(acc.fsdp_plugin.fsdp2_config.checkpoint_async_save)
+        acc._fsdp2_saver = make_saver(acc.fsdp2_config.checkpoint_async_save)
     return acc._fsdp2_saver
 
 

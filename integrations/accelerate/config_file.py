@@ -4,8 +4,8 @@ Where no `accelerate launch` starts the processes (Ray Train, a cluster manager,
 `FSDP2Plugin()` still reads its configuration from the `FSDP_*` variables (see `env`):
 `accelerate_config_env(path)` returns them for one config file, and `apply_accelerate_config(path)`
 puts them into this process's environment. Only the keys that reach the FSDP2 path are mapped:
-`fsdp_config:` keys (`fsdp_<name>` -> `FSDP_<NAME>`), `mixed_precision`, `use_cpu`,
-`distributed_type`, and for `distributed_type: DEEPSPEED` the `deepspeed_config:` keys.
+`fsdp_config:` keys, `mixed_precision`, `use_cpu`, `distributed_type`, and for
+`distributed_type: DEEPSPEED` the `deepspeed_config:` keys, each named as `keys.KEYS` says.
 """
 
 from __future__ import annotations
@@ -16,21 +16,9 @@ from typing import Any
 
 import yaml
 
-__all__ = ["accelerate_config_env", "apply_accelerate_config"]
+from .keys import DEEPSPEED, FSDP, TOP, var_for
 
-# Where `accelerate launch` spells a variable differently from the YAML key.
-_RENAMED = {"fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP"}
-_DEEPSPEED_VARS = {
-    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
-    "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
-    "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
-    "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
-    "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
-    "zero3_init_flag": "ACCELERATE_DEEPSPEED_ZERO3_INIT",
-    "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
-    "deepspeed_config_file": "ACCELERATE_DEEPSPEED_CONFIG_FILE",
-}
-"""`deepspeed_config:` key -> the variable `accelerate launch` sets for it."""
+__all__ = ["accelerate_config_env", "apply_accelerate_config"]
 
 
 def accelerate_config_env(path: str | os.PathLike) -> dict[str, str]:
@@ -57,7 +45,7 @@ def accelerate_config_env(path: str | os.PathLike) -> dict[str, str]:
     config = yaml.safe_load(path.read_text()) or {}
     if not isinstance(config, dict):
         raise ValueError(f"accelerate config file {path} must hold a mapping of keys (as `accelerate config` writes).")
-    fsdp = config.get("fsdp_config") or {}
+    fsdp = config.get(FSDP) or {}
     if not isinstance(fsdp, dict):
         raise ValueError(
             f"accelerate config file {path}: `fsdp_config` must be a mapping of fsdp_* keys, got {fsdp!r}."
@@ -68,19 +56,18 @@ def accelerate_config_env(path: str | os.PathLike) -> dict[str, str]:
             continue
         if not key.startswith("fsdp_"):
             raise ValueError(f"accelerate config file {path}: key {key!r} under `fsdp_config` must start with 'fsdp_'.")
-        env[_RENAMED.get(key, key.upper())] = _as_env(value)
+        env[var_for(FSDP, key)] = _as_env(value)
     if config.get("distributed_type") == "FSDP":
         env["ACCELERATE_USE_FSDP"] = "true"
     if config.get("distributed_type") == "DEEPSPEED":  # run on this engine: deepspeed_env translates it
         env["ACCELERATE_USE_DEEPSPEED"] = "true"
-        deepspeed = config.get("deepspeed_config") or {}
+        deepspeed = config.get(DEEPSPEED) or {}
         for key, value in deepspeed.items():
             if value is not None:
-                env[_DEEPSPEED_VARS.get(key, f"ACCELERATE_DEEPSPEED_{key.upper()}")] = _as_env(value)
-    if config.get("mixed_precision") is not None:
-        env["ACCELERATE_MIXED_PRECISION"] = str(config["mixed_precision"])
-    if config.get("use_cpu") is not None:
-        env["ACCELERATE_USE_CPU"] = _as_env(config["use_cpu"])
+                env[var_for(DEEPSPEED, key)] = _as_env(value)
+    for key in ("mixed_precision", "use_cpu"):
+        if config.get(key) is not None:
+            env[var_for(TOP, key)] = _as_env(config[key])
     return env
 
 

@@ -17,22 +17,12 @@ from typing import Any
 
 import fsdp2_strategy as f2
 
-INLINE = {
-    "ACCELERATE_DEEPSPEED_ZERO_STAGE": (("zero_optimization", "stage"), int),
-    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": (("zero_optimization", "offload_optimizer", "device"), str),
-    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": (("zero_optimization", "offload_param", "device"), str),
-    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": (("gradient_accumulation_steps",), int),
-    "ACCELERATE_GRADIENT_CLIPPING": (("gradient_clipping",), float),
-    "ACCELERATE_DEEPSPEED_ZERO3_INIT": (("zero3_init_flag",), str),
-    "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": (("zero3_save_16bit_model",), str),
-}
-"""`accelerate launch`'s variable -> (path in the DeepSpeed config, type)."""
+from .keys import deepspeed_keys, flag, where
 
 
 def deepspeed_requested(env: Mapping[str, str] | None = None) -> bool:
     """Whether the launch asked for DeepSpeed (`distributed_type: DEEPSPEED`)."""
-    env = os.environ if env is None else env
-    return env.get("ACCELERATE_USE_DEEPSPEED", "false").strip().lower() in ("true", "1", "yes")
+    return bool(flag(os.environ if env is None else env, "ACCELERATE_USE_DEEPSPEED"))
 
 
 def deepspeed_config(env: Mapping[str, str]) -> dict[str, Any]:
@@ -46,23 +36,23 @@ def deepspeed_config(env: Mapping[str, str]) -> dict[str, Any]:
     if path and path.strip().lower() != "none":
         if not Path(path).is_file():
             raise FileNotFoundError(
-                f"ACCELERATE_DEEPSPEED_CONFIG_FILE={path!r} (accelerate config `deepspeed_config_file`) does not "
-                "exist; fix the path in your accelerate config."
+                f"{where('ACCELERATE_DEEPSPEED_CONFIG_FILE')}={path!r} does not exist; fix the path in your "
+                "accelerate config."
             )
         return json.loads(Path(path).read_text())
     config: dict[str, Any] = {}
-    for var, (keys, kind) in INLINE.items():
-        raw = env.get(var)
+    for key in deepspeed_keys():
+        raw = env.get(key.var)
         if raw is None or raw.strip().lower() in ("", "none"):
             continue
         try:
-            value = kind(raw)
+            value = key.number(raw) if key.number is not None else raw
         except ValueError:
-            raise ValueError(f"{var}={raw!r} (accelerate config `deepspeed_config`) is not a number.") from None
+            raise ValueError(f"{where(key.var)}={raw!r} is not a number.") from None
         node = config
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = value
+        for part in key.deepspeed_path[:-1]:
+            node = node.setdefault(part, {})
+        node[key.deepspeed_path[-1]] = value
     return config
 
 

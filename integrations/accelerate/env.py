@@ -1,32 +1,11 @@
 """Accelerate's FSDP config, as `accelerate launch --config_file` hands it to each process.
 
-`accelerate launch` turns the `fsdp_config:` block of an accelerate YAML into `FSDP_*`
-environment variables (and `mixed_precision:` into `ACCELERATE_MIXED_PRECISION`). This module
-is the one place that reads them: `read_accelerate_env()` validates every value and returns
-`FSDP2Config` fields plus the adapter's own options. Every error names the variable, the
-YAML key it comes from, and the values it accepts.
-
-| YAML key (`fsdp_config:`)            | variable                         | becomes                                        |
-|--------------------------------------|----------------------------------|------------------------------------------------|
-| `fsdp_version`                       | `FSDP_VERSION`                   | must be 2                                      |
-| `fsdp_auto_wrap_policy`              | `FSDP_AUTO_WRAP_POLICY`          | `wrap_policy` (classes / int / None)           |
-| `fsdp_transformer_layer_cls_to_wrap` | `FSDP_TRANSFORMER_CLS_TO_WRAP`   | class names for TRANSFORMER_BASED_WRAP         |
-| `fsdp_min_num_params`                | `FSDP_MIN_NUM_PARAMS`            | threshold for SIZE_BASED_WRAP                  |
-| `fsdp_sharding_strategy`             | `FSDP_SHARDING_STRATEGY`         | `sharding_strategy`                            |
-| `fsdp_reshard_after_forward`         | `FSDP_RESHARD_AFTER_FORWARD`     | `reshard_after_forward` (or a strategy name)   |
-| `fsdp_offload_params`                | `FSDP_OFFLOAD_PARAMS`            | `cpu_offload`                                  |
-| `fsdp_activation_checkpointing`      | `FSDP_ACTIVATION_CHECKPOINTING`  | `activation_checkpointing="auto"`              |
-| `fsdp_forward_prefetch`              | `FSDP_FORWARD_PREFETCH`          | `forward_prefetch=1`                           |
-| `fsdp_state_dict_type`               | `FSDP_STATE_DICT_TYPE`           | adapter: "sharded" or "full"                   |
-| `fsdp_cpu_ram_efficient_loading`     | `FSDP_CPU_RAM_EFFICIENT_LOADING` | adapter: weights broadcast from rank 0         |
-| `mixed_precision` (top level)        | `ACCELERATE_MIXED_PRECISION`     | `mixed_precision` ("bf16", "fp16" or None)     |
-
-A DeepSpeed launch (`distributed_type: DEEPSPEED`) is read as its FSDP2 equivalent
-(`deepspeed_env`).
-
-Variables FSDP2 has no use for (`FSDP_USE_ORIG_PARAMS`, `FSDP_SYNC_MODULE_STATES`,
-`FSDP_BACKWARD_PREFETCH`: FSDP2 always prefetches one block in backward) are ignored, as
-Accelerate's own FSDP2 path ignores them.
+`accelerate launch` turns the keys of an accelerate YAML into environment variables (`keys.KEYS`
+lists each key, its variable and what it becomes; the docs' Accelerate reference shows that
+table). This module is the one place that reads them: `read_accelerate_env()` validates every
+value and returns `FSDP2Config` fields plus the adapter's own options. Every error names the
+variable, the YAML key it comes from, and the values it accepts. A DeepSpeed launch
+(`distributed_type: DEEPSPEED`) is read as its FSDP2 equivalent (`deepspeed_env`).
 """
 
 from __future__ import annotations
@@ -38,9 +17,8 @@ from typing import Any
 from fsdp2_strategy.sharding_strategies import NAMES as STRATEGIES
 
 from .deepspeed_env import deepspeed_fields
+from .keys import FALSE, TRUE, flag, where
 
-TRUE = ("true", "1", "yes", "y", "on")
-FALSE = ("false", "0", "no", "n", "off")
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 # torch's FSDP1 StateDictType values, which accelerate also accepts as digits.
 STATE_DICT_TYPES = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded", "1": "full", "3": "sharded"}
@@ -48,12 +26,6 @@ PRECISIONS = {"no": None, "bf16": "bf16", "fp16": "fp16"}
 
 ADAPTER_KEYS = ("state_dict_type", "cpu_ram_efficient_loading")
 """Keys of `read_accelerate_env()`'s result that are not `FSDP2Config` fields."""
-
-
-def _where(var: str) -> str:
-    yaml_key = "mixed_precision" if var == "ACCELERATE_MIXED_PRECISION" else var.lower()
-    yaml_key = yaml_key.replace("fsdp_transformer_cls_to_wrap", "fsdp_transformer_layer_cls_to_wrap")
-    return f"{var} (accelerate config key `{yaml_key}`)"
 
 
 def _lookup(
@@ -66,20 +38,8 @@ def _lookup(
         return {}
     key = normalise(raw.strip())
     if key not in table:
-        raise ValueError(f"{_where(var)}={raw!r} {problem}")
+        raise ValueError(f"{where(var)}={raw!r} {problem}")
     return {field: table[key]}
-
-
-def _bool(env: Mapping[str, str], var: str) -> bool | None:
-    raw = env.get(var)
-    if raw is None or raw.strip() == "":
-        return None
-    value = raw.strip().lower()
-    if value in TRUE:
-        return True
-    if value in FALSE:
-        return False
-    raise ValueError(f"{_where(var)}={raw!r} is invalid; use true or false.")
 
 
 def _choice(env: Mapping[str, str], var: str, choices: tuple[str, ...]) -> str | None:
@@ -88,7 +48,7 @@ def _choice(env: Mapping[str, str], var: str, choices: tuple[str, ...]) -> str |
         return None
     value = raw.strip().upper()
     if value not in choices:
-        raise ValueError(f"{_where(var)}={raw!r} is invalid; use one of {', '.join(choices)}.")
+        raise ValueError(f"{where(var)}={raw!r} is invalid; use one of {', '.join(choices)}.")
     return value
 
 
@@ -100,7 +60,7 @@ def _positive_int(env: Mapping[str, str], var: str) -> int:
         value = 0
     if value < 1:
         raise ValueError(
-            f"{_where(var)}={raw!r} is invalid; SIZE_BASED_WRAP needs a positive int (parameters per group)."
+            f"{where(var)}={raw!r} is invalid; SIZE_BASED_WRAP needs a positive int (parameters per group)."
         )
     return value
 
@@ -136,7 +96,7 @@ def _sharding(env: Mapping[str, str]) -> dict[str, Any]:
         out["sharding_strategy"] = "SHARD_GRAD_OP" if value.upper() == "NO_RESHARD" else value.upper()
     else:
         raise ValueError(
-            f"{_where('FSDP_RESHARD_AFTER_FORWARD')}={raw!r} is invalid; use true, false, a positive int, "
+            f"{where('FSDP_RESHARD_AFTER_FORWARD')}={raw!r} is invalid; use true, false, a positive int, "
             f"or a strategy name ({', '.join(STRATEGIES)})."
         )
     return out
@@ -164,23 +124,23 @@ def read_accelerate_env(environ: Mapping[str, str] | None = None) -> dict[str, A
     version = env.get("FSDP_VERSION")
     if version is not None and version.strip() not in ("", "2"):
         raise ValueError(
-            f"{_where('FSDP_VERSION')}={version!r}: FSDP2Plugin runs FSDP2 only; set `fsdp_version: 2` in the "
+            f"{where('FSDP_VERSION')}={version!r}: FSDP2Plugin runs FSDP2 only; set `fsdp_version: 2` in the "
             "fsdp_config of your accelerate config file (or drop the plugin to use Accelerate's FSDP1)."
         )
-    if _bool(env, "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"):
+    if flag(env, "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"):
         raise ValueError(
-            f"{_where('FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD')}=true is not supported by FSDP2Plugin; set it to "
+            f"{where('FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD')}=true is not supported by FSDP2Plugin; set it to "
             "false (use fsdp_activation_checkpointing: true and fsdp_offload_params for memory savings)."
         )
     # distributed_type: DEEPSPEED: its config translated; an FSDP config in the same launch wins.
     out: dict[str, Any] = {**deepspeed_fields(env), **_wrap_policy(env), **_sharding(env)}
-    offload = _bool(env, "FSDP_OFFLOAD_PARAMS")
+    offload = flag(env, "FSDP_OFFLOAD_PARAMS")
     if offload is not None:
         out["cpu_offload"] = offload
-    checkpointing = _bool(env, "FSDP_ACTIVATION_CHECKPOINTING")
+    checkpointing = flag(env, "FSDP_ACTIVATION_CHECKPOINTING")
     if checkpointing is not None:
         out["activation_checkpointing"] = "auto" if checkpointing else None
-    if _bool(env, "FSDP_FORWARD_PREFETCH"):
+    if flag(env, "FSDP_FORWARD_PREFETCH"):
         out["forward_prefetch"] = 1
     out.update(
         _lookup(
@@ -204,7 +164,7 @@ def read_accelerate_env(environ: Mapping[str, str] | None = None) -> dict[str, A
             "(also consolidated weights); LOCAL_STATE_DICT is FSDP1-only.",
         )
     )
-    ram = _bool(env, "FSDP_CPU_RAM_EFFICIENT_LOADING")
+    ram = flag(env, "FSDP_CPU_RAM_EFFICIENT_LOADING")
     if ram is not None:
         out["cpu_ram_efficient_loading"] = ram
     return out
@@ -212,5 +172,4 @@ def read_accelerate_env(environ: Mapping[str, str] | None = None) -> dict[str, A
 
 def accelerate_cpu_requested(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the accelerate config says `use_cpu: true` (or `accelerate launch --cpu`)."""
-    env = os.environ if environ is None else environ
-    return env.get("ACCELERATE_USE_CPU", "false").strip().lower() in TRUE
+    return bool(flag(os.environ if environ is None else environ, "ACCELERATE_USE_CPU"))
