@@ -18,13 +18,14 @@ from .checkpoint import (
     save_merged,
     save_peft_adapter,
 )
+from .choose import compare_strategies, shard_model
 from .config import FSDP2Config, ModuleOverride
 from .distributed import init_distributed, shutdown
-from .estimate import MemoryEstimate, StrategyComparison, compare_strategies, estimate_memory
+from .estimate import MemoryEstimate, StrategyComparison, estimate_memory
 from .fsdp1 import fully_shard
 from .migrate import DeepSpeedTranslation, translate_deepspeed
 from .preemption import PREEMPTION_EXIT_CODE, PreemptionWatch
-from .shard import ShardingPlan, replicate, shard_model, sharding_plan
+from .shard import ShardingPlan, replicate, sharding_plan
 from .train import (
     AccumulationMode,
     EngineState,

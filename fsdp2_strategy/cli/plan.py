@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..estimate import compare_strategies
+from ..choose import compare_strategies
 
 
 def add_parser(sub: Any) -> None:

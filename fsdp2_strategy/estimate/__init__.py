@@ -1,7 +1,7 @@
 """Memory estimation before anything is materialised: one training step played on the meta
 device (`simulate`, with what the device and optimizer change: `sim_device`, `sim_model`,
-`sim_optimizer`), the per-rank estimate (`memory`) and the strategy comparison behind
-`sharding_strategy="auto"` (`compare`).
+`sim_optimizer`), the per-rank estimate (`memory`), the strategy comparison and the memory
+planner's choice for `sharding_strategy="auto"` (`compare`), and the step-time model (`step_time`).
 
 Imports the base modules and `train`. `__all__` is what other packages and the adapters use.
 """
@@ -12,8 +12,7 @@ from .compare import (
     compare_strategies,
     default_budget,
     nothing_fits_message,
-    register_objective,
-    resolve_strategy,
+    resolve_auto,
 )
 from .memory import MemoryEstimate, estimate_memory, human_bytes
 from .sim_model import default_loss
@@ -29,7 +28,6 @@ from .step_time import (
     fsdp_calls,
     offload_moves_state,
     predict_step_time,
-    register_time_model_source,
 )
 
 __all__ = [
@@ -48,12 +46,10 @@ __all__ = [
     "offload_moves_state",
     "optimizer_factory",
     "predict_step_time",
-    "register_objective",
-    "register_time_model_source",
     "MemoryEstimate",
     "StrategyComparison",
     "compare_strategies",
     "estimate_memory",
     "human_bytes",
-    "resolve_strategy",
+    "resolve_auto",
 ]

@@ -1,4 +1,5 @@
-"""Compare sharding strategies, recommend one, and resolve `sharding_strategy="auto"`.
+"""Compare sharding strategies, recommend one, and choose `sharding_strategy="auto"` by memory
+(`resolve_auto`; `fsdp2_strategy.choose` calls it, and the tuner for `objective="throughput"`).
 
 Every row is one `estimate_memory` call on a meta copy; the recommendation is the setting with
 the least communication per step that fits the memory budget (ties: no offload, no activation
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +17,8 @@ import torch
 from torch import nn
 
 from ..config import SHARDING_STRATEGIES, FSDP2Config, parse_bytes
-from ..distributed import log_rank_zero
 from .memory import MemoryEstimate, estimate_memory, human_bytes
-from .step_time import StepTimeModel, StepTimePrediction, measured_time_model
+from .step_time import StepTimeModel, StepTimePrediction
 
 BUDGET_MARGIN = 0.10
 """Share of the device (or of this rank's part of the RAM) kept free when `memory_budget` is not
@@ -124,7 +123,7 @@ def compare_strategies(
     strategies: tuple[str, ...] = SHARDING_STRATEGIES,
     offload: tuple[bool, ...] = (False, True),
     checkpointing: tuple[bool, ...] = (False, True),
-    time: bool | StepTimeModel | None = None,
+    time: StepTimeModel | bool | None = None,
     **estimate_kwargs: Any,
 ) -> StrategyComparison:
     """Estimate every strategy x CPU offload x activation checkpointing and recommend one.
@@ -145,10 +144,9 @@ def compare_strategies(
         offload: The `cpu_offload` values to compare.
         checkpointing: Whether to compare without and with activation checkpointing (the config's
             own `activation_checkpointing`, or "auto").
-        time: Adds a predicted step time per row (`PlanRow.predicted`): a `StepTimeModel` (e.g.
-            `f2.tune(...).time_model`), or True to measure one now on the initialised process group
-            (a collective sweep and one step of `model`, which must then hold real weights and
-            `example_batch` real tensors; every rank must call). None or False: no times.
+        time: Adds a predicted step time per row (`PlanRow.predicted`) from this `StepTimeModel`
+            (e.g. `f2.tune(...).time_model`; `f2.compare_strategies(time=True)` measures one first).
+            None or False: no times.
         **estimate_kwargs: Passed to `estimate_memory` (`optimizer`, `example_batch`, `loss_fn`,
             `accumulation`, `micro_batches`, `device_type`).
 
@@ -162,7 +160,7 @@ def compare_strategies(
     """
     base = FSDP2Config.coerce(config, log_plan=False)
     budget = parse_bytes(device_memory, "device_memory")
-    time_model = _time_model(time, model, base, estimate_kwargs)
+    time_model = _time_model(time)
     rows = []
     for strategy in strategies:
         for off in offload:
@@ -185,14 +183,13 @@ def compare_strategies(
     return _recommend(StrategyComparison(rows=rows, budget=budget), world_size)
 
 
-def _time_model(time: Any, model: nn.Module, config: FSDP2Config, inputs: dict) -> StepTimeModel | None:
+def _time_model(time: Any) -> StepTimeModel | None:
     if time is None or time is False:
         return None
     if isinstance(time, StepTimeModel):
         return time
-    if time is True:
-        keys = ("example_batch", "loss_fn", "optimizer", "device_type")
-        return measured_time_model(model, config, **{k: inputs[k] for k in keys if k in inputs})
+    if time is True:  # measuring needs the tuner, a layer above this one
+        raise ValueError("compare_strategies: time=True measures on the process group: call f2.compare_strategies.")
     raise ValueError(
         f"compare_strategies: time={time!r} is invalid; use None/False, True (measure on the process group) "
         "or a StepTimeModel (e.g. f2.tune(...).time_model)."
@@ -241,40 +238,6 @@ def nothing_fits_message(rows: list[PlanRow], budget: int, world_size: int) -> s
         "activation checkpointing (if not tried), a smaller micro-batch or sequence, mixed_precision='bf16', "
         "or a larger memory_budget."
     )
-
-
-def resolve_strategy(
-    model: nn.Module, config: FSDP2Config, world_size: int, nodes: int, **planner_inputs: Any
-) -> FSDP2Config:
-    """`config` with `sharding_strategy="auto"` resolved for `world_size` ranks on `nodes` nodes
-    (unchanged when the strategy is concrete); the choice and its reason are logged on rank 0.
-    `planner_inputs` (`example_batch`, `loss_fn`, `device_type`) go to `resolve_auto`.
-
-    `shard_model` calls it with the process group's size; adapters that must build a mesh before
-    sharding (Lightning, Fabric) call it first with the node count their launcher knows, so the
-    mesh fits the chosen strategy.
-    """
-    if config.sharding_strategy != "auto":
-        return config
-    if getattr(config, "objective", "memory") != "memory":
-        if config.objective not in _objective_resolvers:
-            raise RuntimeError(f"FSDP2Config.objective={config.objective!r} needs fsdp2_strategy.tuning imported.")
-        return _objective_resolvers[config.objective](model, config, world_size, nodes, **planner_inputs)
-    resolved, reason = resolve_auto(model, config, world_size, nodes, **planner_inputs)
-    log_rank_zero("%s", reason)
-    return resolved
-
-
-ObjectiveResolver = Callable[..., FSDP2Config]
-_objective_resolvers: dict[str, ObjectiveResolver] = {}
-
-
-def register_objective(name: str, resolver: ObjectiveResolver) -> None:
-    """Let `resolve_strategy` hand `FSDP2Config(sharding_strategy="auto", objective=name)` to
-    `resolver(model, config, world_size, nodes, **planner_inputs) -> config`. `fsdp2_strategy.tuning`
-    registers "throughput" (it measures sharded models, so it sits above `shard`, which calls
-    `resolve_strategy`)."""
-    _objective_resolvers[name] = resolver
 
 
 def resolve_auto(

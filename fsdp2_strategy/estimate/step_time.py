@@ -37,9 +37,7 @@ nothing is communicated, more groups make a step slower).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from ..train import accumulation_mode
 from .memory import MemoryEstimate
@@ -362,21 +360,3 @@ def predict_step_time(
         first = by["all_gather"] / calls if calls else 0.0
         exposed = first + max(0.0, comm - first - compute_s)
     return StepTimePrediction(compute_s, optimizer_s, comm + overhead + copies, exposed + overhead + copies, by, copies)
-
-
-TimeModelSource = Callable[..., StepTimeModel]
-_measure_time_model: list[TimeModelSource] = []
-
-
-def register_time_model_source(source: TimeModelSource) -> None:
-    """Installed by `fsdp2_strategy.tuning` (a layer above this one: it shards models to measure):
-    `source(model, config, example_batch=, loss_fn=, optimizer=, device_type=)` measures a
-    `StepTimeModel` on the current process group, for `compare_strategies(time=True)`."""
-    _measure_time_model[:] = [source]
-
-
-def measured_time_model(model: Any, config: Any, **inputs: Any) -> StepTimeModel:
-    """A `StepTimeModel` measured now on the process group (see `register_time_model_source`)."""
-    if not _measure_time_model:
-        raise RuntimeError("compare_strategies(time=True) needs fsdp2_strategy.tuning; import fsdp2_strategy first.")
-    return _measure_time_model[0](model, config, **inputs)

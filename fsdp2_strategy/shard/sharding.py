@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -16,7 +15,6 @@ from .. import _torch_compat as tc
 from ..activation_checkpoint import apply_activation_checkpointing
 from ..config import FSDP2Config
 from ..distributed import log_rank_zero
-from ..estimate import resolve_strategy
 from ..groups import (
     GroupSettings,
     group_members,
@@ -30,9 +28,7 @@ from ..mesh import (
     MeshCache,
     check_reshard_factor,
     default_reshard_after_forward,
-    detect_num_nodes,
     mesh_device,
-    mesh_device_type,
     shard_group_size,
 )
 from ..tensor_parallel import apply_tensor_parallel, split_mesh, user_parallelised_modules
@@ -50,44 +46,20 @@ def shard_model(
     config: FSDP2Config | Mapping[str, Any] | str | None = None,
     *,
     mesh: DeviceMesh | None = None,
-    example_batch: Any = None,
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     **overrides: Any,
 ) -> nn.Module:
-    """Shard `model` in place with FSDP2 according to `config` and return it.
-
-    Groups are chosen by `config.wrap_policy` and `config.module_overrides` and sharded
-    children first, the root last. Tied weights are kept in one group; scalar parameters are
-    replicated; a meta-device model is materialised (`init_weights()` or each module's
-    `reset_parameters()`). Tensor parallelism is applied before FSDP. Build the optimizer
-    afterwards. Every rank must call it, with an initialised process group.
-
-    Args:
-        model: The model to shard, on CPU, an accelerator or the meta device.
-        config: An `FSDP2Config`, a dict of its fields, a YAML path, or None for the defaults.
-        mesh: The device mesh of the global strategy (None: built from the world size and
-            `config.mesh_shape`). With `tensor_parallel_size > 1` it is the whole (data...,
-            tensor-parallel) mesh, its last dim the TP one.
-        example_batch: With `sharding_strategy="auto"`, one rank's micro-batch (a tensor, a tuple
-            of positional inputs or a dict of keyword inputs; real, meta or fake tensors), so
-            that the memory planner counts the activations of forward and backward against
-            `memory_budget`; without one the activations are left to the budget's margin.
-            Ignored for other strategies.
-        loss_fn: With `sharding_strategy="auto"`, `loss_fn(model, batch)` computes the loss (as in
-            `f2.estimate_memory`). Ignored for other strategies.
-        **overrides: `FSDP2Config` fields that override `config`'s.
-
-    Returns:
-        `model`, sharded: its FSDP groups hold DTensor parameters.
+    """`f2.shard_model` once `sharding_strategy="auto"` is resolved (`fsdp2_strategy.choose` does that
+    first): shard `model` in place by `config` and return it. Arguments and errors as there.
 
     Raises:
-        ValueError: If the config or an override is invalid, or does not fit the world size or
-            `mesh`.
-        RuntimeError: If no process group is initialised.
+        ValueError: `sharding_strategy` is still "auto", or the config does not fit the world or `mesh`.
     """
     config = FSDP2Config.coerce(config, **overrides)
     if config.sharding_strategy == "auto":
-        config = _resolve_auto_strategy(model, config, mesh, example_batch=example_batch, loss_fn=loss_fn)
+        raise ValueError(
+            "sharding_strategy='auto' is chosen by fsdp2_strategy.shard_model (the memory planner or the tuner) "
+            "before sharding; call that, or give a concrete strategy."
+        )
     tp = config.tensor_parallel_size
     dp_mesh, tp_mesh = split_mesh(mesh, tp) if mesh is not None and tp > 1 else (mesh, None)
     meshes = MeshCache(
@@ -151,22 +123,6 @@ def shard_model(
     if config.log_plan:
         log_rank_zero("FSDP2 sharding plan:\n%s", sharding_plan(model))
     return model
-
-
-def _resolve_auto_strategy(
-    model: nn.Module, config: FSDP2Config, mesh: DeviceMesh | None, **planner_inputs: Any
-) -> FSDP2Config:
-    """Let the memory planner pick the strategy (the same choice on every rank: the estimate is
-    deterministic and uses only the model's shapes and the config)."""
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "shard_model needs an initialised process group (sharding_strategy='auto' plans for its world size)."
-        )
-    world = dist.get_world_size()
-    nodes = config.mesh_shape[0] if config.mesh_shape and len(config.mesh_shape) == 2 else detect_num_nodes(world)
-    # The device the job trains on decides attention kernels and collective buffers (`estimate.sim_device`).
-    device_type = mesh.device_type if mesh is not None else mesh_device_type()
-    return resolve_strategy(model, config, world, nodes, device_type=device_type, **planner_inputs)
 
 
 def _plan_groups(model, config, members, root_settings, root_mesh, meshes):

@@ -5,12 +5,11 @@ adapters' example batch from a DataLoader (`example`); decisions are cached by m
 device (`cache`); `resolve` serves `FSDP2Config(sharding_strategy="auto",
 objective="throughput")` and `compare_strategies(time=True)`.
 
-Imports the base modules, `train`, `estimate` and `shard` (it shards copies of the model). On
-import it registers the "throughput" objective and the time-model source with `estimate`.
-`__all__` is what other packages and the adapters use.
+Imports the base modules, `train`, `estimate` and `shard` (it shards copies of the model);
+`fsdp2_strategy.choose`, above it, calls `resolve_throughput` and `measure_time_model`. `__all__` is
+what other packages and the adapters use.
 """
 
-from ..estimate import register_objective, register_time_model_source
 from .cache import CACHE_ENV, cache_path
 from .candidates import TUNABLE_FIELDS, Candidate, default_candidates
 from .example import example_batch_from
@@ -19,9 +18,6 @@ from .measure import Measurement
 from .resolve import measure_time_model, resolve_throughput
 from .result import TuneResult, TuneRow
 from .tuner import tune
-
-register_objective("throughput", resolve_throughput)
-register_time_model_source(measure_time_model)
 
 __all__ = [
     "CACHE_ENV",
@@ -34,6 +30,7 @@ __all__ = [
     "default_candidates",
     "example_batch_from",
     "measure_link",
+    "measure_time_model",
     "resolve_throughput",
     "tune",
 ]

@@ -1,7 +1,7 @@
 """`FSDP2Config(sharding_strategy="auto", objective="throughput")`: tune, or reuse a cached
 decision, and return the concrete config; and the measured `StepTimeModel` behind
-`compare_strategies(time=True)`. Both are registered with `estimate` by this package's
-`__init__` (the estimate layer is below the sharding these need)."""
+`compare_strategies(time=True)`. `fsdp2_strategy.choose` calls both (it sits above the sharding
+these need)."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import fsdp2_strategy as f2
+from fsdp2_strategy.choose import resolve_strategy
 from fsdp2_strategy.distributed import log_rank_zero
-from fsdp2_strategy.estimate import resolve_strategy
 from fsdp2_strategy.sharding_strategies import strategy
 from fsdp2_strategy.tensor_parallel import declared_plan, user_parallelised_modules
 

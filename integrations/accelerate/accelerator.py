@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.checkpoint import peft_models
+from fsdp2_strategy.choose import resolve_on_process_group
 from fsdp2_strategy.distributed import log_rank_zero
 from fsdp2_strategy.shard import shard_with_rank0_weights
 from fsdp2_strategy.train import parameters_by_name, rebind_optimizer
@@ -270,7 +271,8 @@ class FSDP2Accelerator(Accelerator):
             raise ValueError("A model loaded with `device_map=...` cannot be sharded; load it without a device map.")
         batch, self._fsdp2_example_batch = getattr(self, "_fsdp2_example_batch", None), None
         if self.fsdp_plugin.cpu_ram_efficient_loading:
-            shard_with_rank0_weights(model, self.fsdp2_config, example_batch=batch)
+            config = resolve_on_process_group(model, self.fsdp2_config, mesh=self._fsdp2_mesh, example_batch=batch)
+            shard_with_rank0_weights(model, config, mesh=self._fsdp2_mesh)
         else:
             f2.shard_model(model, self.fsdp2_config, mesh=self._fsdp2_mesh, example_batch=batch)
         compat.registries(self).models.append(model)
