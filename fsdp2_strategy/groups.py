@@ -1,26 +1,28 @@
 """FSDP groups: which modules get their own group, and with which settings.
 
 A group is one `fully_shard` call. This module decides the list of groups (policy, module
-overrides, tied weights, already-sharded subtrees) and each group's resolved settings; it
-does not shard anything itself.
+overrides, tied weights, already-sharded subtrees, `blocks_per_group`) and each group's resolved
+settings: `resolve_groups` returns them as `GroupSpec`s, once, for `shard_model` to apply and the
+memory estimator to play. It does not shard anything itself.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
 from .config import FSDP2Config
 from .distributed import log_rank_zero
+from .mesh import default_reshard_after_forward
 from .precision import resolve_mixed_precision, resolve_offload
 from .wrap_policy import match_override, modules_matching, select_wrapped, wrappable
 
 
-@dataclass
+@dataclass(frozen=True)
 class GroupSettings:
     """What one `fully_shard` call receives, plus the text the plan shows."""
 
@@ -37,6 +39,51 @@ class GroupSettings:
     """Precision work beyond `mp_policy` (FSDP1's root input cast, buffer_dtype), for the plan."""
     members: tuple[str, ...] = ()
     """The modules sharded together in this group (`FSDP2Config.blocks_per_group`), when several."""
+
+    def effective_reshard(self, is_root: bool) -> bool | int:
+        """The reshard choice that happens: torch's None keeps the root gathered, reshards the rest."""
+        return self.reshard_after_forward if self.reshard_after_forward is not None else not is_root
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One `fully_shard` call, every setting resolved (`resolve_groups`)."""
+
+    name: str
+    """The group's (first) module's qualified name; "" for the root."""
+    modules: tuple[str, ...]
+    """The modules sharded together in this call (one, unless `blocks_per_group` > 1)."""
+    settings: GroupSettings
+    """Strategy, reshard choice (and why), precision and offload policies, override."""
+
+
+def resolve_groups(model: nn.Module, config: FSDP2Config, ignored: list[str]) -> list[GroupSpec]:
+    """Every group of `model` under `config`, the root first, each with its settings resolved: the
+    strategy's reshard choice, or False for the last block (backward starts with it: resharding it
+    after forward would only all-gather it again at once) unless the config or an override says.
+
+    Args:
+        model: The model (real or a meta copy).
+        config: The config; its `sharding_strategy` must be concrete.
+        ignored: The modules `config.ignored_modules` selects (`ignored_names`).
+
+    Returns:
+        The root's spec, then one per `fully_shard` call below it, in module order.
+    """
+    members = group_members(select_groups(model, config, ignored), config)
+    last = list(members)[-1] if members else None
+    specs = []
+    for name in ["", *members]:
+        settings = settings_for(name, config)
+        modules = tuple(members.get(name, [name]))
+        if len(modules) > 1:
+            settings = replace(settings, members=modules)
+        if name and name == last and settings.reshard_after_forward is None and settings.override is None:
+            settings = replace(settings, reshard_after_forward=False, reshard_reason="last block")
+        if settings.reshard_after_forward is None:
+            settings = replace(settings, reshard_after_forward=default_reshard_after_forward(settings.strategy))
+        specs.append(GroupSpec(name, modules, settings))
+    return specs
 
 
 def settings_for(name: str, config: FSDP2Config) -> GroupSettings:

@@ -88,6 +88,20 @@ def _memory_ties_plan_world():
     out["grouped_total"], out["block_params"] = plan.total_params, block_params
     loss_fn(grouped, idx, target).backward()
     out["grouped_grads"] = all(p.grad is not None for p in grouped.parameters())
+
+    # The resolved plan: decided (and checked) before anything changes, then applied as it says.
+    from torch.distributed.tensor import DTensor
+
+    from fsdp2_strategy.shard.plan import plan_sharding
+
+    planned = TinyGPT(dim=64, layers=4, vocab=128, tied=True)
+    plan = plan_sharding(planned, f2.FSDP2Config(blocks_per_group=3, accumulation="keep_gathered", log_plan=False))
+    out["plan_untouched"] = not any(isinstance(p, DTensor) for p in planned.parameters())
+    out["resolved"] = [
+        (g.spec.name, g.spec.modules, g.spec.settings.reshard_after_forward, g.spec.settings.reshard_reason)
+        for g in plan.groups
+    ]
+    out["resolved_blocks"], out["resolved_mode"] = plan.blocks, plan.accumulation.name
     out["world"] = dist.get_world_size()
     return out
 
@@ -112,6 +126,16 @@ def test_memory_ties_plan_and_overrides():
     assert rows[1][1] == 3 * res["block_params"] and rows[2][1] == res["block_params"]
     assert rows[1][2] is True and rows[2][2] is False and rows[2][3] == "last block"
     assert res["grouped_total"] == res["full_params"] and res["grouped_grads"]
+    # The plan the rows above came from: FULL_SHARD leaves the choice to torch (None: the root kept
+    # gathered, the rest resharded; the rows show what happened), one call for three blocks, the last
+    # block kept for backward; the model untouched until it is applied.
+    assert res["plan_untouched"]
+    assert res["resolved"] == [
+        ("", ("",), None, ""),
+        ("blocks.0", ("blocks.0", "blocks.1", "blocks.2"), None, ""),
+        ("blocks.3", ("blocks.3",), False, "last block"),
+    ]
+    assert res["resolved_blocks"] == ("blocks.0", "blocks.3") and res["resolved_mode"] == "keep_gathered"
 
 
 def _hf_world():

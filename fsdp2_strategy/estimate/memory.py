@@ -23,7 +23,7 @@ from torch import nn
 
 from ..activation_checkpoint import apply_activation_checkpointing
 from ..config import FSDP2Config
-from ..groups import group_members, ignored_names, select_groups, settings_for
+from ..groups import ignored_names, resolve_groups
 from ..train import AccumulationMode, accumulation_mode
 from .sim_device import resolve_device_type
 from .sim_model import meta_copy
@@ -218,19 +218,16 @@ def estimate_memory(
     except ValueError as exc:
         raise ValueError(f"estimate_memory: {exc}") from None
     device_type = resolve_device_type(device_type)
-    root = settings_for("", config)
+    ignored = ignored_names(model, config)
+    specs = resolve_groups(model, config, ignored)  # what shard_model would apply, root first
+    root = specs[0].settings
     shard, _ = _shard_and_replicate(root.strategy, config, world_size, nodes)
     compute_dtype = root.mp_policy.param_dtype
     sim_model, batch = meta_copy(model, example_batch, compute_dtype, root.mp_policy.cast_forward_inputs)
-    ignored = ignored_names(sim_model, config)
-    groups = select_groups(sim_model, config, ignored)
     sizes = group_sizes(
-        model,
-        group_members(groups, config),
-        ignored,
-        config,
-        lambda s: _shard_and_replicate(s, config, world_size, nodes),
+        model, specs, ignored, config.frozen_dtype, lambda s: _shard_and_replicate(s, config, world_size, nodes)
     )
+    groups = [m for spec in specs[1:] for m in spec.modules]
     apply_activation_checkpointing(sim_model, config.activation_checkpointing, groups)
     opt_bytes, step_temp = measure_optimizer(optimizer, sizes)
     base = _resident_bytes(sizes, opt_bytes, config.cpu_offload)

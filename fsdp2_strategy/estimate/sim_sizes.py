@@ -1,4 +1,4 @@
-"""Each FSDP group's bytes per rank, by form, from the model's parameter shapes and the config.
+"""Each FSDP group's bytes per rank, by form, from the model's parameter shapes and the resolved groups.
 
 What `shard_model` would create: padded dim-0 shards in the storage dtype (frozen parameters in
 `FSDP2Config.frozen_dtype`), the gathered parameters in the compute dtype, and gradients, their
@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..config import FSDP2Config
-from ..groups import settings_for
-from ..mesh import default_reshard_after_forward
+from ..groups import GroupSpec
 from ..precision import frozen_storage_dtype
 
 
@@ -79,27 +77,20 @@ def _padded_shard_bytes(p: torch.Tensor, shard: int) -> int:
 
 def group_sizes(
     model: nn.Module,
-    members: dict[str, list[str]],
+    specs: list[GroupSpec],
     ignored: list[str],
-    config: FSDP2Config,
+    frozen_dtype: object,
     mesh_of: Callable[[str], tuple[int, int]],
 ) -> dict[str, GroupSizes]:
-    """Sizes of every group ("" is the root), from parameter shapes and each group's settings.
-    `members`: each non-root group's modules by the group's name (`groups.group_members`)."""
-    groups = ["", *members]
-    sizes = {g: GroupSizes(members=members.get(g, [g])) for g in groups}
-    group_of = {m: g for g, ms in members.items() for m in ms}
-    last_block = groups[-1] if len(groups) > 1 else None
-    for name in groups:
-        settings = settings_for(name, config)
-        g = sizes[name]
+    """Sizes of every group ("" is the root) of `specs` (`groups.resolve_groups`, root first), from
+    parameter shapes; frozen parameters stored as `frozen_dtype` says (`FSDP2Config.frozen_dtype`)."""
+    sizes = {s.name: GroupSizes(members=list(s.modules)) for s in specs}
+    group_of = {m: s.name for s in specs[1:] for m in s.modules}
+    for spec in specs:
+        settings = spec.settings
+        g = sizes[spec.name]
         g.shard_size, g.replicate_size = mesh_of(settings.strategy)
-        reshard = settings.reshard_after_forward
-        if name == last_block and reshard is None and settings.override is None:
-            reshard = False  # as shard_model: backward starts with the last block
-        if reshard is None:
-            reshard = default_reshard_after_forward(settings.strategy)
-        reshard = (name != "") if reshard is None else reshard
+        reshard = settings.effective_reshard(is_root=spec.name == "")
         # A shard group of one rank still frees its all-gather output after forward when resharding
         # (HYBRID_SHARD on a (2, 1) mesh peaks below NO_SHARD).
         g.keep_after_forward = reshard is False
@@ -112,7 +103,7 @@ def group_sizes(
             owner.replicated += p.numel() * p.element_size()
             continue
         compute = owner.mp_dtype if owner.mp_dtype is not None and p.is_floating_point() else p.dtype
-        stored = p.dtype if p.requires_grad else frozen_storage_dtype(config.frozen_dtype, owner.mp_dtype, p)
+        stored = p.dtype if p.requires_grad else frozen_storage_dtype(frozen_dtype, owner.mp_dtype, p)
         owner.params.append(pname)
         shard_numel = _padded_shard_numel(p, owner.shard_size)
         owner.sharded += shard_numel * _itemsize(stored)

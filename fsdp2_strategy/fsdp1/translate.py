@@ -21,6 +21,7 @@ straight to torch's `fully_shard`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 import torch
@@ -323,6 +324,5 @@ def _mark_root(module: nn.Module, root_cast: torch.dtype | None, buffer_note: st
         module.register_forward_pre_hook(_root_input_cast(root_cast), with_kwargs=True)
         notes.insert(0, f"inputs cast to {str(root_cast).removeprefix('torch.')} when root")
     state = recorded_state(module)
-    settings = state.group if state is not None else None
-    if settings is not None:
-        settings.precision_note = "; ".join(notes)
+    if state is not None and state.group is not None:
+        state.group = dataclasses.replace(state.group, precision_note="; ".join(notes))

@@ -15,25 +15,23 @@ from typing import Any
 
 from torch import nn
 
-from ..groups import GroupSettings
+from ..groups import GroupSpec
 from ..precision import frozen_storage_dtype
 
 
-def cast_frozen(
-    model: nn.Module, specs: Iterable[tuple[str, GroupSettings, Any]], frozen_dtype: Any, skip: set
-) -> None:
+def cast_frozen(model: nn.Module, specs: Iterable[GroupSpec], frozen_dtype: Any, skip: set) -> None:
     """Cast each frozen parameter of a group to `frozen_dtype` ("auto": the owning group's compute
     dtype, if it has one) in place (ties kept: the same Parameter object changes). Parameters in
     `skip` (ignored, replicated, quantised) are left."""
     if frozen_dtype is None:
         return
     seen: set[int] = set()
-    for name, settings, _mesh in reversed(list(specs)):  # children first: a parameter's owner is its deepest group
-        params = [p for member in settings.members or (name,) for p in model.get_submodule(member).parameters()]
+    for spec in reversed(list(specs)):  # children first: a parameter's owner is its deepest group
+        params = [p for member in spec.modules for p in model.get_submodule(member).parameters()]
         for p in params:
             if id(p) in seen or p in skip:
                 continue
             seen.add(id(p))
-            dtype = frozen_storage_dtype(frozen_dtype, settings.mp_policy.param_dtype, p)
+            dtype = frozen_storage_dtype(frozen_dtype, spec.settings.mp_policy.param_dtype, p)
             if not p.requires_grad and p.dtype != dtype:
                 p.data = p.data.to(dtype)

@@ -1,8 +1,10 @@
-"""`shard_model`: apply activation checkpointing, compile and `fully_shard` to a model by policy."""
+"""`shard_model`: apply a `ResolvedPlan` (`plan`) to a model: tensor parallelism, activation
+checkpointing, compile and one `fully_shard` per group."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -15,28 +17,15 @@ from .. import _torch_compat as tc
 from ..activation_checkpoint import apply_activation_checkpointing
 from ..config import FSDP2Config
 from ..distributed import log_rank_zero
-from ..groups import (
-    GroupSettings,
-    group_members,
-    ignored_names,
-    own_named_params,
-    select_groups,
-    settings_for,
-    top_level,
-)
-from ..mesh import (
-    MeshCache,
-    check_reshard_factor,
-    default_reshard_after_forward,
-    mesh_device,
-    shard_group_size,
-)
-from ..tensor_parallel import apply_tensor_parallel, split_mesh, user_parallelised_modules
-from ..train import ReplicatedParams, engine_state, find_scalar_params, mark_replaced_params, record_mode
+from ..groups import own_named_params, top_level
+from ..mesh import mesh_device
+from ..tensor_parallel import apply_tensor_parallel, user_parallelised_modules
+from ..train import ReplicatedParams, engine_state, mark_replaced_params, record_mode
 from .frozen import cast_frozen
 from .host_memory import apply_host_allocator
-from .materialize import check_initialisable, has_meta_tensors, materialize
-from .quantised import QUANTISED_REASON, find_quantised_params
+from .materialize import materialize
+from .plan import ResolvedPlan, ShardedGroup, plan_sharding
+from .quantised import QUANTISED_REASON
 from .report import sharding_plan
 from .ring_comms import install_ring_comms
 
@@ -60,110 +49,68 @@ def shard_model(
             "sharding_strategy='auto' is chosen by fsdp2_strategy.shard_model (the memory planner or the tuner) "
             "before sharding; call that, or give a concrete strategy."
         )
-    tp = config.tensor_parallel_size
-    dp_mesh, tp_mesh = split_mesh(mesh, tp) if mesh is not None and tp > 1 else (mesh, None)
-    meshes = MeshCache(
-        device_type=mesh.device_type if mesh is not None else None, given=dp_mesh, tp_size=tp, tp_mesh=tp_mesh
-    )
-    root_settings = settings_for("", config)
-    root_mesh = dp_mesh if dp_mesh is not None else meshes.get(root_settings.strategy, config.mesh_shape)
+    return apply_plan(model, plan_sharding(model, config, mesh=mesh))
 
-    ignored_modules = ignored_names(model, config)
-    ignored = {p for n in ignored_modules for p in model.get_submodule(n).parameters()}
-    scalars = find_scalar_params(model, {id(p) for p in ignored})
-    quantised = find_quantised_params(model, {id(p) for p in ignored}, mesh_device(root_mesh))
-    groups = select_groups(model, config, ignored_modules)
-    meta = has_meta_tensors(model)
-    if meta:
-        check_initialisable(model)
 
-    members = group_members(groups, config)
-    # Every group's settings are resolved and checked before the model is touched.
-    specs = _plan_groups(model, config, members, root_settings, root_mesh, meshes)
-    if tp > 1:
+def apply_plan(model: nn.Module, plan: ResolvedPlan) -> nn.Module:
+    """Apply a `ResolvedPlan` to the model it was made for: tensor parallelism, activation
+    checkpointing, compile, frozen dtypes, one `fully_shard` per group (children first, the root
+    last), prefetch, materialisation, the replicated parameters; returns `model`."""
+    if plan.tp_mesh is not None:
         # Before FSDP: fully_shard then shards the TP DTensors over the data-parallel dims.
-        assert meshes.tp_mesh is not None  # split off the root mesh when tp > 1
-        styles = apply_tensor_parallel(model, config.tensor_parallel_plan, meshes.tp_mesh)
+        styles = apply_tensor_parallel(model, plan.tensor_parallel_plan, plan.tp_mesh)
         for module_name, style in styles.items():
             engine_state(model.get_submodule(module_name)).tp_style = style
     # Labelled now: after FSDP every managed parameter is a DTensor.
     for module in user_parallelised_modules(model):
         state = engine_state(module)
         state.tp_style = state.tp_style or "user"
-    apply_activation_checkpointing(model, config.activation_checkpointing, groups)
-    if config.compile:
-        _compile_blocks(model, groups, config.compile)
+    apply_activation_checkpointing(model, plan.activation_checkpointing, list(plan.wrapped))
+    if plan.compile:
+        _compile_blocks(model, list(plan.wrapped), plan.compile)
 
-    skip_fsdp = ignored | set(scalars.values()) | set(quantised.values())
-    cast_frozen(model, specs, config.frozen_dtype, skip_fsdp)
+    ignored = {p for n in plan.ignored for p in model.get_submodule(n).parameters()}
+    quantised = {n: model.get_parameter(n) for n in plan.quantised}
+    skip_fsdp = ignored | {model.get_parameter(n) for n in plan.scalars} | set(quantised.values())
+    cast_frozen(model, [g.spec for g in plan.groups], plan.frozen_dtype, skip_fsdp)
     params_before = list(model.parameters())
-    for name, settings, group_mesh in reversed(specs):  # children before parents, root last
-        modules = [model.get_submodule(m) for m in members.get(name, [name])]
-        _shard_one(modules, name, settings, group_mesh, skip_fsdp)
+    for group in reversed(plan.groups):  # children before parents, root last
+        _shard_one(model, group, skip_fsdp)
     mark_replaced_params(params_before, model)
-    record_mode(model, config.accumulation)
-    install_ring_comms(model, config.collectives)
-    apply_host_allocator(config.host_allocator, root_mesh.device_type)
+    record_mode(model, plan.accumulation)
+    install_ring_comms(model, plan.collectives)
+    apply_host_allocator(plan.host_allocator, plan.root_mesh.device_type)
 
-    outer = set(top_level(groups))
-    _set_prefetch(model, [n for n in members if n in outer], config.forward_prefetch, config.backward_prefetch)
+    _set_prefetch(model, list(plan.blocks), plan.forward_prefetch, plan.backward_prefetch)
     _guard_direct_forward(model)
     _guard_save_pretrained(model)
-    if meta:
-        materialize(model, root_mesh)
-    if scalars or quantised:
+    if plan.meta:
+        materialize(model, plan.root_mesh)
+    if plan.scalars or quantised:
         # Looked up again by name: materialising replaces meta parameters with new objects.
-        replicated = ReplicatedParams({n: model.get_parameter(n) for n in scalars}, root_mesh)
-        replicated.move_to(mesh_device(root_mesh))
+        replicated = ReplicatedParams({n: model.get_parameter(n) for n in plan.scalars}, plan.root_mesh)
+        replicated.move_to(mesh_device(plan.root_mesh))
         replicated.broadcast()
         # Added after the broadcast: every rank loaded the same quantised weights, and their
         # quantisation state (absmax, code map) lives outside the parameter's data.
         replicated.add(quantised, QUANTISED_REASON)
         engine_state(model).replicated = replicated
-    if config.log_plan:
+    if plan.log_plan:
         log_rank_zero("FSDP2 sharding plan:\n%s", sharding_plan(model))
     return model
 
 
-def _plan_groups(model, config, members, root_settings, root_mesh, meshes):
-    """(name, settings, mesh) for every group (`members`' keys), root first, each reshard choice
-    resolved and checked."""
-    plan = []
-    last = list(members.values())[-1] if members else []
-    for name in ["", *members]:
-        if name == "" and isinstance(model, FSDPModule):
-            continue  # the user sharded the root already
-        settings = root_settings if name == "" else settings_for(name, config)
-        if len(members.get(name, ())) > 1:
-            settings.members = tuple(members[name])
-        if name and members[name] is last and settings.reshard_after_forward is None and settings.override is None:
-            # Backward starts with the last block: resharding it after forward would only
-            # all-gather it again at once.
-            settings.reshard_after_forward = False
-            settings.reshard_reason = "last block"
-        if settings.reshard_after_forward is None:
-            settings.reshard_after_forward = default_reshard_after_forward(settings.strategy)
-        group_mesh = root_mesh if settings.strategy == root_settings.strategy else meshes.get(settings.strategy, None)
-        field = (
-            f"FSDP2Config.module_overrides[{settings.override!r}].reshard_after_forward"
-            if settings.override
-            else "FSDP2Config.reshard_after_forward"
-        )
-        check_reshard_factor(settings.reshard_after_forward, shard_group_size(group_mesh), field)
-        plan.append((name, settings, group_mesh))
-    return plan
-
-
-def _shard_one(modules: list[nn.Module], name: str, settings: GroupSettings, mesh: DeviceMesh, skip: set) -> None:
+def _shard_one(model: nn.Module, group: ShardedGroup, skip: set) -> None:
     """One `fully_shard` call on the group's module (or its modules, sharded together)."""
-    reshard = settings.reshard_after_forward
+    name, settings = group.spec.name, group.spec.settings
+    modules = [model.get_submodule(m) for m in group.spec.modules]
     own = {p for m in modules for p in m.parameters() if p in skip}
     module = modules[0]
     try:
         _torch_fully_shard(
             modules if len(modules) > 1 else module,
-            mesh=mesh,
-            reshard_after_forward=reshard,
+            mesh=group.mesh,
+            reshard_after_forward=settings.reshard_after_forward,
             mp_policy=settings.mp_policy,
             offload_policy=settings.offload_policy,
             ignored_params=own or None,
@@ -172,9 +119,9 @@ def _shard_one(modules: list[nn.Module], name: str, settings: GroupSettings, mes
         what = " + ".join(settings.members) if settings.members else name or "<root>"
         raise type(exc)(f"fully_shard failed on module {what!r} ({type(module).__name__}): {exc}") from exc
     # torch's None means False for the root and True elsewhere: record what really happens.
-    settings.reshard_after_forward = reshard if reshard is not None else name != ""
+    done = replace(settings, reshard_after_forward=settings.effective_reshard(is_root=name == ""))
     for m in modules:
-        engine_state(m).group = settings
+        engine_state(m).group = done
 
 
 def _compile_blocks(model: nn.Module, groups: list[str], options: bool | dict) -> None:
