@@ -23,13 +23,13 @@ from _harness import assert_no_flow_failed, free_port  # noqa: E402
 from _precision import TIED_TOL  # noqa: E402
 
 from fsdp2_strategy.integrations.accelerate import (  # noqa: E402
-    STOCK_ACCELERATOR_ERROR,
     FSDP2Accelerator,
     FSDP2Plugin,
     read_accelerate_env,  # noqa: E402
 )
 from fsdp2_strategy.integrations.accelerate import _compat as compat  # noqa: E402
 from fsdp2_strategy.integrations.accelerate.env import accelerate_cpu_requested  # noqa: E402
+from fsdp2_strategy.integrations.accelerate.plugin import STOCK_ACCELERATOR_ERROR  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "accelerate_scripts"
 TOL = 1e-5  # fp32 parity, relative

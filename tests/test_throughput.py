@@ -50,7 +50,7 @@ def test_peak_flops_measures_the_cpu_and_reads_the_table_for_known_gpus(monkeypa
 
 
 def test_count_tokens_finds_the_token_ids_in_a_batch():
-    from fsdp2_strategy.train import count_tokens
+    from fsdp2_strategy.train.throughput import count_tokens
 
     ids = torch.zeros(4, 16, dtype=torch.long)
     assert count_tokens(ids) == (64, 16)

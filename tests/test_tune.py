@@ -19,7 +19,8 @@ from torch import nn
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.cli.main import main
-from fsdp2_strategy.estimate import CollectiveFit, ComputeProfile, Link, MemoryEstimate, predict_step_time
+from fsdp2_strategy.estimate import CollectiveFit, ComputeProfile, Link, MemoryEstimate
+from fsdp2_strategy.estimate.step_time import predict_step_time
 from fsdp2_strategy.tuning.cache import cache_key, read_decision, write_decision
 from fsdp2_strategy.tuning.link import fit_line
 

@@ -28,7 +28,7 @@ from .state import (
     side_entries,
     unstepped_kept,
 )
-from .trainable import is_peft_model, saves_trainable_only
+from .trainable import saves_trainable_only
 
 __all__ = [
     "AsyncSaver",
@@ -38,7 +38,6 @@ __all__ = [
     "directory",
     "export_full",
     "export_peft",
-    "is_peft_model",
     "inspect_checkpoint",
     "load_full_weights",
     "load_step_dir",

@@ -38,7 +38,7 @@ def fingerprint_key(model_key: str) -> str:
     return f"{FROZEN_BASE}.{model_key}"
 
 
-def is_peft_model(model: nn.Module) -> bool:
+def _is_peft_model(model: nn.Module) -> bool:
     """Whether `model` contains PEFT (Hugging Face `peft`) layers: its classes come from `peft.`."""
     return any(c.__module__.startswith("peft.") for m in model.modules() for c in type(m).__mro__[:2])
 
@@ -46,7 +46,7 @@ def is_peft_model(model: nn.Module) -> bool:
 def saves_trainable_only(model: nn.Module, trainable_only: Any) -> bool:
     """Resolve "auto" (True for a PEFT model that has frozen parameters) against `model`."""
     if trainable_only == "auto":
-        return is_peft_model(model) and any(not p.requires_grad for p in model.parameters())
+        return _is_peft_model(model) and any(not p.requires_grad for p in model.parameters())
     return bool(trainable_only)
 
 

@@ -27,7 +27,6 @@ from .step_time import (
     fit_offload,
     fsdp_calls,
     offload_moves_state,
-    predict_step_time,
 )
 
 __all__ = [
@@ -45,7 +44,6 @@ __all__ = [
     "nothing_fits_message",
     "offload_moves_state",
     "optimizer_factory",
-    "predict_step_time",
     "MemoryEstimate",
     "StrategyComparison",
     "compare_strategies",

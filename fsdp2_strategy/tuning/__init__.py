@@ -10,23 +10,15 @@ Imports the base modules, `train`, `estimate` and `shard` (it shards copies of t
 what other packages and the adapters use.
 """
 
-from .cache import CACHE_ENV, cache_path
-from .candidates import TUNABLE_FIELDS, Candidate, default_candidates
+from .candidates import default_candidates
 from .example import example_batch_from
 from .link import measure_link
-from .measure import Measurement
 from .resolve import measure_time_model, resolve_throughput
-from .result import TuneResult, TuneRow
+from .result import TuneResult
 from .tuner import tune
 
 __all__ = [
-    "CACHE_ENV",
-    "TUNABLE_FIELDS",
-    "Candidate",
-    "Measurement",
     "TuneResult",
-    "TuneRow",
-    "cache_path",
     "default_candidates",
     "example_batch_from",
     "measure_link",

@@ -28,12 +28,11 @@ What changes against the stock `Accelerator` (same arguments, same methods):
 from .accelerator import FSDP2Accelerator
 from .config_file import accelerate_config_env, apply_accelerate_config
 from .env import read_accelerate_env
-from .plugin import STOCK_ACCELERATOR_ERROR, FSDP2Plugin
+from .plugin import FSDP2Plugin
 
 __all__ = [
     "FSDP2Accelerator",
     "FSDP2Plugin",
-    "STOCK_ACCELERATOR_ERROR",
     "accelerate_config_env",
     "apply_accelerate_config",
     "read_accelerate_env",

@@ -16,7 +16,7 @@ from .precision import (
     FSDP2MixedPrecision,
     FSDP2Precision,
 )
-from .strategy import STEP_METHODS, FSDP2Strategy
+from .strategy import FSDP2Strategy
 from .throughput import FSDP2ThroughputMonitor
 
 __all__ = [
@@ -25,7 +25,6 @@ __all__ = [
     "FSDP2Precision",
     "FSDP2Strategy",
     "FSDP2ThroughputMonitor",
-    "STEP_METHODS",
     "SUPPORTED_PRECISION",
 ]
 

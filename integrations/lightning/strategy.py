@@ -56,9 +56,9 @@ from ._compat import FullStateMultiProcessingLauncher, SubprocessScriptLauncher,
 from .precision import FSDP2Precision, to_fsdp2_precision
 from .tuning import throughput_inputs
 
-__all__ = ["FSDP2Strategy", "STEP_METHODS"]
+__all__ = ["FSDP2Strategy"]
 
-STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 """LightningModule methods Lightning calls instead of `forward`; FSDP gathers the root around them."""
 
 _MODEL_KEY = "model"
@@ -198,7 +198,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             return  # sharded already: by an earlier fit/validate, or by the user's configure_model
         config = self._effective_config()
         f2.shard_model(module, config, mesh=self._core_mesh(config))
-        for name in STEP_METHODS:
+        for name in _STEP_METHODS:
             if callable(getattr(module, name, None)):
                 # Gathers the root around the step without casting the batch (targets keep their dtype).
                 register_step_method(module, name)
