@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from torch import nn
@@ -58,6 +58,7 @@ OBJECTIVES = ("memory", "throughput")
 HOST_ALLOCATORS = ("auto", "cache", "system")
 """Accepted values for `FSDP2Config.host_allocator` (see `shard.host_memory`)."""
 
+T = TypeVar("T")
 WrapPolicy = str | int | Callable[[nn.Module, str], bool] | Sequence[str | type] | type | None
 
 
@@ -96,6 +97,22 @@ class ModuleOverride:
             raise ValueError(f"{prefix}.cpu_offload={self.cpu_offload!r} is invalid; use True or False.")
 
 
+def _names_unknown_fields(cls: type[T]) -> type[T]:
+    """Class decorator: the dataclass `__init__` names the valid fields on an unknown keyword (the
+    generated one says only "unexpected keyword argument"). `functools.wraps` keeps its signature,
+    which LightningCLI/jsonargparse read to offer the fields as options."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _check_field_names(type(self), kwargs)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+@_names_unknown_fields
 @dataclass
 class FSDP2Config:
     """How `shard_model` applies FSDP2 to a model; every field is optional."""
@@ -378,19 +395,3 @@ class FSDP2Config:
             raise ValueError(f"config must be an FSDP2Config, a dict or a YAML path, got {type(config).__name__}.")
         base.update(overrides)
         return cls.from_dict(base)
-
-
-def _reject_unknown_fields(init: Callable[..., None]) -> Callable[..., None]:
-    """The dataclass `__init__`, naming the valid fields on an unknown keyword (the generated
-    one says only "unexpected keyword argument"). `functools.wraps` keeps its signature, which
-    LightningCLI/jsonargparse read to offer the fields as options."""
-
-    @functools.wraps(init)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        _check_field_names(type(self), kwargs)
-        init(self, *args, **kwargs)
-
-    return __init__
-
-
-FSDP2Config.__init__ = _reject_unknown_fields(FSDP2Config.__init__)  # type: ignore[method-assign]
