@@ -29,7 +29,7 @@ from fsdp2_strategy.integrations.transformers import (  # noqa: E402
     fsdp2_trainer,
     latest_checkpoint,
 )
-from fsdp2_strategy.integrations.transformers.checkpoint import rotate  # noqa: E402
+from fsdp2_strategy.integrations.transformers.checkpoint import keep_only_best, rotate  # noqa: E402
 from fsdp2_strategy.integrations.transformers.trainer import _refuse_other_engines  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "transformers_scripts"
@@ -256,6 +256,46 @@ def test_rotation_counts_only_committed_and_keeps_newest_and_best(tmp_path):
     assert sorted(committed_checkpoints(tmp_path)) == [4, 8]
     assert (tmp_path / "checkpoint-10").is_dir()  # not ours to judge: a partial save is left alone
     assert Path(latest_checkpoint(tmp_path)).name == "checkpoint-8"
+
+
+def test_end_of_training_keeps_only_the_best_through_the_crash_safe_pruning(tmp_path, monkeypatch):
+    """save_total_limit=1 with a best checkpoint: the stock end of training deletes every other one
+    with shutil.rmtree. FSDP2TrainerMixin._finalize_training prunes them first (each un-published
+    before it is deleted), so the stock loop, given what `sort_checkpoints` lists, has nothing left."""
+    from transformers.trainer_utils import sort_checkpoints
+
+    from fsdp2_strategy.checkpoint import directory as cdir
+
+    _checkpoint_dirs(tmp_path, committed=[2, 4, 6], partial=[])
+    unpublished, waited, order = [], [], []
+    real_unpublish = cdir.unpublish
+    monkeypatch.setattr(cdir, "unpublish", lambda p: unpublished.append(p.name) or real_unpublish(p))
+    best = str(tmp_path / "checkpoint-4")
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(save_total_limit=1, should_save=True),
+        state=SimpleNamespace(best_model_checkpoint=best),
+        accelerator=SimpleNamespace(wait_for_checkpoint=lambda: waited.append(True)),
+        _get_output_dir=lambda trial: str(tmp_path),
+    )
+    removed = keep_only_best(trainer, None)
+    assert [p.name for p in removed] == ["checkpoint-2", "checkpoint-6"] == unpublished and waited == [True]
+    assert sort_checkpoints(str(tmp_path), best_model_checkpoint=best) == [best]  # the stock loop skips the best
+    trainer.args.save_total_limit = 2  # any other limit: the stock end of training deletes nothing, nor do we
+    assert keep_only_best(trainer, None) == []
+
+    class Stock:
+        def _finalize_training(self, trial, *args):
+            order.append(sorted(committed_checkpoints(tmp_path)))
+
+    class Wrapped(FSDP2TrainerMixin, Stock):
+        pass
+
+    _checkpoint_dirs(tmp_path, committed=[6, 10], partial=[])
+    trainer.args.save_total_limit = 1
+    wrapped = Wrapped.__new__(Wrapped)
+    wrapped.__dict__.update(vars(trainer))
+    wrapped._finalize_training(None)  # the mixin prunes, then the stock method runs
+    assert order == [[4]]
 
 
 def test_resume_true_without_a_committed_checkpoint_names_the_partial_ones(tmp_path):
