@@ -1,9 +1,14 @@
 """What the flow scripts (tests/*_scripts/) and the tests reading their reports share: full copies of
-sharded values, per-rank results gathered in rank order, relative differences, rank 0's JSON report."""
+sharded values, per-rank results gathered in rank order, relative differences, rank 0's JSON report,
+and the flow scripts' reports, one per rank."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,3 +53,33 @@ def write_json(path: str, result: dict) -> None:
     """Rank 0 (or the only process) writes `result`."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(path).write_text(json.dumps(result, indent=1, default=str))
+
+
+def rank_path(path: str | Path, rank: int) -> Path:
+    """Where rank `rank` writes its report for `path` (OUT.json -> OUT.rank1.json)."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def run_flows(flows: list[Callable[[dict, Path], None]], out_path: str, work: Path) -> None:
+    """Run each flow on this rank and write this rank's report (`rank_path(out_path, rank)`) after
+    every flow, so every rank's outcome reaches the test (the flows before one that hangs too).
+
+    A flow that raises is recorded as `{"error": traceback}` and ends this process at once with exit
+    code 1: this rank may be out of step with the others (waiting in a collective it never joins), and
+    its exit ends their wait (gloo reports the closed connection) instead of the process group's
+    timeout. The rank comes from the launcher's RANK: a failure before the group exists is reported.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    result: dict = {}
+    for flow in flows:
+        result[flow.__name__] = entry = {}
+        try:
+            flow(entry, work)
+        except Exception:
+            entry["error"] = traceback.format_exc()
+            print(f"[flow {flow.__name__} on rank {rank}]", entry["error"], file=sys.stderr, flush=True)
+        rank_path(out_path, rank).write_text(json.dumps(result, indent=1, default=str))
+        if "error" in entry:
+            sys.stdout.flush()
+            os._exit(1)

@@ -19,16 +19,19 @@ caller's environment and working directory (a forkserver's own would be those of
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -236,3 +239,94 @@ def assert_no_flow_failed(results: dict) -> None:
     """A flow script records a flow that raised as `{"error": traceback}`: fail with every traceback."""
     errors = {flow: entry["error"] for flow, entry in results.items() if isinstance(entry, dict) and "error" in entry}
     assert not errors, "\n".join(f"{flow}:\n{tb}" for flow, tb in errors.items())
+
+
+def rank_reports(path: str | os.PathLike, world_size: int) -> list[dict]:
+    """Every rank's report of a flow script (`_collect.run_flows`: OUT.rank0.json, ...), in rank order.
+
+    Fails naming each rank that wrote none and each flow that raised, with the rank it raised on."""
+    from _collect import rank_path
+
+    reports, summary, tracebacks = [], [], []
+    for rank in range(world_size):
+        file = rank_path(path, rank)
+        report = json.loads(file.read_text()) if file.is_file() else {}
+        if not file.is_file():
+            summary.append(f"rank {rank} wrote no report ({file.name} is missing)")
+        for flow, entry in report.items():
+            if isinstance(entry, dict) and "error" in entry:
+                summary.append(f"flow {flow} raised on rank {rank}")
+                tracebacks.append(f"--- flow {flow} raised on rank {rank}:\n{entry['error']}")
+        reports.append(report)
+    assert not summary, "\n".join(summary + tracebacks)
+    return reports
+
+
+def agreed_report(reports: list[dict], per_rank: Iterable[str] = ()) -> dict:
+    """Rank 0's report, after asserting that every other rank's is equal to it (flows, keys and values),
+    except at the dotted paths `per_rank` ("flow.key": what each rank measures on its own, such as a
+    time), which the tests check on every rank."""
+    skip = set(per_rank)
+    for rank, report in enumerate(reports[1:], start=1):
+        differences = _differences(reports[0], report, "", skip)
+        assert not differences, f"rank {rank}'s report differs from rank 0's:\n" + "\n".join(differences)
+    return reports[0]
+
+
+def _differences(a: Any, b: Any, path: str, skip: set[str]) -> list[str]:
+    """Every dotted path at which the JSON values `a` (rank 0's) and `b` differ, outside `skip`."""
+    if path in skip:
+        return []
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = [f"{path}.{k}: on one rank only" for k in sorted(a.keys() ^ b.keys())]
+        for k in a.keys() & b.keys():
+            out += _differences(a[k], b[k], f"{path}.{k}" if path else k, skip)
+        return sorted(out)
+    return [] if a == b else [f"{path}: rank 0 {a!r}, this rank {b!r}"]
+
+
+def run_script(
+    cmd: list[str], *, cwd: str | os.PathLike, env: dict, timeout: float, reports: tuple[Path, int] | None = None
+) -> None:
+    """Run `cmd` (a launcher starting ranks, or one process); fail with the ends of its output when it
+    exits non-zero or runs past `timeout` (then it is killed with every process under it: torchrun
+    starts its ranks in sessions of their own, which would outlive it and keep its output open).
+    `reports=(OUT.json, world_size)`: the flows that raised on each rank (what the ranks reported
+    until then) are added to the failure."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        failure = f"exited with code {proc.returncode}" if proc.returncode != 0 else None
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid, *_descendants(proc.pid)]:  # found before any is killed (orphans move to init)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        stdout, stderr = proc.communicate()
+        failure = f"ran past its timeout ({timeout:.0f}s), killed with the processes it started"
+    if failure is None:
+        return
+    if reports is not None:
+        try:
+            rank_reports(*reports)
+        except AssertionError as exc:
+            failure += f"; what the ranks reported:\n{exc}"
+    raise AssertionError(f"{cmd} {failure}\n--- stdout:\n{stdout[-3000:]}\n--- stderr:\n{stderr[-5000:]}")
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under `pid` (children, their children, ...), from /proc (none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (name)": state, ppid
+        except (OSError, IndexError, ValueError):  # ended meanwhile
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
+from pathlib import Path
 
 import pytest
-from _harness import DistributedTestError, run_distributed
+from _harness import DistributedTestError, agreed_report, rank_reports, run_distributed, run_script
 
 
 def _sum_ranks():
@@ -115,3 +118,62 @@ def test_a_rank_hanging_while_the_others_exit_as_expected_is_named_as_hung():
     with pytest.raises(DistributedTestError, match="rank 0 hung: still running when the world timed out") as info:
         run_distributed(_rank1_exits_rank0_hangs, 2, timeout=2, exit_codes=143)
     assert "rank 1" not in str(info.value)
+
+
+def _flows_world(out: str) -> None:
+    import torch.distributed as dist
+    from _collect import run_flows
+
+    def same(entry, work):
+        entry["x"] = 1
+
+    def fails_on_rank_1(entry, work):
+        if dist.get_rank() == 1:
+            raise ZeroDivisionError("only on rank one")
+        entry["y"] = 2
+
+    def after(entry, work):
+        entry["z"] = 3
+
+    run_flows([same, fails_on_rank_1, after], out, Path(out).parent)
+    os._exit(0)  # as the scripts' f2.shutdown()
+
+
+def test_a_flow_that_raised_on_rank_1_only_is_reported(tmp_path):
+    """The flow scripts' reports: every rank writes its own, and the test reads them all; a rank whose
+    flow raised stops there, with exit code 1."""
+    out = tmp_path / "flows.json"
+    run_distributed(_flows_world, 2, str(out), timeout=60, exit_codes=[0, 1])
+    with pytest.raises(AssertionError, match=r"(?s)flow fails_on_rank_1 raised on rank 1:.*only on rank one"):
+        rank_reports(out, 2)
+    assert list(json.loads((tmp_path / "flows.rank1.json").read_text())) == ["same", "fails_on_rank_1"]
+    assert json.loads((tmp_path / "flows.rank0.json").read_text())["after"] == {"z": 3}
+    with pytest.raises(AssertionError, match=r"rank 2 wrote no report \(flows.rank2.json is missing\)"):
+        rank_reports(out, 3)
+
+
+def test_rank_reports_must_agree_but_where_each_rank_measures_its_own(tmp_path):
+    out = tmp_path / "flows.json"
+    for rank, seconds in enumerate([0.5, 0.7]):
+        (tmp_path / f"flows.rank{rank}.json").write_text(json.dumps({"flow": {"x": [1, 2], "seconds": seconds}}))
+    reports = rank_reports(out, 2)
+    assert agreed_report(reports, ["flow.seconds"]) == {"flow": {"x": [1, 2], "seconds": 0.5}}
+    with pytest.raises(
+        AssertionError, match="rank 1's report differs from rank 0's:\nflow.seconds: rank 0 0.5, this rank 0.7"
+    ):
+        agreed_report(reports)
+
+
+_LAUNCHER = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)  # as torchrun does
+print("ranks started", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_launcher_past_its_timeout_is_killed_with_the_ranks_it_started(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"(?s)ran past its timeout \(2s\), killed.*ranks started"):
+        run_script([sys.executable, "-c", _LAUNCHER], cwd=tmp_path, env=dict(os.environ), timeout=2)
+    assert time.monotonic() - start < 30  # its rank, still holding the output open, was killed too

@@ -2,8 +2,9 @@
 
 Usage: fabric run --accelerator cpu --devices 2 flows.py OUT.json WORKDIR [FLOW ...]   (default: every flow)
 
-Each flow records its numbers under its own key; an exception is recorded as "error" for that
-flow (the test fails on it) and the next flow runs.
+Each flow records its numbers under its own key. Every rank writes its own report (OUT.rank0.json,
+OUT.rank1.json) after each flow; an exception is recorded as "error" for that flow and ends that rank
+(`_collect.run_flows`): the test fails naming the flow and the rank.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import copy
 import shutil
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _collect, _models, _precision
 
 import torch
+from _collect import run_flows
 from _comm import collective_dtypes, count_collectives
 from _precision import policy_grads, true_precision_update
 from _slow_staging import copied_by, differing, full_state, slow_staging
@@ -32,7 +33,6 @@ from common import (
     params,
     rank_slice,
     reference_steps,
-    write_json,
 )
 from lightning.fabric import Fabric
 from torch import nn
@@ -374,15 +374,7 @@ FLOWS = [parity, accumulation, clipping, precision, meta_init, checkpoints, trai
 
 
 def main(out_path: str, work: str, *names: str) -> None:
-    results = {}
-    for flow in [f for f in FLOWS if not names or f.__name__ in names]:
-        entry: dict = {}
-        try:
-            flow(entry, Path(work))
-        except Exception:
-            entry["error"] = traceback.format_exc()
-        results[flow.__name__] = entry
-    write_json(out_path, results)
+    run_flows([f for f in FLOWS if not names or f.__name__ in names], out_path, Path(work))
     f2.shutdown()
 
 

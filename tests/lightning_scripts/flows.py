@@ -2,8 +2,9 @@
 
 Usage: torchrun --nproc_per_node=2 flows.py OUT.json WORKDIR [SINGLE_PROCESS_CKPT]
 
-Each flow records its numbers under its own key; an exception is recorded as "error" for
-that flow (the test fails on it) and the next flow runs.
+Each flow records its numbers under its own key. Every rank writes its own report (OUT.rank0.json,
+OUT.rank1.json) after each flow; an exception is recorded as "error" for that flow and ends that rank
+(`_collect.run_flows`): the test fails naming the flow and the rank.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import os
 import shutil
 import sys
-import traceback
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _collect, _models, _precision
@@ -22,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _
 import lightning.pytorch as pl
 import torch
 import torch.distributed.checkpoint as dcp
-from _collect import full
+from _collect import full, run_flows
 from _comm import collective_dtypes, count_collectives
 from _models import ResidualBlock
 from _precision import policy_grads, true_precision_update
-from _slow_staging import differing, full_state, slow_staging
+from _slow_staging import copied_by, differing, full_state, slow_staging
 from common import (
     LR,
     LitMLP,
@@ -37,13 +38,13 @@ from common import (
     max_rel_diff,
     reference_step,
     trainer,
-    write_json,
 )
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from resume_flows import resume_other_world_sizes
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -51,7 +52,6 @@ from torch.distributed.tensor import DTensor
 
 import fsdp2_strategy as f2
 from fsdp2_strategy import _torch_compat as tc
-from fsdp2_strategy.checkpoint import read_full_model_state
 from fsdp2_strategy.integrations.lightning import FSDP2MixedPrecision, FSDP2Strategy, FSDP2ThroughputMonitor
 
 BATCH = 4  # per rank
@@ -414,6 +414,7 @@ def checkpoints(out: dict, work: Path) -> None:
     trainer(max_epochs=2, enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=top1, save_top_k=1)]).fit(
         model, loader(BATCH)
     )
+    torch.distributed.barrier()  # rank 0 removes the older directory: every rank lists after it did
     out["top1_listing"] = sorted(p.name for p in top1.iterdir())
 
     explicit = work / "explicit.ckpt"
@@ -620,11 +621,22 @@ def _throughput(out: dict, work: Path) -> None:
 
 class _AtEpochEnd(pl.Callback):
     """Records the whole training state when epoch 0 ends (before ModelCheckpoint saves it: Lightning
-    runs checkpoint callbacks last), whether that save was still uncommitted when the next step began,
-    and the mode of the strategy's background writer."""
+    runs checkpoint callbacks last) and when training ends, when each `strategy.save_checkpoint`
+    returned, whether that save was still uncommitted when the next step began, and the mode of the
+    strategy's background writer."""
 
     def __init__(self, path: Path):
-        self.path, self.state, self.pending_next_step, self.mode = path, None, None, None
+        self.path, self.state, self.final, self.pending_next_step, self.mode = path, None, None, None, None
+        self.save_returned: list[float] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        save = trainer.strategy.save_checkpoint
+
+        def timed(*args, **kwargs):  # what ModelCheckpoint's trainer.save_checkpoint calls
+            save(*args, **kwargs)
+            self.save_returned.append(time.perf_counter())
+
+        trainer.strategy.save_checkpoint = timed
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch == 0:
@@ -635,7 +647,26 @@ class _AtEpochEnd(pl.Callback):
             self.pending_next_step = not self.path.exists()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.final = full_state(pl_module, trainer.optimizers[0])
         self.mode = getattr(trainer.strategy._saver, "mode", None)
+
+
+def _saved_state(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the sharded checkpoint at `path`, whole, named as `full_state` names them: the
+    model's entries by their names, the optimizer's as "optim.<parameter>.<state key>" (every rank
+    reads all of it)."""
+    reader = dcp.FileSystemReader(str(path))
+    saved = reader.read_metadata().state_dict_metadata
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in saved.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load(state, storage_reader=reader)
+    names = {"model.": "", "optimizer_0.state.": "optim."}
+    return {
+        next((new + k[len(old) :] for old, new in names.items() if k.startswith(old)), k): v for k, v in state.items()
+    }
 
 
 def async_checkpoints(out: dict, work: Path) -> None:
@@ -657,9 +688,12 @@ def async_checkpoints(out: dict, work: Path) -> None:
         ).fit(model, loader(BATCH, shuffle=False))
     out["listing"] = sorted(p.name for p in ck.iterdir())
     out["pending_at_next_step"], out["mode"] = probe.pending_next_step, probe.mode
-    saved = read_full_model_state(ck / "epoch=0-step=4.ckpt")
-    params = {k: v for k, v in probe.state.items() if not k.startswith("optim.")}
-    out["saved_differs"] = differing(saved, params)
+    # The epoch-0 save returned before its (held back) copy ended: it did not wait for it.
+    out["copied_before_return"] = copied_by(probe.save_returned[0])
+    # Parameters and optimizer state (momentum), bit for bit those of the save, although epoch 1
+    # changed every one of them.
+    out["saved_differs"] = differing(_saved_state(ck / "epoch=0-step=4.ckpt"), probe.state)
+    out["keys"], out["changed_by_epoch_1"] = sorted(probe.state), differing(probe.final, probe.state)
     out["trained_diff"] = max_rel_diff(full_params(model), full_params(ref))
     resumed, _ = _fresh(seed=7, optimizer="momentum")
     probe = _AtEpochEnd(work / "none")
@@ -722,15 +756,7 @@ FLOWS = [
 
 
 def main(out_path: str, work: str) -> None:
-    result: dict = {}
-    work_dir = Path(work)
-    for flow in FLOWS:
-        result[flow.__name__] = entry = {}
-        try:
-            flow(entry, work_dir)
-        except Exception:
-            entry["error"] = traceback.format_exc()
-    write_json(out_path, result)
+    run_flows(FLOWS, out_path, Path(work))
     f2.shutdown()
 
 
