@@ -188,6 +188,8 @@ _SAVE_PRETRAINED_ERROR = (
 def _guard_save_pretrained(model: nn.Module) -> None:
     """Hugging Face / PEFT `save_pretrained` reads the live (sharded) parameters; with an explicit
     gathered `state_dict` it is fine, without one it raises an error naming what to call instead."""
+    # An instance attribute: neither transformers nor PEFT offers a hook before a save, and the
+    # class (shared with unsharded models) must stay untouched.
     for module in model.modules():
         original = getattr(module, "save_pretrained", None)
         if not callable(original) or getattr(original, "_f2_guarded", False):
