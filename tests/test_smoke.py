@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from _harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -328,9 +329,12 @@ def test_peft_finetune_example_end_to_end(tmp_path):
         timeout=400,
     )
     result = json.loads(next(line for line in out.splitlines() if line.startswith('{"trainer"')))
-    assert result["trainable_params"] < 100_000 and len(result["state_MiB_per_rank"]) == 2
-    # The frozen base in bf16, sharded over 2 ranks: about 22.7 M x 2 bytes / 2.
-    assert 20 < result["state_MiB_per_rank"][0] < 25, result
-    assert result["checkpoint_MiB"] < 3 and result["adapter_MiB"] < 0.5, result
-    # bf16-mixed sharded evaluation vs fp32 PEFT inference: at most one of 8 sentences differs.
-    assert abs(result["accuracy_after"] - result["accuracy_reloaded_adapter"]) <= 1 / 8 + 1e-9, result
+    # What docs/guides/peft.md states for this example (LoRA, Lightning), to its last digit: 74 498 trainable
+    # parameters; a training state of 22.1 MiB on each rank (the frozen base's bf16 half, LoRA, AdamW); a last
+    # checkpoint of 1.24 MiB with an adapter file of 0.29 MiB; "the reloaded adapter gives the trained
+    # model's accuracy exactly".
+    assert result["trainable_params"] == 74_498, result
+    assert result["state_MiB_per_rank"] == [pytest.approx(22.1, abs=0.05)] * 2, result
+    assert result["checkpoint_MiB"] == pytest.approx(1.24, abs=0.005), result
+    assert result["adapter_MiB"] == pytest.approx(0.29, abs=0.005), result
+    assert result["accuracy_reloaded_adapter"] == result["accuracy_after"], result

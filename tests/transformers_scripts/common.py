@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _coll
 
 from _collect import full_params, gather, write_json  # noqa: E402,F401
 from _models import word_tokenizer  # noqa: E402,F401
+from _precision import cast_copy, policy_grads  # noqa: E402,F401
 
 import fsdp2_strategy as f2  # noqa: E402
 

@@ -21,10 +21,12 @@ from common import (
     Tokens,
     args,
     bert,
+    cast_copy,
     checkpoint_args,
     full_params,
     gather,
     main,
+    policy_grads,
     reference_sgd,
     vector_rel_diff,
 )
@@ -157,20 +159,46 @@ def checkpoints(entry: dict, work: Path) -> None:
     entry["committed_run2"] = sorted(committed_checkpoints(run2))
 
 
+BF16_LR = 1.0  # large enough that the second step's loss shows the first step's update
+
+
 def bf16(entry: dict, work: Path) -> None:
-    """bf16=True: the FSDP2 bf16 policy (bf16 compute, fp32 parameters), no autocast."""
+    """bf16=True: the FSDP2 bf16 policy (bf16 compute, fp32 parameters and gradient reduction), no
+    autocast; the losses of two SGD steps against the policy written out in one process on the samples
+    each rank saw (tests/_precision.py: each rank's batch on a bf16 copy, fp32 gradients averaged)."""
     model = bert(0)
-    dtypes = []
+    initial, data = copy.deepcopy(model), Tokens(8, 5)
+    dtypes, seen = [], []
     model.classifier.register_forward_pre_hook(lambda m, inp: dtypes.append(str(inp[0].dtype)))
-    trainer = FSDP2Trainer(
-        model=model, args=args(work / "bf16", bf16=True, use_cpu=True, max_steps=2), train_dataset=Tokens(8, 5)
-    )
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append((kwargs["input_ids"][:, 0] - 10).tolist()), with_kwargs=True
+    )  # token 0 of sample i is 10 + i
+    training_args = args(
+        work / "bf16", bf16=True, use_cpu=True, max_steps=2, learning_rate=BF16_LR, max_grad_norm=0.0
+    )  # max_grad_norm=0: no clipping, which would hide a wrong scale of the gradients
+    trainer = FSDP2Trainer(model=model, args=training_args, train_dataset=data)
     entry["accelerator_precision"] = trainer.accelerator.mixed_precision
     entry["policy"] = str(trainer.accelerator.fsdp2_config.mixed_precision)
     out = trainer.train()
     entry["train_loss"] = out.training_loss
+    entry["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     entry["compute_dtypes"] = sorted(set(dtypes))
     entry["param_dtypes"] = sorted({str(p.dtype) for p in trainer.model.parameters()})
+
+    def loss(low, ids, labels):
+        return low(input_ids=ids, labels=labels).loss
+
+    ref, ref_losses = copy.deepcopy(initial), []
+    for step_samples in zip(*gather(seen)):  # each step: every rank's samples
+        batches = [[(data.x[rows], data.y[rows])] for rows in step_samples]
+        with torch.no_grad():
+            low = cast_copy(ref, torch.bfloat16)
+            ref_losses.append(sum(loss(low, *b[0]).item() for b in batches) / len(batches))  # the logged mean
+        grads = policy_grads(ref, batches, loss, torch.bfloat16)
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                p -= BF16_LR * grads[name]
+    entry["ref_losses"] = ref_losses
 
 
 class _SignalRank1(transformers.TrainerCallback):

@@ -6,12 +6,27 @@ Usage: accelerate launch --config_file fsdp2_full.yaml flows_full.py OUT.json WO
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import transformers
-from common import Snapshots, Tokens, args, bert, checkpoint_args, full_params, main, vector_rel_diff, word_tokenizer
+from common import (
+    Snapshots,
+    Tokens,
+    args,
+    bert,
+    cast_copy,
+    checkpoint_args,
+    full_params,
+    gather,
+    main,
+    policy_grads,
+    reference_sgd,
+    vector_rel_diff,
+    word_tokenizer,
+)
 
 from fsdp2_strategy.integrations.transformers import (
     FSDP2Trainer,
@@ -54,19 +69,24 @@ def full_state_dict(entry: dict, work: Path) -> None:
 
 
 def peft_lora(entry: dict, work: Path) -> None:
-    """A LoRA model trains through FSDP2Trainer and save_model() writes an adapter PeftModel loads."""
+    """A LoRA model trains through FSDP2Trainer like one process (the adapters and the classifier copy,
+    against SGD on the same global batches) and save_model() writes an adapter PeftModel loads."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], task_type="SEQ_CLS")
     model = get_peft_model(bert(0), lora)
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
-    trainer = FSDP2Trainer(
-        model=model, args=args(work / "peft", max_steps=3, learning_rate=0.5), train_dataset=Tokens(12, 2)
-    )
+    initial, data = copy.deepcopy(model), Tokens(12, 2)
+    training_args = args(work / "peft", max_steps=3, learning_rate=0.5, train_sampling_strategy="sequential")
+    trainer = FSDP2Trainer(model=model, args=training_args, train_dataset=data)
     trainer.train()
     after = full_params(trainer.model)
-    moved = [(after[n] - b).norm().item() for n, b in before.items()]
-    entry["lora_B_moved"] = [min(moved), max(moved)]
+    # 3 steps of 2 per device x 2 processes, clipped at the default max_grad_norm=1.0, in one process.
+    want, _, _ = reference_sgd(initial, data, 3, 4, 0.5, training_args.max_grad_norm)
+    start = {n: p.detach() for n, p in initial.named_parameters()}
+    trained = [n for n, p in initial.named_parameters() if p.requires_grad]
+    entry["trained"] = trained
+    entry["update_rel_diff"] = vector_rel_diff(*({n: d[n] for n in trained} for d in (after, want, start)))
+    entry["update_size"] = vector_rel_diff({n: start[n] for n in trained}, {n: want[n] for n in trained})
     entry["frozen_unchanged"] = max(
         (after[n] - p.detach()).abs().max().item()
         for n, p in get_peft_model(bert(0), lora).named_parameters()
@@ -82,8 +102,43 @@ def peft_lora(entry: dict, work: Path) -> None:
         entry["adapter_tensors"] = len(trained)
 
 
+SFT_LR = 0.5
+
+
+def _sft_reference(initial: torch.nn.Module, fed: list, sft_args) -> tuple[list[float], dict]:
+    """What SFTTrainer's steps promise, written out in one process: per step, the loss is the mean over
+    every label token of the global batch (each rank's batch as the model received it); the gradients
+    are those of each rank's batch on a bf16 copy (the bf16 policy, tests/_precision.py), summed in fp32
+    and divided by the global token count; SGD. Returns the losses and the parameters."""
+    import torch.nn.functional as F
+
+    ref = copy.deepcopy(initial)
+    opt = torch.optim.SGD(ref.parameters(), lr=sft_args.learning_rate)
+    dtype = torch.bfloat16 if sft_args.bf16 else torch.float32
+
+    def loss(low, batch, scale):  # a rank's summed token losses x scale
+        logits = low(**{k: v for k, v in batch.items() if k != "labels"}).logits[:, :-1]
+        labels = batch["labels"][:, 1:]  # -100 (padding) is ignored
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum") * scale
+
+    losses = []
+    for batches in zip(*gather(fed)):  # each step: every rank's batch
+        # / the global token count, x ranks: policy_grads averages over the ranks.
+        scale = len(batches) / sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+        with torch.no_grad():
+            low = cast_copy(ref, dtype)
+            losses.append(sum(loss(low, b, scale).item() for b in batches) / len(batches))
+        grads = policy_grads(ref, [[(b, scale)] for b in batches], loss, dtype)
+        for name, p in ref.named_parameters():
+            p.grad = grads[name]
+        opt.step()
+        opt.zero_grad()
+    return losses, {n: p.detach() for n, p in ref.named_parameters()}
+
+
 def sft(entry: dict, work: Path) -> None:
-    """TRL's SFTTrainer through fsdp2_trainer() on a tiny Llama: loss finite and falling, weights moved."""
+    """TRL's SFTTrainer through fsdp2_trainer() on a tiny Llama: its losses and weights against the same
+    steps written out in one process (`_sft_reference`), on the batches each rank's model received."""
     import trl
     from datasets import Dataset
 
@@ -101,14 +156,20 @@ def sft(entry: dict, work: Path) -> None:
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    initial, fed = copy.deepcopy(model), []
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: fed.append({k: v for k, v in kwargs.items() if k != "num_items_in_batch"}),
+        with_kwargs=True,
+    )
     texts = ["the cat sat on the mat", "a dog ran under the log", "the big red dog sat", "a small blue cat ran"]
     dataset = Dataset.from_dict({"text": texts * 4})
     sft_args = trl.SFTConfig(
         output_dir=str(work / "sft"),
         max_steps=8,
         per_device_train_batch_size=2,
-        learning_rate=3e-3,
+        optim="sgd",  # (not TRL's AdamW): its update scales with the gradients, so the reference sees their size
+        learning_rate=SFT_LR,
+        max_grad_norm=0.0,  # no clipping either, for the same reason
         lr_scheduler_type="constant",
         logging_steps=1,
         report_to=[],
@@ -124,7 +185,11 @@ def sft(entry: dict, work: Path) -> None:
     entry["accelerator"] = type(trainer.accelerator).__name__
     trainer.train()
     entry["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    entry["moved"] = vector_rel_diff(full_params(trainer.model), start)  # ||got - start|| / ||start||
+    entry["ref_losses"], want = _sft_reference(initial, fed, sft_args)
+    start = {n: p.detach() for n, p in initial.named_parameters()}
+    entry["update_rel_diff"] = vector_rel_diff(full_params(trainer.model), want, start)
+    entry["update_size"] = vector_rel_diff(start, want)
+    entry["fed_keys"] = sorted(fed[0])
     out = work / "sft_saved"
     trainer.save_model(str(out))
     if _rank0():
