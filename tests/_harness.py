@@ -102,7 +102,7 @@ def _worker(
         data = pickle.dumps(payload)
     except Exception:
         data = pickle.dumps(("ok", repr(payload[1])))
-    with open(os.path.join(outdir, f"rank{rank}.pkl"), "wb") as f:
+    with open(_result_path(outdir, rank), "wb") as f:
         f.write(data)
     if code == 0 and dist.is_initialized():
         try:
@@ -152,13 +152,18 @@ def run_distributed(
             p.start()
             procs.append(p)
 
-        def problem(rank: int, written: tuple | None = None, hung_why: str | None = None) -> str | None:
-            """What went wrong with `rank`, given what it `written` (None: read it now); None: nothing,
-            or it is still running and `hung_why` is None."""
+        def ended_badly(rank: int) -> bool:
+            """Whether `rank` ended with another code than expected, or (by default) without a result."""
+            code = procs[rank].exitcode  # before looking for the result: a rank writes it, then exits
+            if code is None:
+                return False
+            return code != expected[rank] or (exit_codes is None and not os.path.exists(_result_path(outdir, rank)))
+
+        def problem(rank: int, written: tuple, hung_why: str | None) -> str | None:
+            """What went wrong with `rank`, which wrote `written` (`_read`) and is still running if
+            `hung_why` says why it was killed; None: nothing."""
             code, want = procs[rank].exitcode, expected[rank]
-            if code is None and hung_why is None:
-                return None
-            status, value = written or _read(outdir, rank)
+            status, value = written
             if hung_why is not None:
                 return f"rank {rank} {'returned, then ' if status == 'ok' else ''}hung: still running {hung_why}"
             if status == "error":
@@ -174,7 +179,7 @@ def run_distributed(
         limit = timeout + min(10.0, timeout)
         deadline, why = time.monotonic() + limit, f"when the world timed out after {limit:.0f}s"
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            bad = [r for r in range(world_size) if problem(r) is not None]
+            bad = [r for r in range(world_size) if ended_badly(r)]
             if bad and deadline > time.monotonic() + grace:
                 # The others get `grace` seconds to end on their own (and report their own errors).
                 deadline, why = time.monotonic() + grace, f"{grace:.0f}s after rank {bad[0]} went wrong"
@@ -191,10 +196,14 @@ def run_distributed(
         return [value if status == "ok" else None for status, value in written]
 
 
+def _result_path(outdir: str, rank: int) -> str:
+    return os.path.join(outdir, f"rank{rank}.pkl")
+
+
 def _read(outdir: str, rank: int) -> tuple[str | None, Any]:
     """What `rank` wrote: ("ok", its result), ("error", its traceback), or (None, None): nothing."""
     try:
-        with open(os.path.join(outdir, f"rank{rank}.pkl"), "rb") as f:
+        with open(_result_path(outdir, rank), "rb") as f:
             return pickle.load(f)
     except (FileNotFoundError, EOFError):  # not written (an EOFError: killed while writing it)
         return None, None
