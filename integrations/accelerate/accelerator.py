@@ -19,7 +19,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 import fsdp2_strategy as f2
-from fsdp2_strategy.checkpoint import peft_models
+from fsdp2_strategy.checkpoint import AsyncSaver, make_saver, peft_models
 from fsdp2_strategy.choose import resolve_on_process_group
 from fsdp2_strategy.distributed import log_rank_zero
 from fsdp2_strategy.shard import shard_with_rank0_weights
@@ -147,6 +147,8 @@ class FSDP2Accelerator(Accelerator):
         fsdp_plugin.claim()
         # SIGTERM on any process becomes Accelerate's own cross-process flag (`check_trigger`).
         self._preemption = f2.PreemptionWatch() if self._fsdp2_config.checkpoint_on_preemption else None
+        # The background writer of `checkpoint_async_save` (None: `save_state` writes before it returns).
+        self._checkpoint_saver: AsyncSaver | None = make_saver(self._fsdp2_config.checkpoint_async_save)
         compat.claim_fsdp_state(self.state, fsdp_plugin, fsdp_plugin.accelerate_precision)
         if fsdp_plugin.accelerate_precision == "fp16":
             # fp16 gradients overflow: a scaler that agrees on inf/NaN across ranks (the sharded

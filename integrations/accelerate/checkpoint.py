@@ -31,10 +31,8 @@ from torch import nn
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.checkpoint import (
-    AsyncSaver,
     Models,
     Optimizers,
-    make_saver,
     owning_models,
     sharded_state,
     write_model_view,
@@ -124,7 +122,7 @@ def save_state(
         add_files=functools.partial(_accelerate_files, acc, safe_serialization),
         complete=functools.partial(_add_views, acc, len(models)),
         replace=not automatic,  # an explicit directory is replaced whole, never mixed
-        saver=checkpoint_saver(acc),
+        saver=acc._checkpoint_saver,
         models=models,
         on_commit=functools.partial(_after_commit, acc, automatic, on_commit),
     )
@@ -178,18 +176,10 @@ def _after_commit(acc: Accelerator, automatic: bool, on_commit: Callable[[Path],
         on_commit(path)
 
 
-def checkpoint_saver(acc: Accelerator) -> AsyncSaver | None:
-    """The accelerator's background writer for `FSDP2Config.checkpoint_async_save` (None: synchronous)."""
-    if not hasattr(acc, "_fsdp2_saver"):
-        acc._fsdp2_saver = make_saver(acc.fsdp2_config.checkpoint_async_save)
-    return acc._fsdp2_saver
-
-
 def wait_for_checkpoint(acc: Accelerator) -> None:
     """Collective: commit a `save_state` still being written in the background."""
-    saver = getattr(acc, "_fsdp2_saver", None)
-    if saver is not None:
-        saver.wait()
+    if acc._checkpoint_saver is not None:
+        acc._checkpoint_saver.wait()
 
 
 def resolve_load_dir(acc: Accelerator, input_dir: str | os.PathLike | None) -> Path:
