@@ -25,7 +25,7 @@ from .estimate import MemoryEstimate, StrategyComparison, estimate_memory
 from .fsdp1 import fully_shard
 from .migrate import DeepSpeedTranslation, translate_deepspeed
 from .preemption import PREEMPTION_EXIT_CODE, PreemptionWatch
-from .shard import ShardingPlan, replicate, sharding_plan
+from .shard import ShardingPlan, gathered, replicate, sharding_plan
 from .train import (
     AccumulationMode,
     EngineState,
@@ -77,6 +77,7 @@ __all__ = [
     "export_peft",
     "flops_per_token",
     "fully_shard",
+    "gathered",
     "init_distributed",
     "inspect_checkpoint",
     "load_full_weights",

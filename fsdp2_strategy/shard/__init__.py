@@ -6,6 +6,7 @@ Imports the base modules, `train` and `estimate` (for `sharding_strategy="auto"`
 what other packages and the adapters use.
 """
 
+from .gathered import gathered
 from .materialize import copy_from_full, has_meta_tensors, local_region, local_tensor
 from .quantised import quantised_param_names
 from .rank0_weights import shard_with_rank0_weights
@@ -19,6 +20,7 @@ __all__ = [
     "RingReduceScatter",
     "ShardingPlan",
     "copy_from_full",
+    "gathered",
     "has_meta_tensors",
     "local_region",
     "local_tensor",

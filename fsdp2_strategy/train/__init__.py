@@ -8,6 +8,7 @@ Imports only the base modules of the core. `__all__` is what other packages and 
 from .accumulation import mode_of, no_sync, record_mode, set_gradient_sync
 from .accumulation_mode import DEFAULT_MODE, MODES, AccumulationMode, accumulation_mode
 from .clipping import clip_grad_norm_, clip_grad_value_
+from .kept_gathered import KeptGroups
 from .optimizer import check_optimizer, mark_replaced_params, parameters_by_name, rebind_optimizer
 from .replicated import SCALAR_REASON, ReplicatedParams, find_scalar_params
 from .resharding import reshard
@@ -35,6 +36,7 @@ __all__ = [
     "DEFAULT_MODE",
     "MODES",
     "EngineState",
+    "KeptGroups",
     "SCALAR_REASON",
     "ReplicatedParams",
     "check_optimizer",

@@ -30,8 +30,9 @@ class KeptGroups:
         groups = [g for m in modules for g in tc.param_groups(m)]
         self.gather_up_front = any(KEEP_GATHERED.gathers_up_front(g.device.type) for g in groups)
 
-    def keep(self) -> None:
-        """Every group stays gathered until the last backward; on CPU, all are gathered now.
+    def keep(self, gather_now: bool | None = None) -> None:
+        """Every group stays gathered until the last backward; on CPU (or with `gather_now`), all are
+        gathered now.
 
         Why up front on CPU: the first forward of a step otherwise runs one all-gather per group,
         each a blocking exchange with the other ranks in turn; started together they stream back
@@ -49,7 +50,7 @@ class KeptGroups:
             module.set_reshard_after_backward(False, recurse=False)
             for group in tc.param_groups(module):
                 tc.set_post_forward_mesh_info(group, None)  # what set_reshard_after_forward(False) writes
-        if self.gather_up_front:
+        if self.gather_up_front if gather_now is None else gather_now:
             for handle in [module.unshard(async_op=True) for module in self.modules]:
                 if handle is not None:  # always a handle with async_op=True
                     handle.wait()

@@ -1,0 +1,137 @@
+"""`f2.gathered`: generation on a sharded model without an all-gather per token.
+
+One 2-rank world decodes greedily with a hand-written loop (TinyGPT) and with Hugging Face
+`generate` (a tiny Llama built from a config), each on the sharded model outside the context, inside
+it, and on one unsharded copy; it counts the collectives per generated token and checks that the
+model trains as before afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _comm import count_collectives
+from _harness import run_agreeing
+from _models import TinyGPT, loss_fn, make_batch
+
+NEW = 8  # generated tokens per run
+
+
+def _greedy(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
+    idx = prompt
+    with torch.no_grad():
+        for _ in range(new):
+            idx = torch.cat([idx, model(idx)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx
+
+
+def _gathers(counts) -> int:
+    return counts["all_gather_single"] + counts["all_gather_into_tensor"]
+
+
+def _tiny_llama():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _generation_world():
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import fsdp2_strategy as f2
+
+    out = {}
+    torch.manual_seed(0)
+    ref = TinyGPT(layers=3, seq=16)
+    prompt = torch.randint(0, 64, (2, 4))
+    out["reference"] = _greedy(ref, prompt, NEW).tolist()
+    model = f2.shard_model(copy.deepcopy(ref), log_plan=False)
+    with count_collectives() as outside:
+        out["outside"] = _greedy(model, prompt, NEW).tolist()
+    with count_collectives() as entering, f2.gathered(model):
+        with count_collectives() as inside:
+            out["inside"] = _greedy(model, prompt, NEW).tolist()
+    out["gathers_outside"], out["gathers_inside"] = _gathers(outside), _gathers(inside)
+    out["gathers_entering"] = _gathers(entering) - _gathers(inside)
+    out["sharded_after"] = all(isinstance(p, DTensor) for p in model.parameters())
+    # Training after the context is as before: the same loss and gradients as a fresh sharded copy.
+    fresh = f2.shard_model(copy.deepcopy(ref), log_plan=False)
+    idx, target = make_batch(n=4)
+    mine = slice(dist.get_rank() * 2, dist.get_rank() * 2 + 2)
+    losses = []
+    for m in (model, fresh):
+        with count_collectives() as step:
+            loss = loss_fn(m, idx[mine], target[mine])
+            loss.backward()
+        losses.append((loss.item(), dict(step)))
+    # Each rank its own micro-batch: compared rank by rank, the collectives alike on every rank.
+    out["train_after_same_loss"] = losses[0][0] == losses[1][0]
+    out["train_after_collectives"] = (losses[0][1], losses[1][1])
+
+    # An exception inside the context: every group resharded, the next forward as usual.
+    try:
+        with f2.gathered(model):
+            model(prompt)
+            raise RuntimeError("user error while generating")
+    except RuntimeError:
+        pass
+    out["sharded_after_error"] = all(isinstance(p, DTensor) for p in model.parameters())
+    # Over the memory budget: nothing held (a warning says so), the tokens the same.
+    with f2.gathered(model, memory_budget=1024), count_collectives() as over:
+        out["over_budget"] = _greedy(model, prompt, NEW).tolist()
+    out["gathers_over_budget"] = _gathers(over)
+
+    # Hugging Face generate on a tiny Llama, greedy.
+    llama = _tiny_llama()
+    ids = torch.randint(0, 64, (1, 5))
+    out["hf_reference"] = llama.generate(ids, max_new_tokens=NEW, do_sample=False).tolist()
+    sharded = f2.shard_model(copy.deepcopy(llama), log_plan=False)
+    with count_collectives() as hf_outside:
+        out["hf_outside"] = sharded.generate(ids, max_new_tokens=NEW, do_sample=False).tolist()
+    with f2.gathered(sharded), count_collectives() as hf_inside:
+        out["hf_inside"] = sharded.generate(ids, max_new_tokens=NEW, do_sample=False).tolist()
+    out["hf_gathers_outside"], out["hf_gathers_inside"] = _gathers(hf_outside), _gathers(hf_inside)
+    out["hf_groups"] = len(f2.sharding_plan(sharded).groups)
+    return out
+
+
+@pytest.fixture(scope="module")
+def generation():
+    return run_agreeing(_generation_world, 2, timeout=300)
+
+
+def test_tokens_equal_one_process_inside_and_outside(generation):
+    r = generation
+    assert r["inside"] == r["outside"] == r["reference"]
+    assert r["hf_inside"] == r["hf_outside"] == r["hf_reference"]
+
+
+def test_no_collective_per_token_inside_the_context(generation):
+    r = generation
+    # Outside: every forward gathers the groups FSDP reshards after forward (TinyGPT: 3 blocks, the
+    # last kept, the root kept: 2 per token, 2 x 8 + the first forward's 2 others); inside: none. On
+    # entering, one all-gather for each group not gathered yet: the forward-only passes before left
+    # the root and the last block gathered, so 2.
+    assert r["gathers_outside"] == 2 * NEW + 2 and r["gathers_inside"] == 0, r
+    assert r["gathers_entering"] == 2, r
+    assert r["hf_gathers_outside"] >= NEW and r["hf_gathers_inside"] == 0, r
+
+
+def test_model_is_sharded_and_trains_as_before_after_the_context(generation):
+    r = generation
+    assert r["sharded_after"] and r["sharded_after_error"]
+    step, fresh_step = r["train_after_collectives"]
+    assert r["train_after_same_loss"] and step == fresh_step, r["train_after_collectives"]
+
+
+def test_over_the_budget_nothing_is_held(generation):
+    r = generation
+    assert r["over_budget"] == r["reference"] and r["gathers_over_budget"] == r["gathers_outside"]
