@@ -98,7 +98,11 @@ def _generation_world():
         out["hf_outside"] = sharded.generate(ids, max_new_tokens=NEW, do_sample=False).tolist()
     with f2.gathered(sharded), count_collectives() as hf_inside:
         out["hf_inside"] = sharded.generate(ids, max_new_tokens=NEW, do_sample=False).tolist()
+    with f2.gathered(sharded), count_collectives() as hf_unsynced:
+        out["hf_unsynced"] = sharded.generate(ids, max_new_tokens=NEW, do_sample=False, synced_gpus=False).tolist()
     out["hf_gathers_outside"], out["hf_gathers_inside"] = _gathers(hf_outside), _gathers(hf_inside)
+    out["hf_synced_all_reduces"] = hf_inside["all_reduce"]
+    out["hf_unsynced_collectives"] = sum(hf_unsynced.values())
     out["hf_groups"] = len(f2.sharding_plan(sharded).groups)
     return out
 
@@ -111,7 +115,7 @@ def generation():
 def test_tokens_equal_one_process_inside_and_outside(generation):
     r = generation
     assert r["inside"] == r["outside"] == r["reference"]
-    assert r["hf_inside"] == r["hf_outside"] == r["hf_reference"]
+    assert r["hf_inside"] == r["hf_outside"] == r["hf_unsynced"] == r["hf_reference"]
 
 
 def test_no_collective_per_token_inside_the_context(generation):
@@ -123,6 +127,9 @@ def test_no_collective_per_token_inside_the_context(generation):
     assert r["gathers_outside"] == 2 * NEW + 2 and r["gathers_inside"] == 0, r
     assert r["gathers_entering"] == 2, r
     assert r["hf_gathers_outside"] >= NEW and r["hf_gathers_inside"] == 0, r
+    # generate's synced_gpus (True by default on a sharded model): one all-reduce per step to stop
+    # together; inside the context ranks need not stay in step, and with False no collective is left.
+    assert r["hf_synced_all_reduces"] >= NEW and r["hf_unsynced_collectives"] == 0, r
 
 
 def test_model_is_sharded_and_trains_as_before_after_the_context(generation):

@@ -48,9 +48,10 @@ def gathered(*models: nn.Module, memory_budget: int | str | None = None) -> Iter
 
     Every rank must enter and leave it together (the first gather and the last reshard are
     collective); inside, forwards run without collectives, so ranks may even generate different
-    lengths. Use it around `model.generate(...)` or a hand-written decoding loop, not around
-    training steps (gradients would not be reduced differently, but every group would stay gathered
-    through backward).
+    lengths: pass Hugging Face `generate` `synced_gpus=False` (its default on a sharded model is True,
+    one all-reduce per token so that every rank runs the same number of forwards, which only a
+    sharded forward needs). Use it around `model.generate(...)` or a hand-written decoding loop, not
+    around training steps (every group would stay gathered through backward).
 
     Args:
         *models: Models `shard_model` sharded (a model without FSDP groups is left as it is).
@@ -62,7 +63,7 @@ def gathered(*models: nn.Module, memory_budget: int | str | None = None) -> Iter
     Example:
         ```python
         with f2.gathered(model), torch.no_grad():
-            tokens = model.generate(input_ids, max_new_tokens=64)
+            tokens = model.generate(input_ids, max_new_tokens=64, synced_gpus=False)
         ```
     """
     budget = parse_bytes(memory_budget, "gathered(memory_budget)") or default_budget(_local_ranks())
