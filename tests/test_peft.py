@@ -93,6 +93,8 @@ def padded_numel(p: torch.Tensor, world: int) -> int:
 
 
 def _lora_world(tmp: str) -> dict:
+    from torch.distributed.tensor import DTensor
+
     tmp_path = Path(tmp)
     rank = torch.distributed.get_rank()
     world = torch.distributed.get_world_size()
@@ -132,6 +134,26 @@ def _lora_world(tmp: str) -> dict:
         out["guard"] = str(exc)
     f2.save_peft_adapter(model, tmp_path / "adapter")
     f2.save_merged(model, tmp_path / "merged")
+    # The weight stream an inference engine loads: merged per layer as it goes, one gather per tensor.
+    gathers, full_tensor = [], DTensor.full_tensor
+    DTensor.full_tensor = lambda self, *a, **kw: gathers.append(1) or full_tensor(self, *a, **kw)
+    try:
+        stream = f2.full_weights(model, device="cpu")
+        out["stream_gathers_before_first"] = len(gathers)
+        first = next(stream)
+        out["stream_gathers_for_first"] = len(gathers)
+        streamed = dict([first, *stream])
+    finally:
+        DTensor.full_tensor = full_tensor
+    merged_ref = copy.deepcopy(ref).merge_and_unload().state_dict()
+    out["stream_names"] = sorted(streamed) == sorted(merged_ref)
+    out["stream_err"] = max(rel_diff(streamed[n], merged_ref[n]) for n in merged_ref)
+    plain = tiny_bert()
+    plain_sharded = f2.shard_model(copy.deepcopy(plain), log_plan=False)
+    plain_stream = dict(f2.full_weights(plain_sharded))
+    out["plain_stream_exact"] = plain_stream.keys() == plain.state_dict().keys() and all(
+        torch.equal(plain_stream[k], v) for k, v in plain.state_dict().items()
+    )
 
     # 3. Trainable-only checkpoint ("auto" for PEFT): resume continues exactly; another base is refused.
     ckpt = f2.Checkpointer(tmp_path / "ckpt")
@@ -223,6 +245,16 @@ def _reference(steps: int = STEPS):
     ref = lora(tiny_bert())
     train(ref, sgd(ref), ids, labels, steps)
     return ref.eval(), ids
+
+
+def test_full_weight_stream_is_the_merged_model_one_tensor_at_a_time(lora_world):
+    _, results = lora_world
+    for rank, r in enumerate(results):
+        # The same names and values as PEFT's merge_and_unload of the one-process run (trained alike).
+        assert r["stream_names"] and r["stream_err"] < TOL, (rank, r["stream_err"])
+        # Lazy: nothing gathered by the call, one tensor for the first item (the embedding).
+        assert (r["stream_gathers_before_first"], r["stream_gathers_for_first"]) == (0, 1), (rank, r)
+        assert r["plain_stream_exact"], rank
 
 
 def test_adapter_and_merged_weights_load_in_peft_and_transformers(lora_world, tmp_path):

@@ -16,7 +16,7 @@ from .async_save import AsyncSaver, make_saver
 from .checkpointer import Checkpointer, load_step_dir, step_dir_name
 from .export import export_full, inspect_checkpoint, read_full_model_state, write_model_view
 from .full_weights import load_full_weights
-from .peft import peft_models, save_merged, save_peft_adapter
+from .peft import full_weights, peft_models, save_merged, save_peft_adapter
 from .peft_export import export_peft
 from .state import (
     Models,
@@ -47,6 +47,7 @@ __all__ = [
     "owning_models",
     "peft_models",
     "read_full_model_state",
+    "full_weights",
     "save_merged",
     "save_peft_adapter",
     "saves_trainable_only",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -160,10 +161,67 @@ def lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out:
 
 
 # ---------------------------------------------------------------------- live model (collective)
-def _full(t: torch.Tensor) -> torch.Tensor:
-    """Collective for a DTensor: the whole tensor on CPU (every rank)."""
+def _full(t: torch.Tensor, device: torch.device | str | None = "cpu") -> torch.Tensor:
+    """Collective for a DTensor: the whole tensor on every rank, on `device` (None: where it is)."""
     t = t.detach()
-    return (t.full_tensor() if isinstance(t, DTensor) else t).cpu()
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    return full if device is None else full.to(device)
+
+
+def full_weights(
+    model: nn.Module, *, adapter_name: str = "default", device: torch.device | str | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: `(name, full tensor)` for every weight of a sharded model, one tensor gathered at a
+    time, under the Hugging Face names, for an inference engine's weight loading (vLLM's
+    `load_weights`, TRL's weight sync) or a writer.
+
+    A PEFT model's weights come merged, each LoRA delta added to its base weight as the layer is
+    reached (`merge_and_unload` semantics: `W + scaling * B @ A`, summed in fp32, the weight's dtype
+    kept), under the base model's names: the merged model never exists in memory, only one tensor.
+    Every rank must consume the whole iterator, in step (each item is an all-gather); each rank
+    receives every tensor.
+
+    Args:
+        model: The sharded model, a `PeftModel`, or a module holding one.
+        adapter_name: The adapter whose deltas are merged (PEFT models).
+        device: Where the tensors are delivered (None: the parameters' device).
+
+    Yields:
+        `(name, tensor)` in the model's state-dict order.
+
+    Raises:
+        ValueError: A LoRA layer of the adapter cannot be merged (DoRA, embeddings, convolutions, a
+            quantised base): raised by the call, before any tensor is gathered.
+
+    Example:
+        ```python
+        llm.load_weights(f2.full_weights(model))  # on the rank that holds the engine; every rank iterates
+        ```
+    """
+    found_peft = peft_models(model)
+    if not found_peft:
+        return ((name, _full(value, device)) for name, value in model.state_dict().items())
+    peft_model = found_peft[0][1]
+    found = lora_layers(peft_model, adapter_name)
+    check_mergeable({name: why for name, (_, why) in found.items()})
+    return _merged_weights(peft_model, {name: layer for name, (layer, _) in found.items()}, adapter_name, device)
+
+
+def _merged_weights(
+    peft_model: Any, layers: dict[str, Any], adapter_name: str, device: torch.device | str | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for key, value in peft_model.get_base_model().state_dict().items():
+        name = merged_name(key, adapter_name)
+        if name is None:
+            continue
+        tensor = _full(value, device)
+        layer = layers.get(key.removesuffix(".base_layer.weight")) if key.endswith(".base_layer.weight") else None
+        if layer is not None:
+            a = _full(layer.lora_A[adapter_name].weight, tensor.device)
+            b = _full(layer.lora_B[adapter_name].weight, tensor.device)
+            delta = lora_delta(a, b, float(layer.scaling[adapter_name]), getattr(layer, "fan_in_fan_out", False))
+            tensor = (tensor.float() + delta).to(tensor.dtype)
+        yield name, tensor
 
 
 def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike, *, adapter_name: str = "default") -> Path:
@@ -231,25 +289,12 @@ def save_merged(
             (DoRA, embeddings, convolutions, a quantised base).
     """
     _, peft_model = find_peft_model(model)
-    found = lora_layers(peft_model, adapter_name)
-    check_mergeable({name: why for name, (_, why) in found.items()})
-    layers = {name: layer for name, (layer, _) in found.items()}
     base = peft_model.get_base_model()
     state = base.state_dict()
     names = {k: merged_name(k, adapter_name) for k in state}
     sizes = {name: _nbytes(state[k]) for k, name in names.items() if name is not None}
     writer = ShardWriter(Path(out_dir), sizes, max_shard_size) if rank() == 0 else None
-
-    for key, value in state.items():
-        name = names[key]
-        if name is None:
-            continue
-        tensor = _full(value)
-        layer = layers.get(key.removesuffix(".base_layer.weight")) if key.endswith(".base_layer.weight") else None
-        if layer is not None:
-            a, b = _full(layer.lora_A[adapter_name].weight), _full(layer.lora_B[adapter_name].weight)
-            delta = lora_delta(a, b, float(layer.scaling[adapter_name]), getattr(layer, "fan_in_fan_out", False))
-            tensor = (tensor.float() + delta).to(tensor.dtype)
+    for name, tensor in full_weights(peft_model, adapter_name=adapter_name, device="cpu"):
         if writer is not None:
             writer.add(name, tensor)
     if writer is not None:
@@ -257,7 +302,7 @@ def save_merged(
         save_config = getattr(getattr(base, "config", None), "save_pretrained", None)
         if callable(save_config):
             save_config(str(out_dir))
-        logger.info("Saved merged weights (%d LoRA layers) to %s", len(layers), out_dir)
+        logger.info("Saved merged weights (%d LoRA layers) to %s", len(lora_layers(peft_model, adapter_name)), out_dir)
     barrier()
     return Path(out_dir)
 
