@@ -294,18 +294,104 @@ def _differences(a: Any, b: Any, path: str, skip: set[str]) -> list[str]:
     return [] if a == b else [f"{path}: rank 0 {a!r}, this rank {b!r}"]
 
 
+TESTS = Path(__file__).resolve().parent
+"""tests/: on PYTHONPATH for every process `launch` starts (the scripts import _collect, _models, ...)."""
+
+ACCELERATE_PREFIXES = ("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_")
+"""The outer environment's variables that `launch(..., accelerate_cpu=True)` drops: the config file
+(or the script) alone decides."""
+
+
+def launch(
+    kind: str,
+    script: str | os.PathLike,
+    *args: Any,
+    cwd: str | os.PathLike,
+    nproc: int | None = None,
+    config: str | os.PathLike | None = None,
+    env: dict[str, Any] | None = None,
+    timeout: float = 300,
+    reports: str | os.PathLike | None = None,
+    check: bool = True,
+    launcher_args: Sequence[str] | None = None,
+    accelerate_cpu: bool | None = None,
+    pythonpath: Sequence[str | os.PathLike] = (),
+) -> subprocess.CompletedProcess:
+    """Start `script ARGS...` in `cwd` as `kind` launches it and return the finished process (its
+    output captured); through `run_script`, so a launch that fails (`check`) or runs past `timeout`
+    fails the test naming the command, its exit code and the ends of its output.
+
+    kind: "python" (`python SCRIPT`: one process, or a script that starts its own ranks; `script`
+    may be "-m" and `args` a module and its arguments), "torchrun" (`python -m torch.distributed.run
+    --standalone --nproc_per_node=NPROC`, 2 by default; `launcher_args` replace `--standalone`, e.g.
+    for one agent of a 2-node world) or "accelerate" (`accelerate launch --config_file CONFIG
+    --main_process_port FREE_PORT`, `--num_processes NPROC` only when given: the config file's
+    otherwise; `launcher_args` are added before the script).
+
+    Environment: the caller's, with OMP_NUM_THREADS=1 (2 cores shared by the ranks) and PYTHONPATH
+    starting with tests/, the script's own folder and `pythonpath` (the scripts import _collect,
+    _models, their folder's `common`, without editing sys.path). `accelerate_cpu` (the default for
+    "accelerate"): the outer FSDP_*/ACCELERATE_*/PARALLELISM_CONFIG_* variables are dropped, so that
+    the config file alone decides, and ACCELERATE_USE_CPU=true is set (Accelerate's FSDP launcher drops
+    the file's `use_cpu: true`: on a GPU machine these CPU tests would ask for a GPU per rank). `env`
+    is applied last; a None value removes the variable.
+
+    reports=OUT.json: the script's ranks write `_collect.run_flows` reports (NPROC of them, 2 by
+    default); a failing launch adds the flows that raised on each rank.
+    """
+    if kind not in ("python", "torchrun", "accelerate"):
+        raise ValueError(f"launch kind {kind!r}: expected 'python', 'torchrun' or 'accelerate'")
+    if (config is None) == (kind == "accelerate"):
+        raise ValueError(f"launch kind {kind!r} with config={config!r}: a config file is for 'accelerate' only")
+    cmd = [sys.executable]
+    if kind == "torchrun":
+        cmd += ["-m", "torch.distributed.run", *(launcher_args or ["--standalone"]), f"--nproc_per_node={nproc or 2}"]
+    elif kind == "accelerate":
+        cmd += ["-m", "accelerate.commands.launch", "--config_file", str(config)]
+        # On a free port: the default 29500 may still be held by the previous world's exiting processes.
+        cmd += ["--main_process_port", str(free_port())]
+        cmd += ["--num_processes", str(nproc)] if nproc is not None else []
+        cmd += list(launcher_args or [])
+    cmd += [str(script), *map(str, args)]
+
+    full_env = dict(os.environ)
+    if accelerate_cpu if accelerate_cpu is not None else kind == "accelerate":
+        full_env = {k: v for k, v in full_env.items() if not k.startswith(ACCELERATE_PREFIXES)}
+        full_env["ACCELERATE_USE_CPU"] = "true"
+    full_env["OMP_NUM_THREADS"] = "1"
+    path = Path(cwd, script)
+    folders = [TESTS, *([path.parent] if path.is_file() else []), *pythonpath]
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [*dict.fromkeys(str(Path(f).resolve()) for f in folders), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    for key, value in (env or {}).items():
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = str(value)
+    ranks = (Path(reports), nproc or 2) if reports is not None else None
+    return run_script(cmd, cwd=cwd, env=full_env, timeout=timeout, reports=ranks, check=check)
+
+
 def run_script(
-    cmd: list[str], *, cwd: str | os.PathLike, env: dict, timeout: float, reports: tuple[Path, int] | None = None
-) -> None:
-    """Run `cmd` (a launcher starting ranks, or one process); fail with the ends of its output when it
-    exits non-zero or runs past `timeout` (then it is killed with every process under it: torchrun
-    starts its ranks in sessions of their own, which would outlive it and keep its output open).
+    cmd: list[str],
+    *,
+    cwd: str | os.PathLike,
+    env: dict,
+    timeout: float,
+    reports: tuple[Path, int] | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run `cmd` (a launcher starting ranks, or one process) and return it, finished, with its output;
+    fail with the ends of its output when it exits non-zero (unless `check` is false) or runs past
+    `timeout` (then it is killed with every process under it: torchrun starts its ranks in sessions of
+    their own, which would outlive it and keep its output open).
     `reports=(OUT.json, world_size)`: the flows that raised on each rank (what the ranks reported
     until then) are added to the failure."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
-        failure = f"exited with code {proc.returncode}" if proc.returncode != 0 else None
+        failure = f"exited with code {proc.returncode}" if proc.returncode != 0 and check else None
     except subprocess.TimeoutExpired:
         for pid in [proc.pid, *_descendants(proc.pid)]:  # found before any is killed (orphans move to init)
             try:
@@ -315,7 +401,7 @@ def run_script(
         stdout, stderr = proc.communicate()
         failure = f"ran past its timeout ({timeout:.0f}s), killed with the processes it started"
     if failure is None:
-        return
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if reports is not None:
         try:
             rank_reports(*reports)

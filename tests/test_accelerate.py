@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ import torch
 pytest.importorskip("accelerate")
 
 from _collect import close_lists, max_rel_diff  # noqa: E402
-from _harness import assert_no_flow_failed, free_port  # noqa: E402
+from _harness import assert_no_flow_failed, launch  # noqa: E402
 from _precision import TIED_TOL  # noqa: E402
 
 from fsdp2_strategy.integrations.accelerate import (  # noqa: E402
@@ -35,40 +32,6 @@ SCRIPTS = Path(__file__).parent / "accelerate_scripts"
 TOL = 1e-5  # fp32 parity, relative
 
 
-def _run(args: list[str], timeout: int) -> None:
-    # No FSDP_* / ACCELERATE_* from the outer environment: the config file alone decides, except
-    # ACCELERATE_USE_CPU: Accelerate's FSDP launcher drops the files' `use_cpu: true`, so on a
-    # machine with GPUs these CPU tests would otherwise ask for one GPU per process.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
-    proc = subprocess.run(
-        [sys.executable, *args],
-        env=dict(env, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true"),
-        cwd=SCRIPTS,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-
-
-def accelerate_launch(config: Path, script: str, *args: str, timeout: int = 300) -> None:
-    """`accelerate launch --config_file CONFIG SCRIPT ARGS...`, as a user runs it (on a free port:
-    the default 29500 may still be held by the previous world's exiting processes)."""
-    _run(
-        [
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(config),
-            "--main_process_port",
-            str(free_port()),
-            script,
-            *args,
-        ],
-        timeout,
-    )
-
-
 def _load(path: Path) -> dict:
     out = json.loads(path.read_text())
     assert_no_flow_failed(out)
@@ -80,31 +43,27 @@ def runs(tmp_path_factory) -> dict:
     """fsdp2.yaml (every flow) -> one process resuming its checkpoints (and saving one) -> fsdp2_variant.yaml
     (which also resumes that one on 2 processes)."""
     work = tmp_path_factory.mktemp("accelerate")
-    accelerate_launch(SCRIPTS / "fsdp2.yaml", "flows.py", str(work / "flows.json"), str(work))
-    _run(["resume.py", str(work / "resume.json"), str(work / "state_step2"), str(work)], timeout=120)
+    launch("accelerate", "flows.py", work / "flows.json", work, cwd=SCRIPTS, config=SCRIPTS / "fsdp2.yaml")
+    launch("python", "resume.py", work / "resume.json", work / "state_step2", work, cwd=SCRIPTS, timeout=120)
     # The same resume as a 1-process `accelerate launch` (torchrun's agent store: env://).
-    _run(
-        [
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(SCRIPTS / "fsdp2.yaml"),
-            "--num_processes",
-            "1",
-            "--main_process_port",
-            str(free_port()),
-            "resume.py",
-            str(work / "resume_launched.json"),
-            str(work / "state_step2"),
-        ],
+    launch(
+        "accelerate",
+        "resume.py",
+        work / "resume_launched.json",
+        work / "state_step2",
+        cwd=SCRIPTS,
+        config=SCRIPTS / "fsdp2.yaml",
+        nproc=1,
         timeout=120,
     )
-    accelerate_launch(
-        SCRIPTS / "fsdp2_variant.yaml",
+    launch(
+        "accelerate",
         "flows.py",
-        str(work / "variant.json"),
-        str(work / "variant"),
+        work / "variant.json",
+        work / "variant",
         "config_from_launch,launch_variant,resume_from_one",
+        cwd=SCRIPTS,
+        config=SCRIPTS / "fsdp2_variant.yaml",
     )
     return {
         "flows": _load(work / "flows.json"),

@@ -6,13 +6,10 @@ refused with the field named."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _harness import assert_no_flow_failed
+from _harness import assert_no_flow_failed, launch
 
 pytest.importorskip("accelerate")
 
@@ -23,24 +20,8 @@ TOL = 1e-5  # fp32 parity, relative
 @pytest.fixture(scope="module")
 def flows(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("accelerate_tp") / "tp.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_"))}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=4",
-            "tensor_parallel.py",
-            str(out),
-        ],
-        env=dict(env, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true"),
-        cwd=SCRIPTS,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    # Accelerate's CPU environment (no FSDP_*/ACCELERATE_*/PARALLELISM_CONFIG_* from outside) under torchrun.
+    launch("torchrun", "tensor_parallel.py", out, cwd=SCRIPTS, nproc=4, timeout=300, accelerate_cpu=True)
     result = json.loads(out.read_text())
     assert_no_flow_failed(result)
     return result

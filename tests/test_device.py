@@ -8,12 +8,12 @@ machine with `pytest tests/test_device.py`.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
 import torch
+from _harness import launch
 
 pytestmark = pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
 
@@ -23,9 +23,9 @@ TOL = 1e-5
 
 def _run(mode: str, work: Path) -> dict:
     out = work / f"{mode}.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), mode, str(out), str(work / mode)], capture_output=True, text=True, timeout=300
-    )
+    # The environment's own OMP_NUM_THREADS (launch's 1 is for CPU ranks sharing 2 cores).
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+    proc = launch("python", SCRIPT, mode, out, work / mode, cwd=Path.cwd(), env=env, check=False)
     result = json.loads(out.read_text()) if out.exists() else {}
     assert proc.returncode == 0 and "error" not in result, (
         f"{mode} failed ({proc.returncode}):\n{result.get('error', '')}\n{proc.stderr[-4000:]}"

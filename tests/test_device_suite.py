@@ -4,11 +4,10 @@ one command a GPU session runs does not rot between the sessions that have a GPU
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _harness import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "benchmarks" / "device_suite.py"
@@ -17,14 +16,7 @@ SUITE = ROOT / "benchmarks" / "device_suite.py"
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("suite")
-    proc = subprocess.run(
-        [sys.executable, str(SUITE), "--dry-run", "--out", str(out), "--budget", "600"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    launch("python", SUITE, "--dry-run", "--out", out, "--budget", "600", cwd=ROOT, timeout=900)
     return json.loads((out / "device_suite.json").read_text()), out
 
 

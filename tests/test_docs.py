@@ -10,15 +10,12 @@ ran and passed its checks. The site itself is built with warnings as errors by `
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
+import _harness
 import pytest
-from _harness import free_port
 from docs_snippets.glue import GLUE
 from docs_snippets.pages import PAGES, ROOT, snippets
 
@@ -57,35 +54,32 @@ def test_unnamed_python_block_is_refused(tmp_path, monkeypatch):
         pages.snippets("page.md")
 
 
-def _command(launch: str, page: str, names: list[str]) -> list[str]:
-    if launch == "python":
-        return [sys.executable, str(RUNNER), page, *names]
-    if launch == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-                str(RUNNER), page, *names]  # fmt: skip
-    config = TESTS / launch.split(":", 1)[1]
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-            "--main_process_port", str(free_port()), str(RUNNER), page, *names]  # fmt: skip
-
-
 @pytest.mark.parametrize("page, launch", sorted(_launches()), ids=lambda v: v.replace("/", "-").replace(":", "-"))
 def test_snippets_run(page, launch, tmp_path):
     names = _launches()[(page, launch)]
-    # No FSDP_* / ACCELERATE_* from outside: the config file alone decides (ACCELERATE_USE_CPU: Accelerate's
-    # FSDP launcher drops the file's `use_cpu: true`).
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
-    env.update(
-        OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true", PYTHONPATH=str(ROOT / "tests"), TOKENIZERS_PARALLELISM="false"
-    )
-    proc = subprocess.run(
-        _command(launch, page, names), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    kind, _, config = launch.partition(":")
+    # In a scratch directory, with no FSDP_* / ACCELERATE_* from outside: the config file alone decides
+    # (ACCELERATE_USE_CPU: Accelerate's FSDP launcher drops the file's `use_cpu: true`), whatever the launch.
+    proc = _harness.launch(
+        kind,
+        RUNNER,
+        page,
+        *names,
+        cwd=tmp_path,
+        config=TESTS / config if config else None,
+        env={"TOKENIZERS_PARALLELISM": "false"},
+        accelerate_cpu=True,
+        timeout=600,
+        check=False,
     )
     out = proc.stdout + proc.stderr
-    ranks = 1 if launch == "python" else 2
+    ranks = 1 if kind == "python" else 2
     missing = [
         f"{name} rank {r}" for name in names for r in range(ranks) if f"SNIPPET OK {page}:{name} rank {r}" not in out
     ]
-    assert proc.returncode == 0 and not missing, f"{page} snippets {missing} failed:\n{out[-6000:]}"
+    assert proc.returncode == 0 and not missing, (
+        f"{page} snippets {missing} failed ({RUNNER.name} exited with code {proc.returncode}):\n{out[-6000:]}"
+    )
 
 
 README_LIMIT = 250

@@ -8,8 +8,6 @@ The scripts in tests/fabric_scripts/ measure and write JSON; the assertions live
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ import torch
 
 pytest.importorskip("lightning")
 
-from _harness import agreed_report, assert_no_flow_failed, free_port, rank_reports, run_script  # noqa: E402
+from _harness import agreed_report, assert_no_flow_failed, free_port, launch, rank_reports  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.plugins.precision import DoublePrecision  # noqa: E402
 from lightning.fabric.strategies import STRATEGY_REGISTRY  # noqa: E402
@@ -33,14 +31,12 @@ SCRIPTS = Path(__file__).parent / "fabric_scripts"
 TOL = 1e-5  # fp32 parity, relative
 
 
-def _run(args: list[str], timeout: int, reports: tuple[Path, int] | None = None) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    run_script([sys.executable, *args], cwd=SCRIPTS, env=env, timeout=timeout, reports=reports)
-
-
 # Values each rank of flows.py measures on its own (the tests read them on every rank); everything
 # else every rank reports alike.
 PER_RANK = ["overlap_save.returned", "overlap_save.waited"]
+
+# `fabric run --accelerator cpu --devices N ...` (its rank processes share the launch's environment).
+_FABRIC_RUN = ["lightning.fabric.cli", "--accelerator", "cpu", "--devices"]
 
 
 @pytest.fixture(scope="module")
@@ -48,25 +44,10 @@ def runs(tmp_path_factory) -> dict:
     """`fabric run` x2 (every flow, a checkpoint) -> 1 process resuming it -> spawn x2."""
     work = tmp_path_factory.mktemp("fabric")
     flows = work / "flows.json"
-    _run(
-        [
-            "-m",
-            "lightning.fabric.cli",
-            "--accelerator",
-            "cpu",
-            "--devices",
-            "2",
-            "--main-port",
-            str(free_port()),
-            "flows.py",
-            str(flows),
-            str(work),
-        ],
-        timeout=300,
-        reports=(flows, 2),
-    )
-    _run(["single.py", str(work / "single.json"), str(work)], timeout=180)
-    _run(["spawn.py", str(work / "spawn.json"), str(work)], timeout=300)
+    cli = [*_FABRIC_RUN, "2", "--main-port", free_port()]
+    launch("python", "-m", *cli, "flows.py", flows, work, cwd=SCRIPTS, timeout=300, reports=flows)
+    launch("python", "single.py", work / "single.json", work, cwd=SCRIPTS, timeout=180)
+    launch("python", "spawn.py", work / "spawn.json", work, cwd=SCRIPTS)
     out = {name: json.loads((work / f"{name}.json").read_text()) for name in ("single", "spawn")}
     # Every rank's report (a flow that raised on any rank fails here, naming it), equal on every rank.
     out["flow_ranks"] = rank_reports(flows, 2)
@@ -78,21 +59,8 @@ def runs(tmp_path_factory) -> dict:
 def tp_run(tmp_path_factory) -> dict:
     """`fabric run` x4: 2 data parallel x 2 tensor parallel."""
     out = tmp_path_factory.mktemp("fabric_tp") / "tp.json"
-    _run(
-        [
-            "-m",
-            "lightning.fabric.cli",
-            "--accelerator",
-            "cpu",
-            "--devices",
-            "4",
-            "--main-port",
-            str(free_port()),
-            "tensor_parallel.py",
-            str(out),
-        ],
-        timeout=300,
-    )
+    cli = [*_FABRIC_RUN, "4", "--main-port", free_port()]
+    launch("python", "-m", *cli, "tensor_parallel.py", out, cwd=SCRIPTS, timeout=300)
     result = json.loads(out.read_text())
     assert_no_flow_failed(result)
     return result["plan"]

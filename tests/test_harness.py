@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _harness import DistributedTestError, agreed_report, rank_reports, run_distributed, run_script
+from _harness import DistributedTestError, agreed_report, launch, rank_reports, run_distributed, run_script
 
 
 def _sum_ranks():
@@ -177,3 +177,14 @@ def test_a_launcher_past_its_timeout_is_killed_with_the_ranks_it_started(tmp_pat
     with pytest.raises(AssertionError, match=r"(?s)ran past its timeout \(2s\), killed.*ranks started"):
         run_script([sys.executable, "-c", _LAUNCHER], cwd=tmp_path, env=dict(os.environ), timeout=2)
     assert time.monotonic() - start < 30  # its rank, still holding the output open, was killed too
+
+
+def test_a_failing_launch_names_the_script_its_exit_code_and_output_and_tests_is_on_the_path(tmp_path):
+    """`launch` puts tests/ on PYTHONPATH (the script imports `_harness` without editing sys.path) and a
+    script that fails is named with its exit code and the end of its output."""
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nimport _harness\nprint('imported', _harness.__name__)\nsys.exit(3)\n")
+    with pytest.raises(AssertionError, match=r"(?s)fails\.py'\] exited with code 3.*imported _harness"):
+        launch("python", script, cwd=tmp_path, timeout=60)
+    proc = launch("python", script, cwd=tmp_path, timeout=60, check=False)
+    assert proc.returncode == 3 and "imported _harness" in proc.stdout

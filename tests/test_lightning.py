@@ -7,9 +7,7 @@ The scripts in tests/lightning_scripts/ measure and write JSON; the assertions l
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,22 +16,12 @@ import torch
 pytest.importorskip("lightning")
 
 from _collect import close_lists, max_rel_diff, rank_path  # noqa: E402
-from _harness import agreed_report, free_port, rank_reports, run_script  # noqa: E402
+from _harness import agreed_report, free_port, launch, rank_reports  # noqa: E402
 
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "lightning_scripts"
 TOL = 1e-5  # fp32 parity, relative
-
-
-def _run(args: list[str], timeout: int, env: dict | None = None, reports: tuple[Path, int] | None = None) -> None:
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    run_script([sys.executable, *args], cwd=SCRIPTS, env=full_env, timeout=timeout, reports=reports)
-
-
-def _torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 240, reports: Path | None = None) -> None:
-    command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
-    _run(command, timeout, reports=None if reports is None else (reports, nproc))
 
 
 # Values each rank of flows.py measures on its own (the tests read them on every rank); everything
@@ -45,20 +33,12 @@ PER_RANK = ["throughput_monitor.cpu_peak"]
 def runs(tmp_path_factory) -> dict:
     """1 process (reference + checkpoint) -> 2 ranks (all flows, resume from it) -> 1 process (resume)."""
     work = tmp_path_factory.mktemp("lightning")
-    _run(["single.py", "train", str(work / "single.json"), str(work)], timeout=120)
+    launch("python", "single.py", "train", work / "single.json", work, cwd=SCRIPTS, timeout=120)
     single_ckpt = work / "single_ckpts" / "epoch=0-step=4.ckpt"
     flows = work / "flows.json"
-    _torchrun("flows.py", str(flows), str(work), str(single_ckpt), reports=flows)
-    _run(
-        [
-            "single.py",
-            "resume",
-            str(work / "resume.json"),
-            str(work / "ckpts" / "epoch=0-step=4.ckpt"),
-            str(rank_path(flows, 0)),
-        ],
-        timeout=120,
-    )
+    launch("torchrun", "flows.py", flows, work, single_ckpt, cwd=SCRIPTS, timeout=240, reports=flows)
+    resume_args = [work / "resume.json", work / "ckpts" / "epoch=0-step=4.ckpt", rank_path(flows, 0)]
+    launch("python", "single.py", "resume", *resume_args, cwd=SCRIPTS, timeout=120)
     out = {name: json.loads((work / f"{name}.json").read_text()) for name in ("single", "resume")}
     # Every rank's report (a flow that raised on any rank fails here, naming it), equal on every rank.
     out["flow_ranks"] = rank_reports(flows, 2)
@@ -246,14 +226,15 @@ def test_lightning_consolidation_tool_reads_our_checkpoints(runs, tmp_path):
 
     ckpt = runs["work"] / "ckpts" / "epoch=0-step=4.ckpt"
     out = tmp_path / "consolidated.ckpt"
-    _run(["-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(ckpt), "--output_file", str(out)], 120)
+    consolidate = "lightning.pytorch.utilities.consolidate_checkpoint"
+    launch("python", "-m", consolidate, ckpt, "--output_file", out, cwd=SCRIPTS, timeout=120)
     full = torch.load(out, weights_only=False)
     expected = {k: torch.tensor(v) for k, v in runs["flows"]["checkpoints"]["epoch0_params"].items()}
     assert sorted(full["state_dict"]) == sorted(expected)
     assert all(torch.equal(full["state_dict"][k], v) for k, v in expected.items())
     assert len(full["optimizer_states"]) == 1 and full["optimizer_states"][0]["state"]  # Adam's moments
     assert full["global_step"] == 4 and full["epoch"] == 0  # Lightning's meta.pt merged in
-    _run(["-m", "fsdp2_strategy.cli", "consolidate", str(ckpt), str(tmp_path / "hf")], 120)
+    launch("python", "-m", "fsdp2_strategy.cli", "consolidate", ckpt, tmp_path / "hf", cwd=SCRIPTS, timeout=120)
     weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert sorted(weights) == sorted(expected) and all(torch.equal(weights[k], v) for k, v in expected.items())
 
@@ -374,7 +355,7 @@ def test_throughput_objective_tunes_on_the_train_loader_and_caches_the_pick(flow
 
 def test_spawn_start_method_returns_full_weights(tmp_path):
     out = tmp_path / "spawn.json"
-    _run(["spawn.py", str(out)], timeout=180)
+    launch("python", "spawn.py", out, cwd=SCRIPTS, timeout=180)
     r = json.loads(out.read_text())
     assert not r["parent_has_process_group"] and r["plain_tensors"]
     assert r["ranks_vs_single_process"] < TOL and r["parent_vs_ranks"] == 0.0
@@ -383,35 +364,14 @@ def test_spawn_start_method_returns_full_weights(tmp_path):
 def test_two_nodes_hybrid_replicates_across_nodes(tmp_path):
     """Trainer(num_nodes=2, devices=1) with two torchrun agents, one per "node", on this machine."""
     out, port = tmp_path / "nodes.json", free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                f"--node_rank={r}",
-                "--nproc_per_node=1",
-                "--master_addr=127.0.0.1",
-                f"--master_port={port}",
-                "nodes.py",
-                str(out),
-            ],
-            cwd=SCRIPTS,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
-    try:
-        logs = [p.communicate(timeout=150)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+
+    def agent(node_rank: int) -> None:
+        rendezvous = ["--nnodes=2", f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+        launch("torchrun", "nodes.py", out, cwd=SCRIPTS, nproc=1, launcher_args=rendezvous, timeout=150)
+
+    with ThreadPoolExecutor(2) as pool:  # both agents at once; each fails naming its command and output
+        for agent_done in [pool.submit(agent, r) for r in (0, 1)]:
+            agent_done.result()
     r = json.loads(out.read_text())
     assert r["node_ranks"] == [0, 1] and r["world_size"] == 2
     assert r["mesh_shapes"] == ["(2, 1)"]  # replicate across the nodes, shard within each
@@ -440,7 +400,7 @@ def test_lightning_cli_yaml_and_subprocess_launcher(tmp_path):
     config = tmp_path / "cli.yaml"
     config.write_text(_CLI_YAML.format(accelerator="cpu", devices=2, strategy=strategy))
     out = tmp_path / "cli.json"
-    _run(["cli.py", "fit", "--config", str(config)], timeout=180, env={"FSDP2_CLI_OUT": str(out)})
+    launch("python", "cli.py", "fit", "--config", config, cwd=SCRIPTS, timeout=180, env={"FSDP2_CLI_OUT": out})
     r = json.loads(out.read_text())
     assert r["strategy"] == "FSDP2Strategy" and r["world_size"] == 2 and len(r["losses"]) == 2
     assert r["wrap_policy"] == "['ResidualBlock']" and r["groups"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
@@ -452,7 +412,7 @@ def test_lightning_cli_registry_string(tmp_path):
     config = tmp_path / "cli.yaml"
     config.write_text(_CLI_YAML.format(accelerator="auto", devices=1, strategy="fsdp2"))
     out = tmp_path / "cli.json"
-    _run(["cli.py", "fit", "--config", str(config)], timeout=120, env={"FSDP2_CLI_OUT": str(out)})
+    launch("python", "cli.py", "fit", "--config", config, cwd=SCRIPTS, timeout=120, env={"FSDP2_CLI_OUT": out})
     r = json.loads(out.read_text())
     assert r["strategy"] == "FSDP2Strategy" and r["world_size"] == 1
     accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -546,18 +506,10 @@ def test_sigterm_to_one_rank_saves_an_hpc_checkpoint_exits_143_and_resumes_exact
     """FSDP2Strategy(checkpoint_on_preemption=True): rank 1 receives SIGTERM inside step 4; both ranks
     save hpc_ckpt_1.ckpt after that step and exit 143 (no hang); fit(ckpt_path="hpc") continues from
     step 4 to the parameters of the uninterrupted run."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-        + ["preempt.py", "preempt", str(tmp_path)],
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        cwd=SCRIPTS,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    proc = launch("torchrun", "preempt.py", "preempt", tmp_path, cwd=SCRIPTS, timeout=180, check=False)
     assert proc.returncode != 0 and proc.stderr.count("exitcode  : 143") == 2, proc.stderr[-3000:]
     saved = tmp_path / "hpc_ckpt_1.ckpt"
     assert (saved / ".metadata").is_file() and torch.load(saved / "meta.pt", weights_only=False)["global_step"] == 4
-    _torchrun("preempt.py", "resume", str(tmp_path / "resume.json"), str(tmp_path), timeout=180)
+    launch("torchrun", "preempt.py", "resume", tmp_path / "resume.json", tmp_path, cwd=SCRIPTS, timeout=180)
     r = json.loads((tmp_path / "resume.json").read_text())
     assert r["start_step"] == 4 and r["diff"] < TOL, r

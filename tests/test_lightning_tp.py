@@ -6,21 +6,21 @@ given `tensor_parallel_plan`."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from _harness import assert_no_flow_failed
+from _harness import assert_no_flow_failed, launch
 
 pytest.importorskip("lightning")
 
-from test_lightning import _torchrun  # noqa: E402
-
+SCRIPTS = Path(__file__).parent / "lightning_scripts"
 TOL = 1e-5  # fp32 parity, relative
 
 
 @pytest.fixture(scope="module")
 def flows(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("lightning_tp") / "tp.json"
-    _torchrun("tensor_parallel.py", str(out), nproc=4, timeout=300)
+    launch("torchrun", "tensor_parallel.py", out, cwd=SCRIPTS, nproc=4, timeout=300)
     result = json.loads(out.read_text())
     assert_no_flow_failed(result)
     return result

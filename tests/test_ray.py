@@ -189,16 +189,12 @@ def test_accelerate_config_env_maps_yaml_as_accelerate_launch_does(tmp_path):
 def test_ray_train_example_runs_as_documented(tmp_path):
     """`python examples/ray_train.py` at a tiny size, starting its own local cluster as documented (the
     kill and resume it shows with `--kill-at` is the path the core test above checks)."""
-    import subprocess
-    import sys
+    from _harness import launch
 
     root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "examples/ray_train.py", "--steps", "6", "--ckpt-every", "2", "--storage", str(tmp_path)]
-    proc = subprocess.run(
-        cmd, cwd=root, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")
-    )
+    args = ["--steps", "6", "--ckpt-every", "2", "--storage", tmp_path]
+    proc = launch("python", "examples/ray_train.py", *args, cwd=root, timeout=300)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
     assert "attempt starting at step 0" in out, out[-4000:]
     assert "'step': 6}; latest checkpoint" in out and "step-000006" in out, out[-4000:]
     assert sorted(committed_steps(tmp_path / "fsdp2_steps")) == [4, 6]  # keep_last=2

@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _harness import free_port
+from _harness import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _torchrun(script: str, *args: str, timeout: int = 300) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, *args]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1")
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def _output(kind: str, script: str, *args: str, timeout: int = 300) -> str:
+    """What `script ARGS` printed, launched (`_harness.launch`) from the repository's root as its docstring shows."""
+    proc = launch(kind, script, *args, cwd=ROOT, timeout=timeout)
     return proc.stdout + proc.stderr
 
 
@@ -32,45 +27,26 @@ def _losses(out: str) -> list[tuple[int, float]]:
 
 
 def test_plain_example_trains_and_resumes(tmp_path):
-    out = _torchrun("examples/train_plain.py", "--ckpt-dir", str(tmp_path))
+    out = _output("torchrun", "examples/train_plain.py", "--ckpt-dir", str(tmp_path))
     losses = _losses(out)
     assert len(losses) >= 2 and losses[-1][1] < losses[0][1] / 5, losses  # it learns
     assert "FSDP2 sharding plan" in out and "last block" in out
-    resumed = _losses(_torchrun("examples/train_plain.py", "--ckpt-dir", str(tmp_path), "--steps", "5"))
+    resumed = _losses(_output("torchrun", "examples/train_plain.py", "--ckpt-dir", str(tmp_path), "--steps", "5"))
     assert resumed[0][0] == 20, resumed  # continues after the step-19 checkpoint
     assert resumed[0][1] < losses[0][1] / 5, (losses, resumed)  # with the trained weights
 
 
 def test_checkpoint_benchmark_runs():
-    out = _torchrun("benchmarks/checkpoint_save.py", "--dim", "64", "--layers", "2", "--rounds", "1", "--every", "2")
+    out = _output(
+        "torchrun", "benchmarks/checkpoint_save.py", "--dim", "64", "--layers", "2", "--rounds", "1", "--every", "2"
+    )
     assert "stall / sync save" in out and "disk (one file, fsync)" in out
     assert all(f"\n{mode} " in out for mode in ("sync", "async", "overlap"))
 
 
 def test_exit_hazard_script_runs():
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/exit_hazard.py", "--runs", "1", "--modes", "shutdown"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = launch("python", "benchmarks/exit_hazard.py", "--runs", "1", "--modes", "shutdown", cwd=ROOT)
     assert "shutdown        0 / 1" in proc.stdout
-
-
-def _python(script: str, *args: str, timeout: int = 300) -> str:
-    """Run a script that starts its own worlds (a launcher, or Lightning's own launcher)."""
-    proc = subprocess.run(
-        [sys.executable, script, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
 
 
 def _value(out: str, prefix: str) -> float:
@@ -99,7 +75,7 @@ def test_tune_benchmark_pairs_each_candidate_with_the_pick_round_by_round():
 
 
 def test_tune_benchmark_runs_and_gives_the_close_candidates_more_rounds():
-    out = _python(
+    out = _output("python",
         "benchmarks/tune.py", "--models", "mlp8", "--ks", "1", "--rounds", "1", "--steps", "1", "--close", "100",
         "--out", os.devnull,
     )  # fmt: skip
@@ -110,26 +86,37 @@ def test_tune_benchmark_runs_and_gives_the_close_candidates_more_rounds():
 
 
 def test_meta_init_example_loads_the_right_weights():
-    out = _torchrun(
-        "examples/meta_init.py", "--dim", "128", "--layers", "4", "--weights", "/tmp/smoke_meta_init.safetensors"
+    out = _output(
+        "torchrun",
+        "examples/meta_init.py",
+        "--dim",
+        "128",
+        "--layers",
+        "4",
+        "--weights",
+        "/tmp/smoke_meta_init.safetensors",
     )
     assert "weights match the file: True" in out and "forward output finite: True" in out
     assert "largest per-rank peak growth / full model size" in out
 
 
 def test_build_memory_benchmark_runs():
-    out = _python("benchmarks/build_memory.py", "--dim", "128", "--layers", "4", "--repeats", "1")
+    out = _output("python", "benchmarks/build_memory.py", "--dim", "128", "--layers", "4", "--repeats", "1")
     assert "meta/full peak-memory ratio" in out and "worst-rank peak growth" in out
 
 
 def test_step_time_benchmark_runs_and_both_loops_agree():
-    out = _torchrun("benchmarks/step_time.py", "--dim", "32", "--layers", "2", "--steps", "2", "--rounds", "1")
+    out = _output(
+        "torchrun", "benchmarks/step_time.py", "--dim", "32", "--layers", "2", "--steps", "2", "--rounds", "1"
+    )
     assert "core/hand step-time ratio" in out and "fsdp2/ModelParallel step-time ratio" in out
     assert _value(out, "max difference over all steps") < 1e-5  # same weights, same data: same losses
 
 
 def test_collectives_benchmark_counts_skipped_reductions():
-    out = _torchrun("benchmarks/collectives.py", "--dim", "32", "--layers", "2", "--steps", "1", "--accumulate", "4")
+    out = _output(
+        "torchrun", "benchmarks/collectives.py", "--dim", "32", "--layers", "2", "--steps", "1", "--accumulate", "4"
+    )
     ratios = [line for line in out.splitlines() if line.startswith("ratio ")]
     assert len(ratios) == 2, out[-2000:]
     for line in ratios:  # ours reduce-scatters once per optimizer step, the baselines on each of 4 micro-batches
@@ -137,13 +124,14 @@ def test_collectives_benchmark_counts_skipped_reductions():
 
 
 def test_ring_collectives_benchmark_checks_and_times_both():
-    out = _torchrun("benchmarks/ring_collectives.py", "--mib", "0.25", "--repeats", "1", "--rounds", "1")
+    out = _output("torchrun", "benchmarks/ring_collectives.py", "--mib", "0.25", "--repeats", "1", "--rounds", "1")
     for row in ("gloo all_gather_into_tensor", "ring all-gather", "gloo reduce_scatter_tensor", "ring reduce-scatter"):
         assert row in out, out[-2000:]  # each row was timed after its result matched gloo's
 
 
 def test_accumulation_time_benchmark_compares_collectives():
-    out = _torchrun(
+    out = _output(
+        "torchrun",
         "benchmarks/accumulation.py",
         "--dim",
         "32",
@@ -171,13 +159,16 @@ def test_accumulation_time_benchmark_compares_collectives():
 
 
 def test_checkpoint_load_benchmark_reshards_correctly():
-    out = _python("benchmarks/checkpoint_load.py", "--dim", "64", "--layers", "2", "--repeats", "1", "--inner", "1")
+    out = _output(
+        "python", "benchmarks/checkpoint_load.py", "--dim", "64", "--layers", "2", "--repeats", "1", "--inner", "1"
+    )
     assert "load on 1 / load on 2 ranks time ratio" in out
     assert "weights after every load match the saved ones: True" in out
 
 
 def test_lightning_finetune_example_end_to_end(tmp_path):
-    out = _python(
+    out = _output(
+        "python",
         "examples/lightning_finetune.py",
         "--max-steps",
         "4",
@@ -204,37 +195,16 @@ def test_lightning_finetune_example_end_to_end(tmp_path):
 
 def test_accelerate_finetune_example_with_its_config_file(tmp_path):
     """`accelerate launch --config_file examples/accelerate_fsdp2.yaml examples/accelerate_finetune.py`, as documented."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        "examples/accelerate_fsdp2.yaml",
-        "--main_process_port",
-        str(free_port()),
+    # ACCELERATE_USE_CPU (launch's default for accelerate): the file's `use_cpu: true` does not reach
+    # the processes (see README).
+    proc = launch(
+        "accelerate",
         "examples/accelerate_finetune.py",
-        "--max-steps",
-        "4",
-        "--ckpt-every",
-        "2",
-        "--sentences",
-        "64",
-        "--max-length",
-        "16",
-        "--out-dir",
-        str(tmp_path),
-    ]
-    # ACCELERATE_USE_CPU: the file's `use_cpu: true` does not reach the processes (see README).
-    proc = subprocess.run(
-        cmd,
+        *["--max-steps", "4", "--ckpt-every", "2", "--sentences", "64", "--max-length", "16", "--out-dir", tmp_path],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
+        config="examples/accelerate_fsdp2.yaml",
         timeout=400,
-        env=dict(env, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="true"),
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     assert "DistributedType.FSDP, precision bf16" in out and "BertLayer" in out  # the config file's keys
     assert "resumed at step 2" in out and "saved checkpoint_1 at step 4" in out  # numbering continues after resume
@@ -246,7 +216,8 @@ def test_accelerate_finetune_example_with_its_config_file(tmp_path):
 
 
 def test_accelerate_step_time_benchmark_matches_one_process():
-    out = _python(
+    out = _output(
+        "python",
         "benchmarks/accelerate_step_time.py",
         "--dim",
         "32",
@@ -285,7 +256,8 @@ def test_every_config_field_is_documented_for_the_generated_reference():
 
 def test_fabric_finetune_example_end_to_end(tmp_path):
     """`python examples/fabric_finetune.py`: Fabric starts the second process itself (fabric.launch())."""
-    out = _python(
+    out = _output(
+        "python",
         "examples/fabric_finetune.py",
         "--max-steps",
         "4",
@@ -314,7 +286,8 @@ def test_peft_finetune_example_end_to_end(tmp_path):
     reloads the exported adapter with PEFT."""
     import json
 
-    out = _python(
+    out = _output(
+        "python",
         "examples/peft_finetune.py",
         "--max-steps",
         "4",

@@ -7,9 +7,6 @@ The scripts in tests/transformers_scripts/ measure and write JSON; the assertion
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +18,7 @@ pytest.importorskip("accelerate")
 
 import transformers  # noqa: E402
 from _collect import close_lists  # noqa: E402
-from _harness import assert_no_flow_failed, free_port  # noqa: E402
+from _harness import assert_no_flow_failed, launch  # noqa: E402
 
 from fsdp2_strategy.integrations.transformers import (  # noqa: E402
     FSDP2Trainer,
@@ -37,29 +34,10 @@ SCRIPTS = Path(__file__).parent / "transformers_scripts"
 TOL = 1e-5  # fp32 parity, relative
 
 
-def accelerate_launch(
-    config: str, script: str, *args: str, cpu_env: bool = True, timeout: int = 300, expect_ok: bool = True
-) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file CONFIG SCRIPT ARGS...` on 2 CPU processes, as a user runs it."""
-    # The config file alone decides (no FSDP_*/ACCELERATE_* from outside), except ACCELERATE_USE_CPU:
-    # Accelerate's FSDP launcher drops the file's `use_cpu: true`, and on a GPU machine these tests stay on CPU.
-    # `cpu_env=False` leaves it out, as a user's launch on a machine without GPU does.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FSDP_", "ACCELERATE_"))}
-    if cpu_env:
-        env["ACCELERATE_USE_CPU"] = "true"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(SCRIPTS / config)]
-    cmd += ["--main_process_port", str(free_port()), script, *args]
-    proc = subprocess.run(
-        cmd,
-        env=dict(env, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"),
-        cwd=SCRIPTS,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    if expect_ok:
-        assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc
+# The launches: `accelerate launch --config_file CONFIG SCRIPT ARGS...` on 2 CPU processes, as a user runs
+# it. The config file alone decides (no FSDP_*/ACCELERATE_* from outside), except ACCELERATE_USE_CPU:
+# Accelerate's FSDP launcher drops the file's `use_cpu: true`, and on a GPU machine these tests stay on CPU.
+QUIET = {"TOKENIZERS_PARALLELISM": "false"}
 
 
 def _load(path: Path) -> dict:
@@ -72,7 +50,8 @@ def _load(path: Path) -> dict:
 def sharded(tmp_path_factory) -> dict:
     """fsdp2_sharded.yaml: parity + evaluate + save_model, checkpoints and resume, bf16, preemption."""
     work = tmp_path_factory.mktemp("transformers_sharded")
-    accelerate_launch("fsdp2_sharded.yaml", "flows.py", str(work / "out.json"), str(work))
+    config = SCRIPTS / "fsdp2_sharded.yaml"
+    launch("accelerate", "flows.py", work / "out.json", work, cwd=SCRIPTS, config=config, env=QUIET)
     return _load(work / "out.json")
 
 
@@ -86,8 +65,11 @@ def full(tmp_path_factory) -> dict:
     # Without ACCELERATE_USE_CPU where no GPU exists: the launch a CPU user runs (TrainingArguments then
     # sets Accelerate up as one process per rank, which the adapter must undo).
     no_gpu = not torch.cuda.is_available()
-    killed = accelerate_launch("fsdp2_full.yaml", "killed.py", str(work / "killed"), expect_ok=False)
-    accelerate_launch("fsdp2_full.yaml", "flows_full.py", str(work / "out.json"), str(work), cpu_env=not no_gpu)
+    config = SCRIPTS / "fsdp2_full.yaml"
+    killed = launch("accelerate", "killed.py", work / "killed", cwd=SCRIPTS, config=config, env=QUIET, check=False)
+    # Without ACCELERATE_USE_CPU where no GPU exists, as a user's launch on a machine without GPU.
+    env = {**QUIET, "ACCELERATE_USE_CPU": None} if no_gpu else QUIET
+    launch("accelerate", "flows_full.py", work / "out.json", work, cwd=SCRIPTS, config=config, env=env)
     return {**_load(work / "out.json"), "without_cpu_variable": no_gpu, "killed_output": killed.stdout + killed.stderr}
 
 
