@@ -74,12 +74,18 @@ def conv_loss(model, batch):
 
 
 def minilm_model():
-    import sys
+    import importlib.util
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from reviews import pretrained_dir
     from transformers import AutoConfig, AutoModel
+
+    # examples/reviews.py, loaded from its file (the examples are scripts, not an importable package).
+    spec = importlib.util.spec_from_file_location(
+        "reviews", Path(__file__).resolve().parents[1] / "examples" / "reviews.py"
+    )
+    reviews = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reviews)
+    pretrained_dir = reviews.pretrained_dir
 
     torch.manual_seed(0)
     return AutoModel.from_config(AutoConfig.from_pretrained(pretrained_dir()))

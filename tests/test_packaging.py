@@ -64,6 +64,7 @@ def test_sdist_and_wheel_build_and_install_into_a_clean_venv(tmp_path):
     proc = subprocess.run([*install, str(wheel)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     site = next(venv.glob("lib/python*/site-packages"))
+    # Read, not edited: the test environment's site-packages, for the clean venv's .pth below.
     deps = [p for p in sys.path if p.endswith("site-packages")]
     (site / "zz_dependencies.pth").write_text("\n".join(deps) + "\n")
     code = (

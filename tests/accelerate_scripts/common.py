@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _collect import full, full_grads, full_params, gather, max_rel_diff, write_json  # noqa: F401
+from _models import TinyGPT
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _models, _comm and _collect
-
-from _collect import full, full_grads, full_params, gather, max_rel_diff, write_json  # noqa: E402,F401
-from _models import TinyGPT  # noqa: E402
 
 VOCAB, SEQ, N_SAMPLES = 64, 16, 32
 GLOBAL_BATCH = 8

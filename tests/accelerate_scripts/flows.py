@@ -1,6 +1,8 @@
 """FSDP2Accelerator flows on 2 ranks in one world; writes what it measured to JSON.
 
-Usage: accelerate launch --config_file fsdp2.yaml flows.py OUT.json WORKDIR [FLOW,FLOW...]
+Usage (tests/ on the path, as `_harness.launch` puts it), in tests/accelerate_scripts/:
+
+    PYTHONPATH=.. accelerate launch --config_file fsdp2.yaml flows.py OUT.json WORKDIR [FLOW,FLOW...]
 
 Launched by `accelerate launch` with an ordinary accelerate FSDP config, so the plugin's
 defaults come from the `FSDP_*` variables that config produces. Each flow records its numbers
@@ -20,8 +22,6 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _collect, _models, _precision
 
 import torch
 import torch.distributed as dist

@@ -4,7 +4,7 @@ launch` sets from a config file; unsupported sizes are refused with the field na
 
 Writes JSON (rank 0); the assertions live in tests/test_accelerate_tp.py.
 
-    torchrun --nproc_per_node=4 tensor_parallel.py OUT.json
+    PYTHONPATH=tests torchrun --nproc_per_node=4 tests/accelerate_scripts/tensor_parallel.py OUT.json
 """
 
 from __future__ import annotations
@@ -13,22 +13,18 @@ import copy
 import os
 import sys
 import traceback
-from pathlib import Path
 
 import torch
+from _collect import full_params, gather, max_rel_diff, write_json
+from _models import TP_PLAN as PLAN  # the 2-D tests' small GPT (separate q/k/v)
+from _models import TPGPT as GPT
+from _models import lm_data, lm_loss, sgd_reference
 from accelerate.parallelism_config import ParallelismConfig
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _collect and test_tensor_parallel
-
-from _collect import full_params, gather, max_rel_diff, write_json  # noqa: E402
-from _models import TP_PLAN as PLAN  # noqa: E402  the 2-D tests' small GPT (separate q/k/v)
-from _models import TPGPT as GPT  # noqa: E402
-from _models import lm_data, lm_loss, sgd_reference  # noqa: E402
-
-import fsdp2_strategy as f2  # noqa: E402
-from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin  # noqa: E402
+import fsdp2_strategy as f2
+from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin
 
 VOCAB, SEQ, N_SAMPLES, PER_RANK, STEPS, LR = 64, 12, 16, 4, 2, 0.1
 ENV = {

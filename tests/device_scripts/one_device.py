@@ -1,6 +1,8 @@
 """One process on one accelerator (nccl and gloo side by side): the paths a CPU run never takes.
 
-Usage: python one_device.py {core,lightning,accelerate,tune,tune_offload,tune_bench} OUT.json WORKDIR
+Usage, from the repository's root (tests/ on the path, as `_harness.launch` puts it):
+
+    PYTHONPATH=tests python tests/device_scripts/one_device.py {core,lightning,accelerate,tune,tune_offload,tune_bench} OUT.json WORKDIR
 
 Each mode runs in its own process (each framework starts its own process group) and records
 numbers in JSON; tests/test_device.py asserts them. CPU-only machines skip it.
@@ -9,6 +11,7 @@ numbers in JSON; tests/test_device.py asserts them. CPU-only machines skip it.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import socket
@@ -19,13 +22,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _collect import full
+from _models import TinyGPT, loss_fn, make_batch, rel_diff
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _models, _collect
-
-from _collect import full  # noqa: E402
-from _models import TinyGPT, loss_fn, make_batch, rel_diff  # noqa: E402
-
-import fsdp2_strategy as f2  # noqa: E402
+import fsdp2_strategy as f2
 
 # Exact fp32 on the accelerator, so one process and the sharded model compute the same thing.
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -231,8 +231,12 @@ def tune_meta_gpt(
         **result.to_dict(),
     }
     if bench_rounds:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-        import tune as tune_bench
+        # benchmarks/tune.py loaded from its file (it puts tests/ and benchmarks/ on its own path).
+        spec = importlib.util.spec_from_file_location(
+            "tune", Path(__file__).resolve().parents[2] / "benchmarks" / "tune.py"
+        )
+        tune_bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tune_bench)
 
         from fsdp2_strategy.mesh import collective_device
 

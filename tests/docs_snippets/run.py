@@ -1,21 +1,19 @@
 """Run named snippets of one page in this process, each inside its glue: `run.py PAGE NAME [NAME...]`.
 
 Launched once per rank (torchrun, `accelerate launch`, or plain python for one process) by
-`tests/test_docs.py`, in a scratch working directory. Each snippet gets a fresh namespace: the glue's
-set-up (what a user has before the snippet), the snippet as the page shows it, then the glue's
-checks. A line `SNIPPET OK <page>:<name> rank <r>` per snippet tells the test it ran.
+`tests/test_docs.py` through `_harness.launch`, which puts tests/ on PYTHONPATH (by hand:
+`PYTHONPATH=tests python tests/docs_snippets/run.py PAGE NAME`), in a scratch working directory.
+Each snippet gets a fresh namespace: the glue's set-up (what a user has before the snippet), the
+snippet as the page shows it, then the glue's checks. A line `SNIPPET OK <page>:<name> rank <r>` per snippet tells the test it ran.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: docs_snippets, _models
-
-from docs_snippets.glue import GLUE  # noqa: E402
-from docs_snippets.pages import snippets  # noqa: E402
+from docs_snippets.glue import GLUE
+from docs_snippets.pages import snippets
 
 
 def main(page: str, names: list[str]) -> None:

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import torch
+from _collect import full_params, max_rel_diff, write_json  # noqa: F401  (re-exported to the scripts)
+from _models import MLP  # noqa: F401  (re-exported to the scripts)
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _comm and _collect
-
-from _collect import full_params, max_rel_diff, write_json  # noqa: E402,F401  (re-exported to the scripts)
-from _models import MLP  # noqa: E402,F401  (re-exported to the scripts)
-
-import fsdp2_strategy.integrations.fabric  # noqa: E402,F401  registers "fsdp2" in Fabric
+import fsdp2_strategy.integrations.fabric  # noqa: F401  registers "fsdp2" in Fabric
 
 LR = 0.1
 N_SAMPLES = 16

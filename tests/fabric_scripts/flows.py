@@ -1,6 +1,8 @@
 """Fabric flows on 2 ranks in one world (launched by `fabric run`); writes what it measured to JSON.
 
-Usage: fabric run --accelerator cpu --devices 2 flows.py OUT.json WORKDIR [FLOW ...]   (default: every flow)
+Usage (tests/ on the path, as `_harness.launch` puts it; default: every flow):
+
+    PYTHONPATH=tests fabric run --accelerator cpu --devices 2 tests/fabric_scripts/flows.py OUT.json WORKDIR [FLOW ...]
 
 Each flow records its numbers under its own key. Every rank writes its own report (OUT.rank0.json,
 OUT.rank1.json) after each flow; an exception is recorded as "error" for that flow and ends that rank
@@ -14,8 +16,6 @@ import shutil
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _collect, _models, _precision
 
 import torch
 from _collect import run_flows

@@ -1,14 +1,12 @@
 """`Fabric(strategy="fsdp2_spawn").launch(fn)`: ranks are spawned; rank 0's result comes back.
 
-Usage: python spawn.py OUT.json WORKDIR
+Usage (tests/ on the path, as `_harness.launch` puts it): PYTHONPATH=tests python tests/fabric_scripts/spawn.py OUT.json WORKDIR
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _collect, _models, _precision
 
 import torch
 from _collect import write_json

@@ -2,20 +2,17 @@
 `tensor_parallel_plan`, trained with SGD, against one process on the same global batches.
 Writes JSON (rank 0); tests/test_fabric.py asserts.
 
-    fabric run --accelerator cpu --devices 4 tensor_parallel.py OUT.json
+    PYTHONPATH=tests fabric run --accelerator cpu --devices 4 tests/fabric_scripts/tensor_parallel.py OUT.json
 """
 
 from __future__ import annotations
 
 import sys
 import traceback
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _collect, _models, _precision
 
 import torch
-from _models import TP_PLAN, lm_data, lm_loss, sgd_reference  # noqa: E402  (tests/ is on the path via `common`)
-from _models import TPGPT as GPT  # noqa: E402
+from _models import TP_PLAN, lm_data, lm_loss, sgd_reference  # (tests/ is on the path via `common`)
+from _models import TPGPT as GPT
 from common import full_params, max_rel_diff, write_json
 from lightning.fabric import Fabric
 from torch.distributed.tensor import DTensor

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from _collect import full_params, gather, max_rel_diff, write_json  # noqa: F401
+from _models import add_mlp_layers, mlp_forward
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _comm and _collect
-
-from _collect import full_params, gather, max_rel_diff, write_json  # noqa: E402,F401
-from _models import add_mlp_layers, mlp_forward  # noqa: E402
-
-import fsdp2_strategy.integrations.lightning  # noqa: E402,F401  registers "fsdp2"
+import fsdp2_strategy.integrations.lightning  # noqa: F401  registers "fsdp2"
 
 LR = 0.1
 N_SAMPLES = 32

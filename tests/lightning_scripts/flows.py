@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _collect, _models, _precision
-
 import lightning.pytorch as pl
 import torch
 import torch.distributed.checkpoint as dcp

@@ -6,7 +6,7 @@ Writes JSON (rank 0): per flow the max relative difference of the parameters aft
 to a one-process run on the same global batches, what the mesh and parameters look like, and
 whether the sharding plan shows the TP styles. The assertions live in tests/test_lightning_tp.py.
 
-    torchrun --nproc_per_node=4 tensor_parallel.py OUT.json
+    PYTHONPATH=tests torchrun --nproc_per_node=4 tests/lightning_scripts/tensor_parallel.py OUT.json
 """
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ from __future__ import annotations
 import copy
 import sys
 import traceback
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _comm, _collect, _models, _precision
 
 import lightning.pytorch as pl
 import torch

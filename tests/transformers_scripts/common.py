@@ -11,15 +11,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
+from _collect import full_params, gather, write_json  # noqa: F401
+from _models import word_tokenizer  # noqa: F401
+from _precision import cast_copy, policy_grads  # noqa: F401
 from torch.utils.data import Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for _collect, _models
-
-from _collect import full_params, gather, write_json  # noqa: E402,F401
-from _models import word_tokenizer  # noqa: E402,F401
-from _precision import cast_copy, policy_grads  # noqa: E402,F401
-
-import fsdp2_strategy as f2  # noqa: E402
+import fsdp2_strategy as f2
 
 VOCAB, SEQ, LABELS = 100, 8, 3
 
