@@ -73,11 +73,6 @@ def runs(tmp_path_factory) -> dict:
     }
 
 
-@pytest.fixture
-def flows(runs) -> dict:
-    return runs["flows"]
-
-
 def _close(a: list[float], b: list[float], tol: float = TOL) -> bool:
     return close_lists(a, b, tol)
 

@@ -66,11 +66,6 @@ def tp_run(tmp_path_factory) -> dict:
     return result["plan"]
 
 
-@pytest.fixture
-def flows(runs) -> dict:
-    return runs["flows"]
-
-
 # ---------------------------------------------------------------------- no processes needed
 def test_import_registers_the_trainer_adapters_names():
     assert {"fsdp2", "fsdp2_hybrid", "fsdp2_cpu_offload", "fsdp2_spawn"} <= set(
