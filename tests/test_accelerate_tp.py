@@ -1,15 +1,14 @@
 """Accelerate's ParallelismConfig through FSDP2Accelerator: dp_shard 2 x tp 2 on 4 CPU ranks (one
-torchrun launch of tests/accelerate_scripts/tensor_parallel.py) equals one process, given as an
-object and as `accelerate launch`'s PARALLELISM_CONFIG_* environment; cp and a wrong product are
-refused with the field named."""
+torchrun launch of tests/accelerate_scripts/tensor_parallel.py, every rank reporting) equals one
+process, given as an object and as `accelerate launch`'s PARALLELISM_CONFIG_* environment; cp and a
+wrong product are refused with the field named."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from _harness import assert_no_flow_failed, launch
+from _harness import agreed_report, launch, rank_reports
 
 pytest.importorskip("accelerate")
 
@@ -21,10 +20,9 @@ TOL = 1e-5  # fp32 parity, relative
 def flows(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("accelerate_tp") / "tp.json"
     # Accelerate's CPU environment (no FSDP_*/ACCELERATE_*/PARALLELISM_CONFIG_* from outside) under torchrun.
-    launch("torchrun", "tensor_parallel.py", out, cwd=SCRIPTS, nproc=4, timeout=300, accelerate_cpu=True)
-    result = json.loads(out.read_text())
-    assert_no_flow_failed(result)
-    return result
+    launch("torchrun", "tensor_parallel.py", out, cwd=SCRIPTS, nproc=4, timeout=300, accelerate_cpu=True, reports=out)
+    # Every rank's report (a flow that raised on any rank fails naming it and the rank), equal on all 4.
+    return agreed_report(rank_reports(out, 4))
 
 
 @pytest.mark.parametrize("flow", ["object", "env"])

@@ -1,15 +1,14 @@
 """Lightning with tensor parallelism: 2 dp x 2 tp on 4 CPU ranks (one torchrun launch of
-tests/lightning_scripts/tensor_parallel.py) equals one process, for a module written for
-ModelParallelStrategy (hand-written TP + fully_shard in configure_model) and for a plain module
-given `tensor_parallel_plan`."""
+tests/lightning_scripts/tensor_parallel.py, every rank reporting) equals one process, for a module
+written for ModelParallelStrategy (hand-written TP + fully_shard in configure_model) and for a plain
+module given `tensor_parallel_plan`."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from _harness import assert_no_flow_failed, launch
+from _harness import agreed_report, launch, rank_reports
 
 pytest.importorskip("lightning")
 
@@ -20,10 +19,9 @@ TOL = 1e-5  # fp32 parity, relative
 @pytest.fixture(scope="module")
 def flows(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("lightning_tp") / "tp.json"
-    launch("torchrun", "tensor_parallel.py", out, cwd=SCRIPTS, nproc=4, timeout=300)
-    result = json.loads(out.read_text())
-    assert_no_flow_failed(result)
-    return result
+    launch("torchrun", "tensor_parallel.py", out, cwd=SCRIPTS, nproc=4, timeout=300, reports=out)
+    # Every rank's report (a flow that raised on any rank fails naming it and the rank), equal on all 4.
+    return agreed_report(rank_reports(out, 4))
 
 
 @pytest.mark.parametrize("flow", ["hand_tp", "plan"])

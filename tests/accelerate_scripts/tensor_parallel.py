@@ -2,7 +2,7 @@
 `FSDP2Accelerator` equals one process, given as an object and as the environment `accelerate
 launch` sets from a config file; unsupported sizes are refused with the field named.
 
-Writes JSON (rank 0); the assertions live in tests/test_accelerate_tp.py.
+Every rank writes its JSON report (`_collect.run_flows`); the assertions live in tests/test_accelerate_tp.py.
 
     PYTHONPATH=tests torchrun --nproc_per_node=4 tests/accelerate_scripts/tensor_parallel.py OUT.json
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import traceback
+from pathlib import Path
 
 import torch
-from _collect import full_params, gather, max_rel_diff, write_json
+from _collect import full_params, gather, max_rel_diff, run_flows
 from _models import TP_PLAN as PLAN  # the 2-D tests' small GPT (separate q/k/v)
 from _models import TPGPT as GPT
 from _models import lm_data, lm_loss, sgd_reference
@@ -96,24 +96,24 @@ def flow_env() -> dict:
             os.environ.pop(name)
 
 
-FLOWS = {
-    "object": lambda: train(ParallelismConfig(dp_shard_size=2, tp_size=2)),
-    "env": flow_env,
-    "errors": lambda: {
-        "cp": refused(ParallelismConfig(dp_shard_size=2, cp_size=2)),
-        "product": refused(ParallelismConfig(dp_shard_size=1, tp_size=2)),
-    },
-}
+def as_object(entry: dict, work: Path) -> None:
+    entry.update(train(ParallelismConfig(dp_shard_size=2, tp_size=2)))
+
+
+as_object.__name__ = "object"  # the flow's name in the report
+
+
+def env(entry: dict, work: Path) -> None:
+    entry.update(flow_env())
+
+
+def errors(entry: dict, work: Path) -> None:
+    entry["cp"] = refused(ParallelismConfig(dp_shard_size=2, cp_size=2))
+    entry["product"] = refused(ParallelismConfig(dp_shard_size=1, tp_size=2))
 
 
 def main(out: str) -> None:
-    result: dict = {}
-    for name, flow in FLOWS.items():
-        try:
-            result[name] = flow()
-        except Exception:
-            result[name] = {"error": traceback.format_exc()}
-    write_json(out, result)
+    run_flows([as_object, env, errors], out, Path(out).parent)  # every rank writes its report (OUT.rankN.json)
     f2.shutdown()
 
 

@@ -1,6 +1,6 @@
 """Fabric 2 dp x 2 tp on 4 CPU ranks (`fabric run --devices 4`): a plain GPT given
 `tensor_parallel_plan`, trained with SGD, against one process on the same global batches.
-Writes JSON (rank 0); tests/test_fabric.py asserts.
+Every rank writes its JSON report (`_collect.run_flows`); tests/test_fabric.py asserts.
 
     PYTHONPATH=tests fabric run --accelerator cpu --devices 4 tests/fabric_scripts/tensor_parallel.py OUT.json
 """
@@ -8,12 +8,13 @@ Writes JSON (rank 0); tests/test_fabric.py asserts.
 from __future__ import annotations
 
 import sys
-import traceback
+from pathlib import Path
 
 import torch
+from _collect import run_flows
 from _models import TP_PLAN, lm_data, lm_loss, sgd_reference  # (tests/ is on the path via `common`)
 from _models import TPGPT as GPT
-from common import full_params, max_rel_diff, write_json
+from common import full_params, max_rel_diff
 from lightning.fabric import Fabric
 from torch.distributed.tensor import DTensor
 
@@ -53,12 +54,12 @@ def plan_flow() -> dict:
     }
 
 
+def plan(entry: dict, work: Path) -> None:
+    entry.update(plan_flow())
+
+
 def main(out: str) -> None:
-    try:
-        result = {"plan": plan_flow()}
-    except Exception:
-        result = {"plan": {"error": traceback.format_exc()}}
-    write_json(out, result)
+    run_flows([plan], out, Path(out).parent)  # every rank writes its report (OUT.rankN.json)
     f2.shutdown()
 
 

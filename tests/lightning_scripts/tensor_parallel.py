@@ -2,7 +2,7 @@
 `ModelParallelStrategy`'s tensor parallelism run with `FSDP2Strategy` instead, and the same
 model with no hand-written TP but `tensor_parallel_plan`; both against one process.
 
-Writes JSON (rank 0): per flow the max relative difference of the parameters after the steps
+Every rank writes its JSON report (`_collect.run_flows`): per flow the max relative difference of the parameters after the steps
 to a one-process run on the same global batches, what the mesh and parameters look like, and
 whether the sharding plan shows the TP styles. The assertions live in tests/test_lightning_tp.py.
 
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import copy
 import sys
-import traceback
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from _collect import run_flows
 from _models import (
     TP_PLAN,
     lm_data,
@@ -24,7 +25,7 @@ from _models import (
     sgd_reference,
 )
 from _models import TPGPT as GPT
-from common import full_params, gather, max_rel_diff, trainer, write_json
+from common import full_params, gather, max_rel_diff, trainer
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -124,18 +125,14 @@ def run(module: LitGPT, strategy: FSDP2Strategy, initial: GPT) -> dict:
 def main(out: str) -> None:
     torch.manual_seed(0)
     initial = GPT()
-    result: dict = {}
-    flows = {
-        "hand_tp": lambda: (LitGPTHandTP(initial), FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=2)),
-        "plan": lambda: (LitGPT(initial), FSDP2Strategy(tensor_parallel_size=2, tensor_parallel_plan=PLAN)),
-    }
-    for name, make in flows.items():
-        try:
-            module, strategy = make()
-            result[name] = run(module, strategy, initial)
-        except Exception:  # reported, so the test shows which flow failed and why
-            result[name] = {"error": traceback.format_exc()}
-    write_json(out, result)
+
+    def hand_tp(entry: dict, work: Path) -> None:
+        entry.update(run(LitGPTHandTP(initial), FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=2), initial))
+
+    def plan(entry: dict, work: Path) -> None:
+        entry.update(run(LitGPT(initial), FSDP2Strategy(tensor_parallel_size=2, tensor_parallel_plan=PLAN), initial))
+
+    run_flows([hand_tp, plan], out, Path(out).parent)  # every rank writes its report (OUT.rankN.json)
     f2.shutdown()
 
 
