@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 
@@ -76,7 +77,7 @@ def run_flows(flows: list[Callable[[dict, Path], None]], out_path: str, work: Pa
         result[flow.__name__] = entry = {}
         try:
             flow(entry, work)
-        except Exception:
+        except (Exception, CheckpointException):  # DCP's CheckpointException is a BaseException
             entry["error"] = traceback.format_exc()
             print(f"[flow {flow.__name__} on rank {rank}]", entry["error"], file=sys.stderr, flush=True)
         rank_path(out_path, rank).write_text(json.dumps(result, indent=1, default=str))

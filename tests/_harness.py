@@ -287,9 +287,10 @@ def _differences(a: Any, b: Any, path: str, skip: set[str]) -> list[str]:
     if path in skip:
         return []
     if isinstance(a, dict) and isinstance(b, dict):
-        out = [f"{path}.{k}: on one rank only" for k in sorted(a.keys() ^ b.keys())]
+        where = {k: f"{path}.{k}" if path else str(k) for k in a.keys() | b.keys()}
+        out = [f"{where[k]}: on one rank only" for k in sorted(a.keys() ^ b.keys()) if where[k] not in skip]
         for k in a.keys() & b.keys():
-            out += _differences(a[k], b[k], f"{path}.{k}" if path else k, skip)
+            out += _differences(a[k], b[k], where[k], skip)
         return sorted(out)
     return [] if a == b else [f"{path}: rank 0 {a!r}, this rank {b!r}"]
 

@@ -18,7 +18,7 @@ pytest.importorskip("accelerate")
 
 import transformers  # noqa: E402
 from _collect import close_lists  # noqa: E402
-from _harness import assert_no_flow_failed, launch  # noqa: E402
+from _harness import agreed_report, assert_no_flow_failed, launch, rank_reports  # noqa: E402
 
 from fsdp2_strategy.integrations.transformers import (  # noqa: E402
     FSDP2Trainer,
@@ -31,6 +31,25 @@ from fsdp2_strategy.integrations.transformers.checkpoint import keep_only_best, 
 from fsdp2_strategy.integrations.transformers.trainer import _refuse_other_engines  # noqa: E402
 
 SCRIPTS = Path(__file__).parent / "transformers_scripts"
+PER_RANK = [
+    # The Trainer's own timings, each rank's:
+    "parity.eval.eval_model_preparation_time",
+    "parity.eval.eval_runtime",
+    "parity.eval.eval_samples_per_second",
+    "parity.eval.eval_steps_per_second",
+    # Rank 0 alone reads back the files it wrote:
+    "parity.saved_files",
+    "parity.saved_rel_diff",
+    "full_state_dict.checkpoint_files",
+    "full_state_dict.checkpoint_rel_diff",
+    "full_state_dict.saved_files",
+    "full_state_dict.saved_rel_diff",
+    "peft_lora.adapter_rel_diff",
+    "peft_lora.adapter_tensors",
+    "peft_lora.saved_files",
+    "sft.reloads",
+]
+"""Report values that differ between ranks by nature ("flow.key"); every other value must agree on both."""
 TOL = 1e-5  # fp32 parity, relative
 
 
@@ -52,7 +71,7 @@ def sharded(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("transformers_sharded")
     config = SCRIPTS / "fsdp2_sharded.yaml"
     launch("accelerate", "flows.py", work / "out.json", work, cwd=SCRIPTS, config=config, env=QUIET)
-    return _load(work / "out.json")
+    return agreed_report(rank_reports(work / "out.json", 2), PER_RANK)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +89,8 @@ def full(tmp_path_factory) -> dict:
     # Without ACCELERATE_USE_CPU where no GPU exists, as a user's launch on a machine without GPU.
     env = {**QUIET, "ACCELERATE_USE_CPU": None} if no_gpu else QUIET
     launch("accelerate", "flows_full.py", work / "out.json", work, cwd=SCRIPTS, config=config, env=env)
-    return {**_load(work / "out.json"), "without_cpu_variable": no_gpu, "killed_output": killed.stdout + killed.stderr}
+    report = agreed_report(rank_reports(work / "out.json", 2), PER_RANK)
+    return {**report, "without_cpu_variable": no_gpu, "killed_output": killed.stdout + killed.stderr}
 
 
 # ---------------------------------------------------------------------------------------- 2-process runs

@@ -19,12 +19,12 @@ import shutil
 import signal
 import sys
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _collect import run_flows
 from _comm import collective_dtypes, count_collectives
 from _precision import policy_grads, tied_names
 from _slow_staging import copied_by, differing, full_state, slow_staging
@@ -49,7 +49,6 @@ from common import (
     setup_resumable,
     train,
     update_rel_diff,
-    write_json,
 )
 from resume_flows import resume_from_one, resume_on_two
 from torch.distributed.fsdp import FSDPModule
@@ -441,6 +440,7 @@ def checkpoints(out: dict, work: Path) -> None:
     # Saving again into the same directory replaces it whole (no .tmp-* left behind).
     acc2.save_state(path)
     out["parent_after_resave"] = sorted(p.name for p in path.parent.iterdir())
+    dist.barrier()  # every rank has listed before rank 0 adds the damaged copies below
     # A directory that never committed, and a damaged one, are refused before anything loads.
     partial = work / "partial"
     if dist.get_rank() == 0:
@@ -871,25 +871,7 @@ def main() -> None:
     flows = [by_name[n] for n in sys.argv[3].split(",")] if len(sys.argv) > 3 else FLOWS
     # The first accelerator starts the process group: a timeout, so a stuck rank fails the run.
     FSDP2Accelerator(mixed_precision="no", kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=90))])
-    result: dict = {}
-    for flow in flows:
-        entry: dict = {}
-        try:
-            flow(entry, work)
-        except BaseException:  # DCP's CheckpointException is a BaseException
-            entry["error"] = traceback.format_exc()
-            print(
-                f"[flow {flow.__name__} rank {dist.get_rank() if dist.is_initialized() else -1}]",
-                entry["error"],
-                file=sys.stderr,
-                flush=True,
-            )
-        errors = gather(entry.get("error"))
-        if any(errors):
-            entry["error"] = "\n".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
-        result[flow.__name__] = entry
-        dist.barrier()
-    write_json(out_path, result)
+    run_flows(flows, out_path, work)  # every rank writes its report (OUT.rankN.json)
     f2.shutdown()
 
 

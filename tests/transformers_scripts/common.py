@@ -5,13 +5,12 @@ from __future__ import annotations
 import copy
 import shutil
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import transformers
-from _collect import full_params, gather, write_json  # noqa: F401
+from _collect import full_params, gather, run_flows, write_json  # noqa: F401
 from _models import word_tokenizer  # noqa: F401
 from _precision import cast_copy, policy_grads  # noqa: F401
 from torch.utils.data import Dataset
@@ -132,27 +131,9 @@ def vector_rel_diff(got: dict, want: dict, start: dict | None = None) -> float:
     return (diff.norm() / ref.norm()).item()
 
 
-def run_flows(flows: list, out_path: str, work: Path) -> None:
-    """Run each flow, recording `{"error": traceback}` for one that raised, and write rank 0's JSON."""
-    result: dict = {}
-    for flow in flows:
-        entry: dict = {}
-        try:
-            flow(entry, work)
-        except BaseException:  # DCP's CheckpointException is a BaseException
-            entry["error"] = traceback.format_exc()
-            print(f"[flow {flow.__name__}]", entry["error"], file=sys.stderr, flush=True)
-        if dist.is_initialized():
-            errors = gather(entry.get("error"))
-            if any(errors):
-                entry["error"] = "\n".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
-            dist.barrier()
-        result[flow.__name__] = entry
-    write_json(out_path, result)
-
-
 def main(flows: list) -> None:
-    """`python SCRIPT OUT.json WORKDIR [FLOW,FLOW...]` under accelerate launch: run the named flows (default: all)."""
+    """`python SCRIPT OUT.json WORKDIR [FLOW,FLOW...]` under accelerate launch: run the named flows (default:
+    all); every rank writes its report (OUT.rankN.json, `_collect.run_flows`)."""
     out_path, work = sys.argv[1], Path(sys.argv[2])
     by_name = {f.__name__: f for f in flows}
     chosen = [by_name[n] for n in sys.argv[3].split(",")] if len(sys.argv) > 3 else flows
