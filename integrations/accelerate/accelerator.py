@@ -138,7 +138,7 @@ class FSDP2Accelerator(Accelerator):
         # The settings every prepared model is sharded with, final from here on: the plugin's
         # (accelerate config, FSDP2Config, keywords, mixed_precision=, parallelism_config) with the
         # gradient accumulation plugin's sync_each_batch, which Accelerate set up just now.
-        self._fsdp2_config = _with_sync_each_batch(fsdp_plugin.fsdp2_config, self._sync_each_batch())
+        self._fsdp2_config = fsdp_plugin.config_for(sync_each_batch=self._sync_each_batch())
         # Accelerate's data loaders read this mesh: one batch per data-parallel rank, the same
         # batch across a TP group. Accelerate's own parallelism_config stays None (its TP/FSDP
         # code paths must not run); the core shards on this same mesh.
@@ -388,21 +388,3 @@ class FSDP2Accelerator(Accelerator):
         if load_model_func_kwargs:
             raise TypeError(f"FSDP2Accelerator.load_state does not take {sorted(load_model_func_kwargs)}.")
         checkpoint.load_state(self, input_dir, load_kwargs)
-
-
-def _with_sync_each_batch(config: f2.FSDP2Config, sync_each_batch: bool) -> f2.FSDP2Config:
-    """`config` as `GradientAccumulationPlugin(sync_each_batch=...)` asks: reducing every micro-batch
-    is the "sync_each" accumulation mode.
-
-    Raises:
-        ValueError: sync_each_batch=True with a mode that keeps parameters gathered across the step.
-    """
-    mode = f2.accumulation_mode(config.accumulation)
-    if not sync_each_batch or mode.reduces_every_micro_batch:
-        return config
-    if mode.keeps_gathered:
-        raise ValueError(
-            "GradientAccumulationPlugin(sync_each_batch=True) reduces every micro-batch, but the FSDP2 config "
-            "has accumulation='keep_gathered'; drop sync_each_batch or set accumulation='sync_each'."
-        )
-    return f2.FSDP2Config.coerce(config, accumulation="sync_each")

@@ -176,6 +176,24 @@ class FSDP2Plugin(FullyShardedDataParallelPlugin):
         self.fsdp2_config = f2.FSDP2Config.coerce(self.fsdp2_config, mixed_precision=value)
         self._mirror_accelerate_fields()
 
+    def config_for(self, *, sync_each_batch: bool) -> f2.FSDP2Config:
+        """The config as `GradientAccumulationPlugin(sync_each_batch=...)` asks: reducing every
+        micro-batch is the "sync_each" accumulation mode.
+
+        Raises:
+            ValueError: sync_each_batch=True with a mode that keeps parameters gathered across the step.
+        """
+        config = self.fsdp2_config
+        mode = f2.accumulation_mode(config.accumulation)
+        if not sync_each_batch or mode.reduces_every_micro_batch:
+            return config
+        if mode.keeps_gathered:
+            raise ValueError(
+                "GradientAccumulationPlugin(sync_each_batch=True) reduces every micro-batch, but the FSDP2 config "
+                "has accumulation='keep_gathered'; drop sync_each_batch or set accumulation='sync_each'."
+            )
+        return f2.FSDP2Config.coerce(config, accumulation="sync_each")
+
     @property
     def accelerate_precision(self) -> str:
         """The precision as Accelerate names it ("no", "bf16", "fp16"; "custom" for a policy)."""
