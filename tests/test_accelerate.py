@@ -622,3 +622,14 @@ def test_overlap_save_state_holds_the_saved_state_and_resumes_exactly(flows):
 def test_sigterm_to_one_rank_sets_the_trigger_on_every_rank(flows):
     r = flows["preemption"]
     assert r["triggers"] == [[False, False, True]] * 2 and r["committed"], r  # both ranks stop after step 3
+
+
+def test_sync_each_batch_means_the_sync_each_mode():
+    """GradientAccumulationPlugin(sync_each_batch=True) reduces every micro-batch: "sync_each"; it cannot
+    combine with a mode that keeps parameters gathered across the step."""
+    plugin = FSDP2Plugin(read_env=False)
+    assert plugin.config_for(sync_each_batch=False) is plugin.fsdp2_config
+    assert plugin.config_for(sync_each_batch=True).accumulation == "sync_each"
+    kept = FSDP2Plugin(accumulation="keep_gathered", read_env=False)
+    with pytest.raises(ValueError, match="accumulation='keep_gathered'; drop sync_each_batch"):
+        kept.config_for(sync_each_batch=True)
