@@ -19,7 +19,7 @@ from .checkpoint import (
     save_merged,
     save_peft_adapter,
 )
-from .choose import compare_strategies, shard_model
+from .choose import compare_strategies, shard_model, shard_reference
 from .config import FSDP2Config, ModuleOverride
 from .distributed import init_distributed, shutdown
 from .estimate import MemoryEstimate, StrategyComparison, estimate_memory
@@ -92,6 +92,7 @@ __all__ = [
     "save_peft_adapter",
     "set_gradient_sync",
     "shard_model",
+    "shard_reference",
     "sharding_plan",
     "shutdown",
     "track_throughput",

@@ -115,6 +115,38 @@ def shard_model(
     return shard.shard_model(model, config, mesh=mesh)
 
 
+def shard_reference(
+    model: nn.Module,
+    config: FSDP2Config | Mapping[str, Any] | str | None = None,
+    *,
+    mesh: DeviceMesh | None = None,
+    **overrides: Any,
+) -> nn.Module:
+    """Shard a model that only runs forward: a reference or teacher model beside the one in training.
+
+    The same policy as `shard_model` (one group per block), with what a forward-only model wants:
+    every parameter frozen (no gradients, so no reduce-scatter and no optimizer state), stored in the
+    compute dtype (`frozen_dtype="auto"`: bf16 under a bf16 policy), the model in eval mode, and
+    every group resharded after its forward, the root and the last block included (they stay
+    gathered only where a backward follows).
+
+    Args:
+        model: The model to shard.
+        config: An `FSDP2Config`, a dict of its fields, a YAML path, or None (e.g. the policy model's
+            config: `mixed_precision` and `wrap_policy` carry over).
+        mesh: As for `shard_model`.
+        **overrides: `FSDP2Config` fields over `config` (`reshard_after_forward=False` keeps the groups
+            gathered after forward, for a reference run many times over the same batch).
+
+    Returns:
+        `model`, sharded, frozen and in eval mode.
+    """
+    model.requires_grad_(False)
+    model.eval()
+    config = FSDP2Config.coerce(config, **{"reshard_after_forward": True, **overrides})
+    return shard_model(model, config, mesh=mesh)
+
+
 def resolve_on_process_group(
     model: nn.Module,
     config: FSDP2Config,

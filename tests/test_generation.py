@@ -14,7 +14,7 @@ import pytest
 import torch
 from _comm import count_collectives
 from _harness import run_agreeing
-from _models import TinyGPT, loss_fn, make_batch
+from _models import TinyGPT, loss_fn, make_batch, rel_diff
 
 NEW = 8  # generated tokens per run
 
@@ -89,6 +89,18 @@ def _generation_world():
         out["over_budget"] = _greedy(model, prompt, NEW).tolist()
     out["gathers_over_budget"] = _gathers(over)
 
+    # A reference model (forward only): frozen, every group resharded after forward (the root too),
+    # the same logits as the unsharded model; a model sharded for training keeps its root gathered.
+    reference = f2.shard_reference(copy.deepcopy(ref), log_plan=False)
+    with torch.no_grad():
+        out["reference_logits_err"] = rel_diff(reference(prompt), ref(prompt))
+        model(prompt)
+    out["reference_sharded_after_forward"] = all(isinstance(p, DTensor) for p in reference.parameters() if p.ndim)
+    out["trained_root_gathered_after_forward"] = not isinstance(model.tok.weight, DTensor)
+    out["reference_frozen"] = not any(p.requires_grad for p in reference.parameters()) and not reference.training
+    bf16 = f2.shard_reference(copy.deepcopy(ref), mixed_precision="bf16", log_plan=False)
+    out["reference_bf16_dtypes"] = sorted({str(p.dtype) for p in bf16.parameters() if p.ndim})
+
     # Hugging Face generate on a tiny Llama, greedy.
     llama = _tiny_llama()
     ids = torch.randint(0, 64, (1, 5))
@@ -142,3 +154,10 @@ def test_model_is_sharded_and_trains_as_before_after_the_context(generation):
 def test_over_the_budget_nothing_is_held(generation):
     r = generation
     assert r["over_budget"] == r["reference"] and r["gathers_over_budget"] == r["gathers_outside"]
+
+
+def test_reference_model_is_frozen_in_the_compute_dtype_and_resharded_after_forward(generation):
+    r = generation
+    assert r["reference_logits_err"] < 1e-5, r["reference_logits_err"]
+    assert r["reference_sharded_after_forward"] and r["trained_root_gathered_after_forward"], r
+    assert r["reference_frozen"] and r["reference_bf16_dtypes"] == ["torch.bfloat16"], r
