@@ -214,3 +214,23 @@ def word_tokenizer():
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>"
     )
+
+
+def tiny_llama(vocab: int = 32, **config) -> nn.Module:
+    """A Hugging Face Llama built from a config (no download): 2 layers of width 32, `config` overriding
+    any `LlamaConfig` field; weights from seed 0."""
+    import transformers
+
+    fields = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **config}))

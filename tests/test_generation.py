@@ -14,7 +14,7 @@ import pytest
 import torch
 from _comm import count_collectives
 from _harness import run_agreeing
-from _models import TinyGPT, loss_fn, make_batch, rel_diff
+from _models import TinyGPT, loss_fn, make_batch, rel_diff, tiny_llama
 
 NEW = 8  # generated tokens per run
 
@@ -29,17 +29,6 @@ def _greedy(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
 
 def _gathers(counts) -> int:
     return counts["all_gather_single"] + counts["all_gather_into_tensor"]
-
-
-def _tiny_llama():
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 def _generation_world():
@@ -102,7 +91,8 @@ def _generation_world():
     out["reference_bf16_dtypes"] = sorted({str(p.dtype) for p in bf16.parameters() if p.ndim})
 
     # Hugging Face generate on a tiny Llama, greedy.
-    llama = _tiny_llama()
+    # No end token: generate always runs its NEW steps.
+    llama = tiny_llama(64, num_hidden_layers=3, num_attention_heads=4, pad_token_id=None, eos_token_id=None).eval()
     ids = torch.randint(0, 64, (1, 5))
     out["hf_reference"] = llama.generate(ids, max_new_tokens=NEW, do_sample=False).tolist()
     sharded = f2.shard_model(copy.deepcopy(llama), log_plan=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from _models import tiny_llama  # noqa: F401  (the snippets' set-up imports it from here)
 from torch import nn
 
 
@@ -82,24 +83,6 @@ def lightning_module() -> nn.Module:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     return LitNet()
-
-
-def tiny_llama(vocab: int = 32) -> nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        pad_token_id=0,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 def lm_dataset(vocab: int = 32) -> list[dict[str, torch.Tensor]]:

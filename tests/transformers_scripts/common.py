@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import transformers
 from _collect import full_params, gather, run_flows, write_json  # noqa: F401
-from _models import word_tokenizer  # noqa: F401
+from _models import tiny_llama, word_tokenizer  # noqa: F401
 from _precision import cast_copy, policy_grads  # noqa: F401
 from torch.utils.data import Dataset
 

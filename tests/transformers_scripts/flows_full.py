@@ -24,6 +24,7 @@ from common import (
     main,
     policy_grads,
     reference_sgd,
+    tiny_llama,
     vector_rel_diff,
     word_tokenizer,
 )
@@ -143,19 +144,7 @@ def sft(entry: dict, work: Path) -> None:
     from datasets import Dataset
 
     tokenizer = word_tokenizer()
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_llama(len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     initial, fed = copy.deepcopy(model), []
     model.register_forward_pre_hook(
         lambda m, args, kwargs: fed.append({k: v for k, v in kwargs.items() if k != "num_items_in_batch"}),
