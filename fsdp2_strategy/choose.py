@@ -141,9 +141,10 @@ def shard_reference(
     Returns:
         `model`, sharded, frozen and in eval mode.
     """
+    # Checked before the model is frozen: a bad config changes nothing.
+    config = FSDP2Config.coerce(config, **{"reshard_after_forward": True, **overrides})
     model.requires_grad_(False)
     model.eval()
-    config = FSDP2Config.coerce(config, **{"reshard_after_forward": True, **overrides})
     return shard_model(model, config, mesh=mesh)
 
 

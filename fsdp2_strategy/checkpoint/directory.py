@@ -266,7 +266,8 @@ def prune(
     protected = {Path(p).resolve() for p in protect}
     if keep_newest and paths:
         protected.add(paths[-1].resolve())
-    keep, doomed = max(keep_last, len(protected)), list[Path]()
+    keep = max(keep_last, len(protected))
+    doomed: list[Path] = []
     for path in paths:
         if len(paths) - len(doomed) <= keep:
             break

@@ -202,9 +202,14 @@ def full_weights(
     if not found_peft:
         return ((name, _full(value, device)) for name, value in model.state_dict().items())
     peft_model = found_peft[0][1]
+    return _merged_weights(peft_model, _mergeable_layers(peft_model, adapter_name), adapter_name, device)
+
+
+def _mergeable_layers(peft_model: Any, adapter_name: str) -> dict[str, Any]:
+    """The adapter's LoRA layers by name; ValueError naming those that cannot be merged."""
     found = lora_layers(peft_model, adapter_name)
     check_mergeable({name: why for name, (_, why) in found.items()})
-    return _merged_weights(peft_model, {name: layer for name, (layer, _) in found.items()}, adapter_name, device)
+    return {name: layer for name, (layer, _) in found.items()}
 
 
 def _merged_weights(
@@ -289,12 +294,13 @@ def save_merged(
             (DoRA, embeddings, convolutions, a quantised base).
     """
     _, peft_model = find_peft_model(model)
+    layers = _mergeable_layers(peft_model, adapter_name)
     base = peft_model.get_base_model()
     state = base.state_dict()
     names = {k: merged_name(k, adapter_name) for k in state}
     sizes = {name: _nbytes(state[k]) for k, name in names.items() if name is not None}
     writer = ShardWriter(Path(out_dir), sizes, max_shard_size) if rank() == 0 else None
-    for name, tensor in full_weights(peft_model, adapter_name=adapter_name, device="cpu"):
+    for name, tensor in _merged_weights(peft_model, layers, adapter_name, "cpu"):
         if writer is not None:
             writer.add(name, tensor)
     if writer is not None:
@@ -302,7 +308,7 @@ def save_merged(
         save_config = getattr(getattr(base, "config", None), "save_pretrained", None)
         if callable(save_config):
             save_config(str(out_dir))
-        logger.info("Saved merged weights (%d LoRA layers) to %s", len(lora_layers(peft_model, adapter_name)), out_dir)
+        logger.info("Saved merged weights (%d LoRA layers) to %s", len(layers), out_dir)
     barrier()
     return Path(out_dir)
 

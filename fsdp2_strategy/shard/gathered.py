@@ -12,11 +12,11 @@ without the context (one group gathered at a time) and a warning says so.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import _torch_compat as tc
@@ -24,6 +24,7 @@ from ..config_checks import parse_bytes
 from ..distributed import log_rank_zero
 from ..estimate import default_budget, human_bytes
 from ..groups import own_named_params
+from ..mesh import detect_num_nodes
 from ..train import KeptGroups, recorded_state
 
 
@@ -99,5 +100,6 @@ def gathered(*models: nn.Module, memory_budget: int | str | None = None) -> Iter
 
 
 def _local_ranks() -> int:
-    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    return int(value) if value.isdigit() else 1
+    """Ranks on this node, as the memory planner counts them (`choose.resolve_on_process_group`)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return world // detect_num_nodes(world)

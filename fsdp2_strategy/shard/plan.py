@@ -72,10 +72,6 @@ class ResolvedPlan:
     """Whether the model is on the meta device (materialised after sharding)."""
     log_plan: bool
 
-    def group(self, name: str) -> ShardedGroup:
-        """The group whose first module is `name` ("" the root)."""
-        return next(g for g in self.groups if g.spec.name == name)
-
 
 def plan_sharding(model: nn.Module, config: FSDP2Config, *, mesh: DeviceMesh | None = None) -> ResolvedPlan:
     """Resolve and check every setting `shard_model` applies to `model`; nothing is changed.

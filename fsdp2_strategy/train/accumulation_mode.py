@@ -44,11 +44,6 @@ class AccumulationMode:
         return not self.reduces_every_micro_batch
 
     @property
-    def holds_unsharded_grads(self) -> bool:
-        """Whether unsharded, unreduced gradients are alive between micro-batches."""
-        return not self.reduces_every_micro_batch
-
-    @property
     def saves_time(self) -> bool:
         """Whether the mode can make a step faster than the others ("sync_each" only adds
         reduce-scatters to "sync_last": it saves memory, never time). The tuner tries the modes that
