@@ -280,15 +280,35 @@ def prune(
 
 # ---------------------------------------------------------------------- load
 def verify_dir(path: Path, hint: str = "") -> None:
-    """Collective: raise ValueError on every rank if a file listed in `checksums.json` changed."""
+    """Collective: raise ValueError on every rank if a file listed in `checksums.json` changed; the
+    error ends with `hint`, by default the committed checkpoints beside `path` (`alternatives_hint`)."""
     world = dist.get_world_size() if is_distributed() else 1
     problems = integrity.verify(path, rank(), world)
     if problems:
         raise ValueError(
             f"Checkpoint {path} is damaged and was not loaded (the model is unchanged):\n  "
             + "\n  ".join(problems[:MAX_LISTED])
-            + (f"\n{hint}" if hint else "")
+            + f"\n{hint or alternatives_hint(path)}"
         )
+
+
+def alternatives_hint(path: Path) -> str:
+    """What to load instead of the damaged checkpoint `path`: the committed directories beside it
+    (the same parent; a save in progress or un-published is not one), newest first."""
+    path = Path(path)
+    others = [
+        p
+        for p in path.parent.iterdir()
+        if p.is_dir() and p.name != path.name and not p.name.startswith(TMP_PREFIX) and is_committed(p)
+    ]
+    if not others:
+        return f"No other committed checkpoint is in {path.parent}: load one from elsewhere, or save again."
+    newest = sorted(others, key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
+    names = ", ".join(p.name for p in newest[:MAX_LISTED]) + (" ..." if len(newest) > MAX_LISTED else "")
+    return (
+        f"Committed checkpoints beside it in {path.parent}, newest first: {names}. Load one of them "
+        "instead: the same load call with its path."
+    )
 
 
 def read_metadata(path: Path) -> Metadata:
@@ -300,7 +320,7 @@ def read_metadata(path: Path) -> Metadata:
     except Exception as exc:  # a truncated or overwritten `.metadata` fails anywhere inside unpickling
         raise ValueError(
             f"{Path(path) / METADATA} is unreadable ({type(exc).__name__}: {exc}): the checkpoint is "
-            "damaged. Load or export an earlier step."
+            f"damaged. Load or export an earlier step. {alternatives_hint(Path(path))}"
         ) from exc
 
 
