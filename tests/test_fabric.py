@@ -8,6 +8,7 @@ The scripts in tests/fabric_scripts/ measure and write JSON; the assertions live
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,30 @@ def test_strategy_takes_every_config_field_and_refuses_bad_ones():
         FSDP2FabricStrategy(sharding_strategy="FULLY")
     with pytest.raises(ValueError, match="start_method='threads' is invalid"):
         FSDP2FabricStrategy(start_method="threads")
+
+
+def test_strategy_takes_model_parallel_strategys_constructor():
+    def fn(module, mesh):
+        return module
+
+    timeout = timedelta(minutes=3)
+    strategy = FSDP2FabricStrategy(
+        fn,
+        data_parallel_size=2,
+        tensor_parallel_size=2,
+        save_distributed_checkpoint=False,
+        process_group_backend="gloo",
+        timeout=timeout,
+    )
+    assert strategy._user_parallelize_fn is fn and strategy._parallel_args.data_parallel_size == 2
+    assert strategy.fsdp2_config.tensor_parallel_size == 2 and not strategy._save_distributed_checkpoint
+    assert strategy.process_group_backend == "gloo" and strategy._timeout == timeout
+    auto = FSDP2FabricStrategy(fn, tensor_parallel_size="auto")  # ModelParallelStrategy's default, asked for
+    assert auto._parallel_args.auto_tensor_parallel and auto.fsdp2_config.tensor_parallel_size == 1
+    with pytest.raises(ValueError, match=r"data_parallel_size=0 is invalid; use 'auto' or an int >= 1"):
+        FSDP2FabricStrategy(fn, data_parallel_size=0)
+    with pytest.raises(TypeError, match="parallelize_fn must be callable.*config=..."):
+        FSDP2FabricStrategy({"cpu_offload": True})  # a config given where parallelize_fn now stands
 
 
 def test_precision_strings_choose_fsdp2_plugins():
@@ -191,6 +216,9 @@ def test_save_load_resumes_exactly_and_returns_the_rest(flows):
 def test_damaged_partial_and_unsupported_checkpoints_refused(flows):
     c = flows["checkpoints"]
     assert "damaged and was not loaded" in c["damaged_error"] and "__0_0.distcp" in c["damaged_error"]
+    # What to load instead: the committed checkpoint beside it (not the partial copy), and how.
+    hint = c["damaged_error"].split("Committed checkpoints beside it")[1]
+    assert "fabric_ckpt" in hint and "partial_ckpt" not in hint and "the same load call with its path" in hint
     assert "not a committed fsdp2 checkpoint" in c["partial_error"]
     assert c["unchanged_after_refusals"] == 0.0
     assert c["missing_key_error"].startswith("KeyError") and "'absent'" in c["missing_key_error"]
@@ -200,6 +228,29 @@ def test_damaged_partial_and_unsupported_checkpoints_refused(flows):
 
 def test_load_raw_loads_full_weights_into_shards(flows):
     assert flows["checkpoints"]["load_raw_diff"] == 0.0
+
+
+def test_parallelize_fn_runs_first_and_the_engine_shards_the_rest(flows):
+    r = flows["model_parallel"]["tp"]
+    assert r["mesh_shape"] == [1, 2]  # tensor_parallel_size="auto": the node's 2 devices in TP
+    # The function's column-/row-wise TP, kept as it left it (16 x 8 weight: 8 rows and 8 columns per rank).
+    assert r["w1"] == {"placements": ["Shard(0)"], "dims": ["tensor_parallel"], "local_shape": [8, 8]}
+    assert r["w2"] == {"placements": ["Shard(1)"], "dims": ["tensor_parallel"], "local_shape": [8, 8]}
+    # What it left, sharded by the engine on the data-parallel dim (one rank here).
+    assert r["root_is_fsdp"] and r["head"]["dims"] == ["data_parallel"]
+    assert r["max_rel_diff"] < TOL  # two SGD steps equal one process
+
+
+def test_full_single_file_checkpoints_load_into_the_shards(flows):
+    f, one = flows["model_parallel"]["full_file"], flows["model_parallel"]["one_process"]
+    # save_distributed_checkpoint=False: Lightning's single file, filter= applied.
+    assert f["is_file"] and f["keys"] == ["model", "optimizer", "step"]
+    assert f["filtered_keys"] == [f"{n}.bias" for n in ("blocks.0.fc", "blocks.1.fc", "blocks.2.fc", "inp", "out")]
+    # fabric.load of it into a sharded model: the saved weights exactly, then Adam continues exactly.
+    assert f["step"] == 1 and f["remainder"] == {} and f["loaded_diff"] == 0.0
+    assert f["resume_diff"] < TOL and f["resumed_losses"] == pytest.approx(f["continued_losses"], rel=TOL)
+    # A one-process checkpoint (plain state dicts, optimizer keyed by index) continues like that process.
+    assert one["step"] == 5 and one["resume_diff"] < TOL
 
 
 # ---------------------------------------------------------------------- 1 process, spawn

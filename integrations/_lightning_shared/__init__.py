@@ -2,7 +2,7 @@
 share, written once, as Lightning's own Trainer strategies build on Fabric's helpers: the config
 and mesh derived from what Lightning knows (`config`), precision strings and plugin swaps
 (`precision`), the sharded-checkpoint format (`checkpoint`), the spawn launchers' clean end
-(`launch`), and the private Lightning names the shared code needs (`_compat`).
+(`launch`), `ModelParallelStrategy`'s constructor sizes (`model_parallel`), and the private Lightning names the shared code needs (`_compat`).
 """
 
 from .checkpoint import META_FILE, is_sharded_checkpoint, not_committed_error
@@ -18,11 +18,13 @@ from .config import (
     register_all,
 )
 from .launch import ShutdownAfterWorker
+from .model_parallel import ModelParallelArgs, model_parallel_args
 from .precision import MIXED_POLICY, SUPPORTED_PRECISION, mixed_scaler, plugin_property, swap_plugin
 
 __all__ = [
     "META_FILE",
     "MIXED_POLICY",
+    "ModelParallelArgs",
     "REGISTERED",
     "START_METHODS",
     "SUPPORTED_PRECISION",
@@ -33,6 +35,7 @@ __all__ = [
     "effective_config",
     "is_sharded_checkpoint",
     "mixed_scaler",
+    "model_parallel_args",
     "not_committed_error",
     "parallel_sizes",
     "plugin_property",

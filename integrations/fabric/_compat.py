@@ -8,6 +8,8 @@
   the spawned worker's body, extended to end the worker through `fsdp2_strategy.shutdown()`.
 - `lightning.fabric.strategies.strategy._BackwardSyncControl`: the base of the object
   `fabric.no_backward_sync` asks, subclassed to run `f2.no_sync`.
+- torch's `torch._dynamo.OptimizedModule`: what `torch.compile(module)` returns; a `parallelize_fn`
+  that compiles returns one, and the engine shards the module inside it.
 
 Each is reached through `versions.find_private`; `check_private_api()` runs at import, before
 anything is built on them, and raises ImportError naming every symbol a Lightning release moved,
@@ -37,12 +39,16 @@ find_private(
     "lightning.fabric.strategies.launchers.multiprocessing:_MultiProcessingLauncher._wrapping_function", _missing
 )
 BackwardSyncControl = find_private("lightning.fabric.strategies.strategy:_BackwardSyncControl", _missing)
+_torch_missing: list[str] = []
+OptimizedModule = find_private("torch._dynamo:OptimizedModule", _torch_missing)
 
 
 def check_private_api() -> None:
     """Raise ImportError naming every Fabric symbol above that a release moved."""
     if _missing:
         raise private_api_error("fsdp2_strategy's Fabric adapter", "lightning", lightning.__version__, _missing)
+    if _torch_missing:
+        raise private_api_error("fsdp2_strategy's Fabric adapter", "torch", torch.__version__, _torch_missing)
 
 
 check_private_api()  # before the classes below subclass what it checked

@@ -86,9 +86,9 @@ def load(path: Path, state: dict[str, Any], *, strict: bool = True, weights_only
     meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
     missing = sorted(set(rest) - set(meta))
     if strict and missing:
-        raise KeyError(
-            f"{path} has no entries {missing} requested in `state` (it holds {sorted(meta)}); "
-            "pass strict=False to load the rest."
+        raise KeyError(  # Fabric's own wording first: code that matches it keeps working
+            f"The requested state contains a key {missing[0]!r} that does not exist in the loaded checkpoint "
+            f"{path} (missing: {missing}; it holds {sorted(meta)}); pass strict=False to load the rest."
         )
     for key in set(rest) & set(meta):
         value = meta.pop(key)

@@ -9,7 +9,6 @@ norm, and checkpoints committed atomically with checksums.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -46,8 +45,8 @@ from .._lightning_shared import (
     core_mesh,
     effective_config,
     is_sharded_checkpoint,
+    model_parallel_args,
     not_committed_error,
-    parallel_sizes,
     plugin_property,
     process_group_backend,
     register_all,
@@ -66,7 +65,6 @@ _MODEL_KEY = "model"
 reads (optimizers are "optimizer_<i>", as in both Lightning strategies)."""
 _LOADABLE_MODEL_KEYS = (_MODEL_KEY, "state_dict")
 """Model keys `load_checkpoint` reads: ours (and FSDPStrategy's), and ModelParallelStrategy's."""
-_AUTO = object()  # tensor_parallel_size="auto": the devices of one node, known once launched
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -116,23 +114,11 @@ class FSDP2Strategy(ModelParallelStrategy):
                 f"{save_distributed_checkpoint}) disagree; give one of them."
             )
         check_start_method("FSDP2Strategy", start_method)
-        if fields.get("tensor_parallel_size") == "auto":
-            # ModelParallelStrategy's default: every device of a node in one TP group.
-            fields["tensor_parallel_size"] = _AUTO
-        if data_parallel_size != "auto" and (
-            isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1
-        ):
-            raise ValueError(
-                f"FSDP2Strategy.data_parallel_size={data_parallel_size!r} is invalid; use 'auto' or an int >= 1."
-            )
-        auto_tp = fields.get("tensor_parallel_size") is _AUTO
-        if auto_tp:
-            fields.pop("tensor_parallel_size")
+        self._parallel_args = model_parallel_args("FSDP2Strategy", fields, data_parallel_size)
         # `FSDP2Config(**fields)` spelled out (not only via `coerce`) lets LightningCLI's parser
         # see the config fields as this class's own `init_args`.
         self.fsdp2_config = f2.FSDP2Config(**fields) if config is None else f2.FSDP2Config.coerce(config, **fields)
         self._start_method = start_method
-        self._auto_tensor_parallel = auto_tp
         self._saver: AsyncSaver | None = None
         self._preemption: f2.PreemptionWatch | None = None
         self._failed = False  # an exception other than a preemption: no collective at teardown
@@ -163,10 +149,8 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         ModelParallelStrategy's sizes keep their meaning; its "auto" data-parallel size (the node
         count: nothing sharded on one node) becomes every rank outside tensor parallelism."""
-        if self._auto_tensor_parallel:
-            self.fsdp2_config = dataclasses.replace(self.fsdp2_config, tensor_parallel_size=self.num_processes)
-        self._data_parallel_size, self._tensor_parallel_size = parallel_sizes(
-            "FSDP2Strategy", self.fsdp2_config, self._data_parallel_size, self.num_nodes, self.num_processes
+        self.fsdp2_config, self._data_parallel_size, self._tensor_parallel_size = self._parallel_args.resolve(
+            "FSDP2Strategy", self.fsdp2_config, self.num_nodes, self.num_processes
         )
         super().setup_environment()
 
@@ -283,6 +267,12 @@ class FSDP2Strategy(ModelParallelStrategy):
             raise TypeError(
                 "FSDP2Strategy.save_checkpoint(..., storage_options=...) is not supported: "
                 "sharded checkpoints are written by torch.distributed.checkpoint, not a CheckpointIO."
+            )
+        if self.model is None:
+            raise RuntimeError(
+                "FSDP2Strategy.save_checkpoint: no model is attached to the strategy, and a sharded checkpoint "
+                "is written from the sharded model. Save through the Trainer, trainer.save_checkpoint(path), "
+                "once trainer.fit/validate/test/predict has set the model up."
             )
         path = Path(self.broadcast(filepath))  # every rank writes to rank 0's path
         state = {_MODEL_KEY: checkpoint.pop("state_dict")}  # the Trainer's key for the model's state

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.fabric import FSDP2FabricMixedPrecision, FSDP2FabricStrategy
@@ -370,7 +371,113 @@ def overlap_save(out: dict, work: Path) -> None:
     out.update(differs=differing(full_state(model2, optimizer2), at_save), keys=len(at_save), step=state["step"])
 
 
-FLOWS = [parity, accumulation, clipping, precision, meta_init, checkpoints, trainable_only, overlap_save]
+class _FeedForward(nn.Module):
+    """w1 column-wise and w2 row-wise under `_tensor_parallel_ff`; `head` is left to the engine."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2, self.head = nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.w2(torch.relu(self.w1(x))))
+
+
+def _tensor_parallel_ff(model: nn.Module, mesh) -> nn.Module:
+    """A `ModelParallelStrategy` parallelize_fn: TP on the "tensor_parallel" mesh dim, nothing else."""
+    parallelize_module(model, mesh["tensor_parallel"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    return model
+
+
+def _dtensor_layout(param) -> dict:
+    return dict(
+        placements=[f"Shard({p.dim})" if p.is_shard() else type(p).__name__ for p in param.placements],
+        dims=list(param.device_mesh.mesh_dim_names),
+        local_shape=list(param.to_local().shape),
+    )
+
+
+def model_parallel(out: dict, work: Path) -> None:
+    """ModelParallelStrategy's constructor: a parallelize_fn's TP under tensor_parallel_size="auto",
+    the engine sharding the rest; save_distributed_checkpoint=False (one file, filter=) loaded into a
+    sharded model, and a one-process checkpoint likewise (fabric.load of full single files)."""
+    fabric = Fabric(strategy=FSDP2FabricStrategy(_tensor_parallel_ff, tensor_parallel_size="auto"))
+    torch.manual_seed(3)
+    raw = _FeedForward()
+    ref = copy.deepcopy(raw)
+    model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR))
+    for batch in BATCHES:  # every rank of the TP group sees the whole batch
+        fabric.backward(loss_on(model, batch))
+        optimizer.step()
+        optimizer.zero_grad()
+    reference_steps(ref, torch.optim.SGD(ref.parameters(), lr=LR), BATCHES)
+    out["tp"] = dict(
+        mesh_shape=list(fabric.strategy.device_mesh.shape),
+        w1=_dtensor_layout(raw.w1.weight),
+        w2=_dtensor_layout(raw.w2.weight),
+        head=_dtensor_layout(raw.head.weight),
+        root_is_fsdp=isinstance(raw, FSDPModule),
+        max_rel_diff=max_rel_diff(full_params(raw), params(ref)),
+    )
+
+    # save_distributed_checkpoint=False: one file of full state on rank 0 ...
+    fabric = Fabric(strategy=FSDP2FabricStrategy(save_distributed_checkpoint=False))
+    raw, _ = fresh(31)
+    model, optimizer = fabric.setup(raw, torch.optim.Adam(raw.parameters(), lr=0.01))
+    _train(fabric, model, optimizer, batches=BATCHES[:1])
+    full_file, filtered = work / "full_state.pt", work / "filtered.pt"
+    fabric.save(full_file, {"model": model, "optimizer": optimizer, "step": 1})
+    fabric.save(filtered, {"model": model}, filter={"model": lambda k, v: "bias" in k})
+    saved = full_params(raw)
+    continued_losses = _train(fabric, model, optimizer, batches=BATCHES[1:])
+    continuing = full_params(raw)
+    # ... loaded by the default (sharded) strategy: weights and Adam state into the shards.
+    fabric = Fabric(strategy="fsdp2")
+    raw2, _ = fresh(32)
+    model2, optimizer2 = fabric.setup(raw2, torch.optim.Adam(raw2.parameters(), lr=0.01))
+    _train(fabric, model2, optimizer2, batches=BATCHES[:1])  # optimizer state to overwrite
+    state = {"model": model2, "optimizer": optimizer2, "step": 0}
+    remainder = fabric.load(full_file, state)
+    loaded_diff = max_rel_diff(full_params(raw2), saved)
+    resumed_losses = _train(fabric, model2, optimizer2, batches=BATCHES[1:])
+    out["full_file"] = dict(
+        is_file=full_file.is_file(),
+        keys=sorted(torch.load(full_file, weights_only=True)),
+        filtered_keys=sorted(torch.load(filtered, weights_only=True)["model"]),
+        step=state["step"],
+        remainder=remainder,
+        loaded_diff=loaded_diff,
+        resume_diff=max_rel_diff(full_params(raw2), continuing),
+        resumed_losses=resumed_losses,
+        continued_losses=continued_losses,
+    )
+
+    # A one-process checkpoint (what a one-device Fabric writes: plain state dicts) into the shards.
+    single, _ = fresh(33)
+    single_opt = torch.optim.Adam(single.parameters(), lr=0.01)
+    reference_steps(single, single_opt, BATCHES[:1])
+    if fabric.global_rank == 0:
+        torch.save({"model": single.state_dict(), "optimizer": single_opt.state_dict(), "step": 5}, work / "one.pt")
+    fabric.barrier()
+    reference_steps(single, single_opt, BATCHES[1:])
+    raw3, _ = fresh(34)
+    model3, optimizer3 = fabric.setup(raw3, torch.optim.Adam(raw3.parameters(), lr=0.01))
+    state3 = {"model": model3, "optimizer": optimizer3, "step": 0}
+    fabric.load(work / "one.pt", state3)
+    _train(fabric, model3, optimizer3, batches=BATCHES[1:])
+    out["one_process"] = dict(step=state3["step"], resume_diff=max_rel_diff(full_params(raw3), params(single)))
+
+
+FLOWS = [
+    parity,
+    accumulation,
+    clipping,
+    precision,
+    meta_init,
+    checkpoints,
+    trainable_only,
+    overlap_save,
+    model_parallel,
+]
 
 
 def main(out_path: str, work: str, *names: str) -> None:
