@@ -440,6 +440,13 @@ def test_state_dict_type_maps_to_distributed_checkpoint():
     assert FSDP2Strategy(state_dict_type="full")._save_distributed_checkpoint is False
 
 
+def test_sharded_save_without_a_model_says_how_to_save(tmp_path):
+    # Lightning's own unit test saves through a bare strategy; ours has no sharded model to write then.
+    with pytest.raises(RuntimeError, match=r"no model is attached.*trainer.save_checkpoint\(path\)"):
+        FSDP2Strategy().save_checkpoint({"state_dict": {}, "optimizer_states": []}, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_registered_names():
     from lightning.pytorch.strategies import StrategyRegistry
 
