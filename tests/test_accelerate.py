@@ -567,6 +567,46 @@ def test_accelerator_refuses_other_engines_and_plugins():
         FSDP2Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
 
 
+def test_quantised_model_offloaded_by_its_device_map_is_refused_as_the_stock_accelerator_does(monkeypatch):
+    """An 8-bit model whose `hf_device_map` puts it on CPU (bitsandbytes without multi-backend) or disk:
+    the stock `Accelerator.prepare` raises its ValueError; `FSDP2Accelerator.prepare_model` the same,
+    before sharding anything."""
+    from types import SimpleNamespace
+
+    import accelerate.accelerator as stock_module
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    from fsdp2_strategy.integrations.accelerate import device_map
+
+    def quantised(placement: dict) -> torch.nn.Module:
+        model = torch.nn.Linear(2, 2)
+        model.is_loaded_in_8bit, model.hf_device_map = True, placement
+        return model
+
+    ours = SimpleNamespace(device=torch.device("cpu"), distributed_type=DistributedType.FSDP)
+    prepare_model = FSDP2Accelerator.prepare_model
+    for module in (stock_module, device_map):
+        monkeypatch.setattr(module, "is_bitsandbytes_multi_backend_available", lambda: False)
+    offload = "You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk offload"
+    try:
+        with pytest.raises(ValueError, match=offload):
+            Accelerator(cpu=True).prepare(quantised({"": "cpu"}))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    for placement in ({"": "cpu"}, {"": "disk"}):  # (the stock one fails on "disk" with torch's RuntimeError)
+        model = quantised(placement)
+        with pytest.raises(ValueError, match=offload):
+            prepare_model(ours, model)
+        assert not any(type(p).__name__ == "DTensor" for p in model.parameters())
+    # With bitsandbytes' multi-backend a CPU placement is accepted, as by the stock one.
+    monkeypatch.setattr(device_map, "is_bitsandbytes_multi_backend_available", lambda: True)
+    device_map.check_quantised_device_map(quantised({"": "cpu"}), ours)
+    with pytest.raises(ValueError, match="on multiple devices in any distributed mode"):
+        device_map.check_quantised_device_map(quantised({"a": "cpu", "b": 0}), ours)
+
+
 def test_more_processes_than_devices_is_refused_with_the_ways_out(monkeypatch):
     """2 processes on a 1-GPU node (e.g. a CPU config whose `use_cpu` the launcher dropped): a
     clear error before any process group is started, naming num_processes and the CPU switches."""

@@ -28,6 +28,7 @@ from fsdp2_strategy.tuning import example_batch_from
 
 from . import _compat as compat
 from . import checkpoint, throughput
+from .device_map import check_quantised_device_map
 from .env import accelerate_cpu_requested
 from .parallelism import apply_parallelism_config, parallelism_mesh, requested_parallelism_config
 from .plugin import FSDP2Plugin
@@ -269,6 +270,7 @@ class FSDP2Accelerator(Accelerator):
             if not any(model is m for m in models):
                 models.append(model)
             return model
+        check_quantised_device_map(model, self)
         if self.verify_device_map(model):
             raise ValueError("A model loaded with `device_map=...` cannot be sharded; load it without a device map.")
         batch, self._fsdp2_example_batch = getattr(self, "_fsdp2_example_batch", None), None
