@@ -58,6 +58,9 @@ OBJECTIVES = ("memory", "throughput")
 HOST_ALLOCATORS = ("auto", "cache", "system")
 """Accepted values for `FSDP2Config.host_allocator` (see `shard.host_memory`)."""
 
+QUANTISED_WEIGHTS = ("shard", "replicate")
+"""Accepted values for `FSDP2Config.quantised_weights` (see `shard.quantised`)."""
+
 T = TypeVar("T")
 WrapPolicy = str | int | Callable[[nn.Module, str], bool] | Sequence[str | type] | type | None
 
@@ -157,6 +160,19 @@ class FSDP2Config:
     them only costs memory: under "bf16" mixed precision FSDP casts them to bf16 before every
     all-gather anyway, and storing them in bf16 computes the same numbers with half the bytes.
     Trainable parameters keep their dtype (fp32 master weights and optimizer state)."""
+
+    quantised_weights: str = "shard"
+    """What `shard_model` does with bitsandbytes-quantised weights (a QLoRA base):
+
+    - "shard" (default): 4-bit weights (`Params4bit`, either `bnb_4bit_quant_storage`) are
+      sharded like any frozen parameter, as their packed bytes: each rank stores 1/N of them, the
+      forward all-gathers the bytes and bitsandbytes dequantises inside the layer. The small
+      quantisation state (absmax, code map) stays whole on every rank. 8-bit weights are refused
+      (their row scales come from the whole weight).
+    - "replicate": quantised weights are left out of FSDP and kept whole on every rank (each rank
+      holds the whole base; no all-gather of it in forward).
+
+    Either way they stay frozen and are not in trainable-only checkpoints."""
 
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU. Pinned memory is used only
@@ -290,6 +306,7 @@ class FSDP2Config:
         )
         errors.check(_check_mixed_precision, self.mixed_precision, "FSDP2Config.mixed_precision")
         errors.check(check_frozen_dtype, self.frozen_dtype, "FSDP2Config.frozen_dtype")
+        errors.check(check_choice, self.quantised_weights, QUANTISED_WEIGHTS, "FSDP2Config.quantised_weights")
         errors.check(check_bool, self.cpu_offload, "FSDP2Config.cpu_offload")
         errors.check(_check_module_list, self.activation_checkpointing, "FSDP2Config.activation_checkpointing", True)
         errors.check(self._validate_ignored_modules)

@@ -18,6 +18,7 @@ weights from `base=` (the pretrained model's folder).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..distributed import barrier, logger, rank
+from ..shard import dequantised, four_bit_layers
 from .hf_files import ShardWriter
 
 PEFT_ENTRY = "peft"
@@ -37,6 +39,8 @@ ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.j
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 # PEFT's LoRA Linear layers (plain, and on bitsandbytes 4-/8-bit bases): the delta is B @ A.
 _SUPPORTED_LAYERS = ("Linear", "Linear4bit", "Linear8bitLt")
+# Why an 8-bit base is not merged live: its int8 data and row scales live in bitsandbytes' layer state.
+_INT8_BASE = "quantised base (8-bit)"
 
 
 def peft_key(model_key: str) -> str:
@@ -64,7 +68,7 @@ def find_peft_model(model: nn.Module) -> tuple[str, Any]:
 def lora_layers(peft_model: Any, adapter: str) -> dict[str, tuple[Any, str]]:
     """Every LoRA layer of `adapter`, by qualified name relative to the base model, with why it cannot
     be merged ("" when it can: a Linear layer whose delta is `B @ A`; not DoRA, embeddings,
-    convolutions; and, in a live model, not a quantised base whose data is packed integers)."""
+    convolutions; and, in a live model, not an 8-bit base; a 4-bit base merges dequantised)."""
     layers: dict[str, tuple[Any, str]] = {}
     for name, module in peft_model.get_base_model().named_modules():
         lora_a = getattr(module, "lora_A", None)
@@ -76,8 +80,8 @@ def lora_layers(peft_model: Any, adapter: str) -> dict[str, tuple[Any, str]]:
             why = kind
         elif getattr(module, "use_dora", {}).get(adapter, False):
             why = "DoRA"
-        elif _is_quantised(getattr(getattr(module, "base_layer", None), "weight", None)):
-            why = "quantised base"
+        elif type(getattr(getattr(module, "base_layer", None), "weight", None)).__name__ == "Int8Params":
+            why = _INT8_BASE
         layers[name] = (module, why)
     return layers
 
@@ -98,11 +102,6 @@ def check_mergeable(reasons: dict[str, str]) -> None:
         )
 
 
-def _is_quantised(weight: Any) -> bool:
-    """A bitsandbytes 4-bit / 8-bit weight (its data is packed integers: a delta cannot be added)."""
-    return weight is not None and type(weight).__module__.startswith("bitsandbytes")
-
-
 def peft_description(model: nn.Module) -> str:
     """JSON text stored beside a PEFT model's checkpoint state (see module doc); `model` holds a `PeftModel`."""
     prefix, peft_model = find_peft_model(model)
@@ -113,8 +112,8 @@ def peft_description(model: nn.Module) -> str:
             layers.setdefault(adapter, {})[name] = {
                 "scaling": float(layer.scaling[adapter]),
                 "fan_in_fan_out": bool(getattr(layer, "fan_in_fan_out", False)),
-                # A quantised base merges offline into the pretrained weights (`export_peft(base=...)`).
-                "unmergeable": "" if why == "quantised base" else why,
+                # An 8-bit base merges offline into the pretrained weights (`export_peft(base=...)`).
+                "unmergeable": "" if why == _INT8_BASE else why,
             }
     return json.dumps({"prefix": prefix, "adapters": adapters, "layers": layers}, sort_keys=True)
 
@@ -168,6 +167,20 @@ def _full(t: torch.Tensor, device: torch.device | str | None = "cpu") -> torch.T
     return full if device is None else full.to(device)
 
 
+def _weights(model: nn.Module, device: torch.device | str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Collective: `model.state_dict()`'s entries whole, one at a time; a bitsandbytes 4-bit weight
+    dequantised (in the dtype it was quantised from), its quantisation-state entries dropped."""
+    quantised = four_bit_layers(model)
+    for key, value in model.state_dict().items():
+        owner, _, leaf = key.rpartition(".")
+        if any(key.startswith(f"{name}.weight.") for name in quantised):
+            continue  # absmax, quant_map, ...: part of the 4-bit weight, not a weight of the float model
+        tensor = _full(value, device)
+        if leaf == "weight" and owner in quantised:
+            tensor = dequantised(quantised[owner], tensor)
+        yield key, tensor
+
+
 def full_weights(
     model: nn.Module, *, adapter_name: str = "default", device: torch.device | str | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -191,7 +204,7 @@ def full_weights(
 
     Raises:
         ValueError: A LoRA layer of the adapter cannot be merged (DoRA, embeddings, convolutions, a
-            quantised base): raised by the call, before any tensor is gathered.
+            8-bit base): raised by the call, before any tensor is gathered.
 
     Example:
         ```python
@@ -200,7 +213,7 @@ def full_weights(
     """
     found_peft = peft_models(model)
     if not found_peft:
-        return ((name, _full(value, device)) for name, value in model.state_dict().items())
+        return _weights(model, device)
     peft_model = found_peft[0][1]
     return _merged_weights(peft_model, _mergeable_layers(peft_model, adapter_name), adapter_name, device)
 
@@ -215,11 +228,10 @@ def _mergeable_layers(peft_model: Any, adapter_name: str) -> dict[str, Any]:
 def _merged_weights(
     peft_model: Any, layers: dict[str, Any], adapter_name: str, device: torch.device | str | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for key, value in peft_model.get_base_model().state_dict().items():
+    for key, tensor in _weights(peft_model.get_base_model(), device):
         name = merged_name(key, adapter_name)
         if name is None:
             continue
-        tensor = _full(value, device)
         layer = layers.get(key.removesuffix(".base_layer.weight")) if key.endswith(".base_layer.weight") else None
         if layer is not None:
             a = _full(layer.lora_A[adapter_name].weight, tensor.device)
@@ -278,7 +290,9 @@ def save_merged(
 
     The output is Hugging Face safetensors (with an index past `max_shard_size`) plus the base
     model's `config.json`, under the base model's names, which `AutoModel.from_pretrained` loads.
-    Each weight keeps its dtype (the sum is taken in fp32). Every rank must call it.
+    Each weight keeps its dtype (the sum is taken in fp32); a bitsandbytes 4-bit base weight is
+    written dequantised, in the dtype it was quantised from, and the config without its
+    `quantization_config`. Every rank must call it.
 
     Args:
         model: The sharded `PeftModel`, or a module holding one.
@@ -291,7 +305,7 @@ def save_merged(
 
     Raises:
         ValueError: If `model` holds no PEFT model, or a LoRA layer of the adapter cannot be merged
-            (DoRA, embeddings, convolutions, a quantised base).
+            (DoRA, embeddings, convolutions, an 8-bit base).
     """
     _, peft_model = find_peft_model(model)
     layers = _mergeable_layers(peft_model, adapter_name)
@@ -305,12 +319,24 @@ def save_merged(
             writer.add(name, tensor)
     if writer is not None:
         writer.close()
-        save_config = getattr(getattr(base, "config", None), "save_pretrained", None)
-        if callable(save_config):
-            save_config(str(out_dir))
+        _save_float_config(base, Path(out_dir))
         logger.info("Saved merged weights (%d LoRA layers) to %s", len(layers), out_dir)
     barrier()
     return Path(out_dir)
+
+
+def _save_float_config(base: nn.Module, out: Path) -> None:
+    """The base model's `config.json`, if it has one, without `quantization_config`: the merged
+    weights are written dequantised, so `from_pretrained` must load them as a float model."""
+    config: Any = getattr(base, "config", None)
+    if not callable(getattr(config, "save_pretrained", None)):
+        return
+    if getattr(config, "quantization_config", None) is not None:
+        config = copy.deepcopy(config)
+        for name in ("quantization_config", "_pre_quantization_dtype"):
+            if hasattr(config, name):
+                delattr(config, name)
+    config.save_pretrained(str(out))
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from ..distributed import is_distributed
-from ..shard import quantised_param_names
+from ..shard import as_packed_bytes, quantised_param_names
 
 FROZEN_BASE = "frozen_base"
 """Top-level checkpoint key prefix of the fingerprints: `frozen_base.<model key>` (JSON text)."""
@@ -59,7 +59,8 @@ def frozen_names(model: nn.Module) -> list[str]:
 def frozen_fingerprint(model: nn.Module) -> dict[str, list]:
     """Collective: `{name: [shape, sum, sum of squares]}` of every frozen parameter (see module doc)."""
     names = frozen_names(model)
-    params = dict(model.named_parameters(remove_duplicate=False))
+    # A 4-bit weight as its packed bytes, kept whole or sharded (`FSDP2Config.quantised_weights`).
+    params = {n: as_packed_bytes(p) for n, p in model.named_parameters(remove_duplicate=False)}
     stats = torch.zeros(len(names), 2, dtype=torch.float64)
     for i, name in enumerate(names):
         local, copies = _local_values(params[name])

@@ -8,7 +8,7 @@ what other packages and the adapters use.
 
 from .gathered import gathered
 from .materialize import copy_from_full, has_meta_tensors, local_region, local_tensor
-from .quantised import quantised_param_names
+from .quantised import as_packed_bytes, dequantised, four_bit_layers, quantised_param_names
 from .rank0_weights import shard_with_rank0_weights
 from .replicate import replicate
 from .report import ShardingPlan, sharding_plan
@@ -19,7 +19,10 @@ __all__ = [
     "RingAllGather",
     "RingReduceScatter",
     "ShardingPlan",
+    "as_packed_bytes",
     "copy_from_full",
+    "dequantised",
+    "four_bit_layers",
     "gathered",
     "has_meta_tensors",
     "local_region",

@@ -2,7 +2,7 @@
 
 `plan_sharding(model, config, mesh=...)` turns the config, the model and the mesh into a
 `ResolvedPlan`: every FSDP group with its resolved settings and mesh (`groups.resolve_groups`, the
-same groups the memory estimator plays), the modules left out (ignored, 0-dim, quantised), the
+same groups the memory estimator plays), the modules left out (ignored, 0-dim, quantised ones kept whole), the 4-bit weights sharded as bytes, the
 block sequence for prefetch, compile and activation checkpointing, and the runtime choices
 (accumulation mode, collectives, host allocator). Every check runs here, so a bad config changes
 nothing; `shard_model` then applies the plan with typed arguments, not the config.
@@ -51,7 +51,9 @@ class ResolvedPlan:
     scalars: tuple[str, ...]
     """0-dim parameters, kept replicated (`fully_shard` cannot shard them)."""
     quantised: tuple[str, ...]
-    """Quantised (bitsandbytes) parameters, kept whole on every rank."""
+    """Quantised (bitsandbytes) parameters kept whole on every rank."""
+    packed: tuple[str, ...]
+    """4-bit (bitsandbytes) weights sharded as their packed bytes (`quantised_weights="shard"`)."""
     wrapped: tuple[str, ...]
     """Every module given its own group, parents first (activation checkpointing and compile
     apply to the outermost of them)."""
@@ -112,6 +114,7 @@ def plan_sharding(model: nn.Module, config: FSDP2Config, *, mesh: DeviceMesh | N
     meta = has_meta_tensors(model)
     if meta:
         check_initialisable(model)
+    quantised = find_quantised_params(model, left_out, mesh_device(root_mesh), config.quantised_weights)
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     wrapped = tuple(sorted((m for spec in specs[1:] for m in spec.modules), key=order.__getitem__))
     outer = set(top_level(list(wrapped)))
@@ -122,7 +125,8 @@ def plan_sharding(model: nn.Module, config: FSDP2Config, *, mesh: DeviceMesh | N
         tensor_parallel_plan=config.tensor_parallel_plan,
         ignored=tuple(ignored),
         scalars=tuple(find_scalar_params(model, left_out)),
-        quantised=tuple(find_quantised_params(model, left_out, mesh_device(root_mesh))),
+        quantised=quantised.kept,
+        packed=quantised.sharded,
         wrapped=wrapped,
         blocks=tuple(s.name for s in specs[1:] if s.name in outer),
         activation_checkpointing=config.activation_checkpointing,

@@ -1,55 +1,210 @@
-"""Quantised parameters (bitsandbytes `Params4bit`, `Int8Params`): kept whole and frozen, never sharded.
+"""Quantised parameters (bitsandbytes `Params4bit`, `Int8Params`): 4-bit weights sharded as packed
+bytes, or kept whole on every rank (`FSDP2Config.quantised_weights`).
 
-A 4-bit or 8-bit weight is packed integer data plus a quantisation state (absmax, code map,
-original shape) that lives on the parameter object. `fully_shard` would flatten and split the
-packed bytes into DTensor shards and lose that state: the layer would compute with garbage. So
-`shard_model` leaves quantised parameters out of FSDP: each rank keeps them whole, as loaded, and
-they must be frozen (QLoRA trains adapters beside a frozen quantised base; the adapters and every
-other parameter are sharded as usual). They are found by their bitsandbytes class name, so the
-core does not import bitsandbytes. What cannot work is refused, naming the parameter and the fix:
-a bitsandbytes parameter not quantised yet (bitsandbytes quantises when the model is moved to
-its device; until then it is a float tensor FSDP would shard), or one on another device than the
-mesh's. (Packed integer data cannot require grad, so a quantised weight is frozen by construction.)
+A 4-bit weight is packed data (two 4-bit codes per byte, stored in `bnb_4bit_quant_storage`:
+uint8, or bf16/fp32 words holding the same bytes) plus a quantisation state (absmax per block,
+nested absmax, code map, original shape). Under "shard" (the default) `shard_model` sees the
+packed data as what it is, bytes: each weight becomes a frozen uint8 column `(nbytes, 1)` that
+FSDP shards like any frozen parameter (1/N of the bytes per rank, never cast by mixed precision
+or `frozen_dtype`, all-gathered as bytes). The quantisation state stays on the layer, whole on
+every rank: it is small (4 bytes of absmax per 64 weights, or ~1 byte with nested
+quantisation, against 32 bytes of packed data), and bitsandbytes' `Linear4bit`/`Embedding4bit`
+already rebuild their `Params4bit` from the layer's `quant_state` when they find a plain
+parameter (`fix_4bit_weight_quant_state_from_module`, the recovery bitsandbytes keeps for FSDP),
+so the forward dequantises the gathered bytes exactly as the unsharded layer does.
+
+Under "replicate" (and for 8-bit weights, which cannot be sharded: see `find_quantised_params`)
+quantised parameters are left out of FSDP and kept whole on every rank, frozen. They are found by
+their bitsandbytes class name, so the core does not import bitsandbytes.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import nn
+
+from ..train import engine_state, recorded_state
 
 QUANTISED_TYPES = ("Params4bit", "Int8Params")
 """bitsandbytes parameter classes (`bitsandbytes.nn.Params4bit`, `Int8Params`), by name."""
 
 QUANTISED_REASON = "quantised (bitsandbytes): kept whole and frozen on every rank"
-"""The sharding plan's note for these parameters."""
+"""The sharding plan's note for quantised parameters kept whole."""
+
+_PACKED_OWNERS = ("Linear4bit", "Embedding4bit")
+"""bitsandbytes layers that rebuild their `Params4bit` from the layer's `quant_state` when FSDP
+hands them a plain parameter (their forward calls `fix_4bit_weight_quant_state_from_module`)."""
+
+_SHARD_FIX = "set FSDP2Config(quantised_weights='replicate') to keep quantised weights whole on every rank"
+
+
+@dataclass(frozen=True)
+class QuantisedParams:
+    """The quantised parameters of a model, by qualified name, as `shard_model` will treat them."""
+
+    sharded: tuple[str, ...]
+    """4-bit weights sharded as packed bytes (`quantised_weights="shard"`)."""
+    kept: tuple[str, ...]
+    """Weights left out of FSDP and kept whole on every rank (`quantised_weights="replicate"`)."""
 
 
 def _is_bitsandbytes(param: nn.Parameter) -> bool:
     return type(param).__name__ in QUANTISED_TYPES
 
 
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    module_name, _, attr = name.rpartition(".")
+    return model.get_submodule(module_name), attr
+
+
+def _is_quantised_yet(param: nn.Parameter) -> bool:
+    if type(param).__name__ == "Params4bit":
+        # The packed data may be stored in a floating dtype (bnb_4bit_quant_storage): ask the flag.
+        return bool(getattr(param, "bnb_quantized", False))
+    return not param.is_floating_point()  # Int8Params: int8 once quantised
+
+
 def quantised_param_names(model: nn.Module) -> set[str]:
-    """Qualified names of the model's bitsandbytes parameters (the quantised ones `shard_model` kept)."""
-    return {n for n, p in model.named_parameters() if _is_bitsandbytes(p)}
+    """Qualified names of the model's quantised weights: bitsandbytes parameters kept whole, and
+    4-bit weights `shard_model` sharded as packed bytes (DTensors now, known by their layer)."""
+    names = {n for n, p in model.named_parameters() if _is_bitsandbytes(p)}
+    for module_name, module in model.named_modules():
+        state = recorded_state(module)
+        if state is not None and state.packed_4bit:
+            names.add(f"{module_name}.weight" if module_name else "weight")
+    return names
 
 
-def find_quantised_params(model: nn.Module, exclude: set[int], device: torch.device) -> dict[str, nn.Parameter]:
-    """The quantised parameters of `model` by qualified name (ids in `exclude` skipped: ignored
-    modules), checked; raises ValueError listing every bitsandbytes parameter that cannot be kept."""
+def find_quantised_params(
+    model: nn.Module, exclude: set[int], device: torch.device, mode: str = "shard"
+) -> QuantisedParams:
+    """The quantised parameters of `model` (ids in `exclude` skipped: ignored modules), checked.
+
+    Args:
+        model: The model about to be sharded.
+        exclude: `id`s of parameters FSDP leaves alone anyway.
+        device: The mesh's device.
+        mode: `FSDP2Config.quantised_weights`.
+
+    Returns:
+        Which are sharded as packed bytes and which are kept whole.
+
+    Raises:
+        ValueError: Listing every quantised parameter that cannot be treated so, with the fix.
+    """
     found = {n: p for n, p in model.named_parameters() if _is_bitsandbytes(p) and id(p) not in exclude}
-    problems = []
+    problems, sharded = [], []
     for name, p in found.items():
         kind = f"{name} ({type(p).__name__}, {p.dtype}, {p.device})"
-        if p.is_floating_point():
+        if not _is_quantised_yet(p):
             problems.append(
                 f"{kind} is not quantised yet: bitsandbytes quantises when the model is moved to its device; "
                 "call model.to(device) before sharding"
             )
         elif p.device.type != device.type:
             problems.append(f"{kind} is not on the mesh's device {device}: move the quantised model there first")
+        elif mode == "shard":
+            problem = _why_not_shardable(model, name, p)
+            if problem:
+                problems.append(f"{kind} {problem}; {_SHARD_FIX}")
+            else:
+                sharded.append(name)
     if problems:
         raise ValueError(
-            "shard_model keeps bitsandbytes-quantised parameters whole (they cannot be split into shards), "
-            "but cannot keep these:\n  " + "\n  ".join(problems)
+            "shard_model cannot handle these bitsandbytes-quantised parameters:\n  " + "\n  ".join(problems)
         )
-    return found
+    return QuantisedParams(sharded=tuple(sharded), kept=tuple(n for n in found if n not in sharded))
+
+
+def _why_not_shardable(model: nn.Module, name: str, param: nn.Parameter) -> str | None:
+    if type(param).__name__ == "Int8Params":
+        return (
+            "is 8-bit: LLM.int8's row scales (SCB) and outlier state are built from the whole weight by the "
+            "layer's first forward and live in the layer, so its rows cannot be split; load the model in 4-bit "
+            "(BitsAndBytesConfig(load_in_4bit=True)) to shard it, or"
+        )
+    owner, attr = _owner(model, name)
+    classes = {c.__name__ for c in type(owner).__mro__}
+    if attr != "weight" or not classes & set(_PACKED_OWNERS):
+        return (
+            f"belongs to {type(owner).__name__}.{attr}, not the weight of a bitsandbytes "
+            f"{' or '.join(_PACKED_OWNERS)}, which alone can rebuild a sharded 4-bit weight in forward"
+        )
+    if getattr(param, "quant_state", None) is None:
+        return "has no quant_state"
+    return None
+
+
+def pack_for_sharding(model: nn.Module, names: tuple[str, ...]) -> None:
+    """Turn each named `Params4bit` into a frozen uint8 column of its packed bytes, ready for FSDP.
+
+    The layer keeps the quantisation state (`quant_state`) and learns that its weight is now
+    stored as uint8, so bitsandbytes rebuilds the `Params4bit` in forward from the gathered bytes;
+    the engine marks the layer (`engine_state(layer).packed_4bit`).
+    """
+    for name in names:
+        layer, attr = _owner(model, name)
+        param: Any = layer.get_parameter(attr)  # a Params4bit
+        # bitsandbytes' forward rebuilds its Params4bit from these two (fix_4bit_weight_quant_state_from_module).
+        setattr(layer, "quant_state", param.quant_state)  # noqa: B010
+        setattr(layer, "quant_storage", torch.uint8)  # noqa: B010  # what the gathered bytes are
+        if hasattr(layer, "support_avx512bf16_for_cpu"):
+            # bitsandbytes' CPU inference kernel repacks the weight and rewrites `quant_state` in place
+            # on the first eval forward; the next gather brings the original bytes back, which the
+            # rewritten state would misread. The portable dequantising path computes the same product.
+            setattr(layer, "support_avx512bf16_for_cpu", False)  # noqa: B010
+        engine_state(layer).packed_4bit = True
+        setattr(layer, attr, nn.Parameter(as_packed_bytes(param), requires_grad=False))
+
+
+def as_packed_bytes(param: torch.Tensor) -> torch.Tensor:
+    """A bitsandbytes 4-bit parameter kept whole seen as the uint8 column `shard_model` shards it as
+    (any storage dtype: the same bytes), so both modes describe a base alike; others unchanged."""
+    if type(param).__name__ == "Params4bit":
+        return param.data.contiguous().view(torch.uint8).reshape(-1, 1)
+    return param
+
+
+def is_packed_4bit(layer: nn.Module) -> bool:
+    """Whether `layer` is a 4-bit layer whose weight `pack_for_sharding` turned into sharded bytes."""
+    state = recorded_state(layer)
+    return state is not None and state.packed_4bit
+
+
+def packed_weight_count(layer: nn.Module, param: nn.Parameter) -> int | None:
+    """How many weights a 4-bit parameter of `layer` holds (its elements are packed codes), else None."""
+    if type(param).__name__ == "Params4bit":
+        state = getattr(param, "quant_state", None)
+    elif param is getattr(layer, "weight", None) and is_packed_4bit(layer):
+        state = getattr(layer, "quant_state", None)
+    else:
+        return None
+    return math.prod(state.shape) if state is not None else None
+
+
+def four_bit_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's 4-bit layers by qualified name: weights sharded as bytes, or `Params4bit` kept whole."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if is_packed_4bit(module) or type(getattr(module, "weight", None)).__name__ == "Params4bit"
+    }
+
+
+def dequantised(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """The floating-point weight of a 4-bit `layer`, in the dtype it was quantised from, from its
+    whole packed weight `weight` (the gathered bytes of a sharded one, or a kept `Params4bit`'s data).
+
+    Raises:
+        ImportError: bitsandbytes is not installed (it holds the dequantising kernels).
+    """
+    from bitsandbytes.functional import dequantize_4bit  # only 4-bit models come here
+
+    owner: Any = layer if is_packed_4bit(layer) else layer.weight
+    state = owner.quant_state
+    packed = weight.detach().contiguous().view(torch.uint8).reshape(-1, 1)  # the same bytes in any storage
+    return dequantize_4bit(packed.to(state.absmax.device), state).to(weight.device)

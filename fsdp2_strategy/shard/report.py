@@ -19,7 +19,7 @@ from ..train import (
     replicated_params_of,
 )
 from .host_memory import freed_memory_kept
-from .quantised import QUANTISED_REASON
+from .quantised import QUANTISED_REASON, packed_weight_count
 
 
 @dataclass
@@ -31,7 +31,8 @@ class GroupPlan:
     module_type: str
     """Class name of the module."""
     num_params: int
-    """Parameter elements managed by this group (unsharded count)."""
+    """Parameter elements managed by this group (unsharded count; a 4-bit weight counts its weights,
+    not its packed bytes)."""
     local_bytes: int
     """Bytes of those parameters held by this rank."""
     mesh_shape: tuple
@@ -140,6 +141,7 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
         per replicated parameter set, with the accumulation mode; `str()` of it is a table.
     """
     plan = ShardingPlan(accumulation=mode_of(model).name, freed_memory_kept=freed_memory_kept())
+    counts = _weight_counts(model)
     for name, module in model.named_modules():
         is_group = isinstance(module, FSDPModule)  # (a flag: `module` stays typed as nn.Module)
         state = recorded_state(module)
@@ -159,11 +161,14 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
             note = settings.reshard_reason
         if settings is not None and settings.precision_note:
             note = "; ".join(filter(None, (note, settings.precision_note)))
+        packed = [p for p in params if id(p) in counts]
+        if packed:
+            note = "; ".join(filter(None, (note, f"{len(packed)} 4-bit weights sharded as packed bytes")))
         plan.groups.append(
             GroupPlan(
                 name=name or "<root>",
                 module_type=type(module).__name__.removeprefix("FSDP"),
-                num_params=sum(p.numel() for p in params),
+                num_params=sum(counts.get(id(p), p.numel()) for p in params),
                 local_bytes=sum(_local_bytes(p) for p in params),
                 mesh_shape=mesh_shape,
                 strategy=settings.strategy if settings else "fully_shard",
@@ -182,7 +187,7 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
             GroupPlan(
                 name=", ".join(by_name) if scalar else _owner_names(by_name),
                 module_type="scalar" if scalar else "quantised" if reason == QUANTISED_REASON else "replicate",
-                num_params=sum(p.numel() for p in by_name.values()),
+                num_params=sum(counts.get(id(p), p.numel()) for p in by_name.values()),
                 local_bytes=sum(_local_bytes(p) for p in by_name.values()),
                 mesh_shape=tuple(replicated.mesh.shape),
                 strategy="REPLICATED",
@@ -192,6 +197,17 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
             )
         )
     return plan
+
+
+def _weight_counts(model: nn.Module) -> dict[int, int]:
+    """`id(parameter)` -> weights it holds, for the 4-bit ones (whose elements are packed bytes)."""
+    counts = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            count = packed_weight_count(module, p)
+            if count is not None:
+                counts[id(p)] = count
+    return counts
 
 
 def _tp_summary(group: nn.Module) -> str:

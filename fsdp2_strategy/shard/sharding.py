@@ -25,7 +25,7 @@ from .frozen import cast_frozen
 from .host_memory import apply_host_allocator
 from .materialize import materialize
 from .plan import ResolvedPlan, ShardedGroup, plan_sharding
-from .quantised import QUANTISED_REASON
+from .quantised import QUANTISED_REASON, pack_for_sharding
 from .report import sharding_plan
 from .ring_comms import install_ring_comms
 
@@ -72,6 +72,7 @@ def apply_plan(model: nn.Module, plan: ResolvedPlan) -> nn.Module:
     ignored = {p for n in plan.ignored for p in model.get_submodule(n).parameters()}
     quantised = {n: model.get_parameter(n) for n in plan.quantised}
     skip_fsdp = ignored | {model.get_parameter(n) for n in plan.scalars} | set(quantised.values())
+    pack_for_sharding(model, plan.packed)  # uint8 bytes now: neither cast_frozen nor mixed precision casts them
     cast_frozen(model, [g.spec for g in plan.groups], plan.frozen_dtype, skip_fsdp)
     params_before = list(model.parameters())
     for group in reversed(plan.groups):  # children before parents, root last

@@ -25,7 +25,7 @@ class EngineState:
     """What the engine remembers about one module.
 
     The first four fields belong to the model `shard_model` (or `f2.replicate`) returned, the last
-    three to the modules inside it; a field that does not apply keeps its default.
+    four to the modules inside it; a field that does not apply keeps its default.
     """
 
     accumulation: AccumulationMode = DEFAULT_MODE
@@ -43,6 +43,8 @@ class EngineState:
     """Whether the group's collectives run as point-to-point rings (`FSDP2Config.collectives`)."""
     tp_style: str | None = None
     """The tensor-parallel style this module was split with ("colwise", "user", ...)."""
+    packed_4bit: bool = False
+    """Whether this is a bitsandbytes 4-bit layer whose weight FSDP shards as packed bytes."""
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, EngineState] = weakref.WeakKeyDictionary()
