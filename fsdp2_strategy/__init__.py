@@ -24,7 +24,7 @@ from .config import FSDP2Config, ModuleOverride
 from .distributed import init_distributed, shutdown
 from .estimate import MemoryEstimate, StrategyComparison, estimate_memory
 from .fsdp1 import fully_shard
-from .migrate import DeepSpeedTranslation, translate_deepspeed
+from .migrate import ConvertedCheckpoint, DeepSpeedTranslation, convert_deepspeed_checkpoint, translate_deepspeed
 from .preemption import PREEMPTION_EXIT_CODE, PreemptionWatch
 from .shard import ShardingPlan, gathered, replicate, sharding_plan
 from .train import (
@@ -58,6 +58,7 @@ __all__ = [
     "PREEMPTION_EXIT_CODE",
     "PeakFlops",
     "PreemptionWatch",
+    "ConvertedCheckpoint",
     "FSDP2Config",
     "MemoryEstimate",
     "ModuleOverride",
@@ -72,6 +73,7 @@ __all__ = [
     "clip_grad_norm_",
     "clip_grad_value_",
     "compare_strategies",
+    "convert_deepspeed_checkpoint",
     "engine_state",
     "estimate_memory",
     "export_full",

@@ -13,7 +13,7 @@ their own checkpoint layouts on.
 
 from . import directory
 from .async_save import AsyncSaver, make_saver
-from .checkpointer import Checkpointer, load_step_dir, step_dir_name
+from .checkpointer import EXTRA_FILE, MODEL_KEY, OPTIM_KEY, Checkpointer, load_step_dir, step_dir_name
 from .export import export_full, inspect_checkpoint, read_full_model_state, write_model_view
 from .full_weights import load_full_weights
 from .peft import full_weights, peft_models, save_merged, save_peft_adapter
@@ -31,6 +31,9 @@ from .state import (
 from .trainable import saves_trainable_only
 
 __all__ = [
+    "EXTRA_FILE",
+    "MODEL_KEY",
+    "OPTIM_KEY",
     "AsyncSaver",
     "Checkpointer",
     "Models",

@@ -1,5 +1,5 @@
 """`fsdp2-strategy` command line: consolidate, export (PEFT) and inspect sharded checkpoints; plan memory;
-tune throughput."""
+tune throughput; translate a DeepSpeed config and convert a DeepSpeed checkpoint."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from ..checkpoint import export_full, export_peft, inspect_checkpoint
 from ..versions import __version__
+from . import convert_deepspeed as convert_deepspeed_command
 from . import from_deepspeed as from_deepspeed_command
 from . import plan as plan_command
 from . import tune as tune_command
@@ -34,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp2-strategy",
         description="fsdp2-strategy's command line: sharded checkpoints (consolidate, export, inspect), "
-        "the memory planner (plan), the throughput tuner (tune), a DeepSpeed config translated (from-deepspeed).",
+        "the memory planner (plan), the throughput tuner (tune), a DeepSpeed config translated (from-deepspeed) and a DeepSpeed "
+        "checkpoint converted (convert-deepspeed).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}", help="print the version")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_command.add_parser(sub)
     tune_command.add_parser(sub)
     from_deepspeed_command.add_parser(sub)
+    convert_deepspeed_command.add_parser(sub)
     return parser
 
 
@@ -87,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return tune_command.run(args)
         if args.command == "from-deepspeed":
             return from_deepspeed_command.run(args)
+        if args.command == "convert-deepspeed":
+            return convert_deepspeed_command.run(args)
         if args.command == "consolidate":
             out = export_full(
                 args.checkpoint,

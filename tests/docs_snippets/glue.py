@@ -322,6 +322,11 @@ GLUE: dict[tuple[str, str], Glue] = {
         launch="accelerate",
         config=_BLOCK,
     ),
+    ("docs/migration/deepspeed.md", "resume"): Glue(
+        launch="skip",
+        reason="needs a DeepSpeed checkpoint, which DeepSpeed (not in this environment) writes; "
+        "tests/test_convert_deepspeed.py runs these lines on DeepSpeed's own ZeRO-1/2/3 saves",
+    ),
     ("docs/concepts/fsdp2.md", "sharding-plan"): Glue(setup=_UNLABELLED, check=_SHARDED),
     ("docs/concepts/memory-model.md", "estimate-fields"): Glue(
         setup=_NET_AND_BATCH,
