@@ -4,7 +4,7 @@
 optimizer state exists, as in every later step), then measures one more optimizer step with
 torch's `MemTracker` (live tensor bytes, counting FSDP2's storage resizes). The models cover
 tied weights (TinyGPT), buffers and BatchNorm (ConvNet), a Hugging Face encoder (MiniLM) and the
-same with LoRA (frozen base).
+same with LoRA (frozen base), and a Llama-shaped QLoRA model (4-bit base).
 """
 
 from __future__ import annotations
@@ -109,11 +109,46 @@ def minilm_loss(model, batch):
     return model(input_ids=batch["input_ids"]).last_hidden_state.float().pow(2).mean()
 
 
+def qlora_model():
+    """A Llama-shaped Hugging Face model (4 layers of width 256) whose attention and MLP projections are
+    bitsandbytes NF4 layers (bf16 storage, fp32 compute), with PEFT LoRA (r=8) on q_proj and v_proj."""
+    import bitsandbytes as bnb
+    import peft
+    from _models import tiny_llama
+
+    model = tiny_llama(512, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, linear in list(parent.named_children()):
+                if isinstance(linear, nn.Linear):
+                    quantised = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=False,
+                                                  compute_dtype=torch.float32, quant_type="nf4",
+                                                  quant_storage=torch.bfloat16)  # fmt: skip
+                    quantised.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4",
+                                                         quant_storage=torch.bfloat16, module=quantised)  # fmt: skip
+                    setattr(parent, name, quantised)
+    model.to("cpu")  # bitsandbytes quantises here
+    model.requires_grad_(False)
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+
+
+def qlora_batch(n=8, seq=64):
+    g = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(3, 512, (n, seq), generator=g)}
+
+
+def qlora_loss(model, batch):
+    return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+
 MODELS = {
     "gpt": (gpt_model, gpt_batch, gpt_loss),
     "convnet": (conv_model, conv_batch, conv_loss),
     "minilm": (minilm_model, minilm_batch, minilm_loss),
     "minilm_lora": (minilm_lora_model, minilm_batch, minilm_loss),
+    "qlora": (qlora_model, qlora_batch, qlora_loss),
 }
 
 

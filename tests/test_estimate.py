@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -37,6 +38,8 @@ ONLY_AT_K = {
 def _measure_all():
     peaks = {("gpt", name, 1): measure_peak("gpt", cfg) for name, cfg in SETTINGS.items()}
     peaks[("convnet", "FULL_SHARD", 1)] = measure_peak("convnet", SETTINGS["FULL_SHARD"])
+    if importlib.util.find_spec("bitsandbytes") is not None:  # 4-bit base sharded as packed bytes
+        peaks[("qlora", "FULL_SHARD", 1)] = measure_peak("qlora", SETTINGS["FULL_SHARD"])
     peaks[("gpt", "FULL_SHARD", 4)] = measure_peak("gpt", SETTINGS["FULL_SHARD"], micro_batches=4)
     peaks[("gpt", "FULL_SHARD+bf16", 1)] = measure_peak("gpt", ONLY_AT_K["FULL_SHARD+bf16"])
     peaks[("gpt", "keep_gathered", 4)] = measure_peak("gpt", ONLY_AT_K["keep_gathered"], micro_batches=4)

@@ -225,7 +225,12 @@ def estimate_memory(
     compute_dtype = root.mp_policy.param_dtype
     sim_model, batch = meta_copy(model, example_batch, compute_dtype, root.mp_policy.cast_forward_inputs)
     sizes = group_sizes(
-        model, specs, ignored, config.frozen_dtype, lambda s: _shard_and_replicate(s, config, world_size, nodes)
+        model,
+        specs,
+        ignored,
+        config.frozen_dtype,
+        lambda s: _shard_and_replicate(s, config, world_size, nodes),
+        config.quantised_weights,
     )
     groups = [m for spec in specs[1:] for m in spec.modules]
     apply_activation_checkpointing(sim_model, config.activation_checkpointing, groups)

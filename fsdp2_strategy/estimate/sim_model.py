@@ -10,17 +10,23 @@ import torch
 from torch import nn
 
 from .. import _torch_compat as tc
+from .sim_quantised import compute_as_dense, dense_stand_in, quantised_kind
 
 
 def meta_copy(model: nn.Module, batch: Any, compute_dtype: torch.dtype | None, cast_inputs: bool):
-    """A meta-device copy of `model` (floating parameters in `compute_dtype`) and of `batch`."""
+    """A meta-device copy of `model` (floating parameters in `compute_dtype`; bitsandbytes layers as
+    the dense layers they compute like) and of `batch`."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
+        if quantised_kind(p):
+            memo[id(p)] = dense_stand_in(p, compute_dtype)
+            continue
         dtype = compute_dtype if compute_dtype is not None and p.is_floating_point() else p.dtype
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype), requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     sim = copy.deepcopy(model, memo)
+    compute_as_dense(sim)
     sim.train()
 
     def to_meta(t: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 What `shard_model` would create: padded dim-0 shards in the storage dtype (frozen parameters in
 `FSDP2Config.frozen_dtype`), the gathered parameters in the compute dtype, and gradients, their
-reduce-scatter input and optimizer state for the trainable parameters only.
+reduce-scatter input and optimizer state for the trainable parameters only. bitsandbytes weights
+as `sim_quantised` says: packed bytes sharded (4-bit, `quantised_weights="shard"`) or kept whole,
+their quantisation state whole on every rank.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 
 from ..groups import GroupSpec
 from ..precision import frozen_storage_dtype
+from .sim_quantised import quantised_bytes, quantised_kind
 
 
 @dataclass
@@ -81,9 +84,11 @@ def group_sizes(
     ignored: list[str],
     frozen_dtype: object,
     mesh_of: Callable[[str], tuple[int, int]],
+    quantised_weights: str = "shard",
 ) -> dict[str, GroupSizes]:
     """Sizes of every group ("" is the root) of `specs` (`groups.resolve_groups`, root first), from
-    parameter shapes; frozen parameters stored as `frozen_dtype` says (`FSDP2Config.frozen_dtype`)."""
+    parameter shapes; frozen parameters stored as `frozen_dtype` says (`FSDP2Config.frozen_dtype`),
+    bitsandbytes ones as `quantised_weights` does (`FSDP2Config.quantised_weights`)."""
     sizes = {s.name: GroupSizes(members=list(s.modules)) for s in specs}
     group_of = {m: s.name for s in specs[1:] for m in s.modules}
     for spec in specs:
@@ -101,6 +106,10 @@ def group_sizes(
         owner = sizes[_nearest(pname.rsplit(".", 1)[0] if "." in pname else "", group_of)]
         if id(p) in ignored_params or p.ndim == 0:
             owner.replicated += p.numel() * p.element_size()
+            continue
+        kind = quantised_kind(p)
+        if kind is not None:
+            _add_quantised(owner, pname, p, sharded=kind == "4bit" and quantised_weights == "shard")
             continue
         compute = owner.mp_dtype if owner.mp_dtype is not None and p.is_floating_point() else p.dtype
         stored = p.dtype if p.requires_grad else frozen_storage_dtype(frozen_dtype, owner.mp_dtype, p)
@@ -120,6 +129,19 @@ def group_sizes(
             b.numel() * b.element_size()
         )
     return sizes
+
+
+def _add_quantised(owner: GroupSizes, name: str, p: torch.Tensor, sharded: bool) -> None:
+    """A bitsandbytes weight: its packed bytes sharded as a uint8 column, or kept whole; its
+    quantisation state whole on every rank; no gradient, no optimizer state, no compute-dtype copy."""
+    packed, state = quantised_bytes(p)
+    owner.replicated += state
+    if not sharded:
+        owner.replicated += packed
+        return
+    owner.params.append(name)
+    owner.sharded += math.ceil(packed / owner.shard_size)
+    owner.gathered += packed
 
 
 def _itemsize(dtype: torch.dtype) -> int:
