@@ -98,7 +98,7 @@ def _sharded_run(root: str, storage: torch.dtype, **config) -> dict:
     # optimizer built then would hold its gathered parameters.
     outputs = _outputs(f2.shard_model(QLoRANet(storage=storage), config))
     _train(model, dist.get_rank(), dist.get_world_size())
-    ck = f2.Checkpointer(f"{root}/{storage}-{config.get('quantised_weights', 'shard')}")
+    ck = f2.Checkpointer(f"{root}/{storage}-{config.get('quantised_weights', 'shard')}-{config.get('cpu_offload')}")
     ck.save(STEPS, model=model)
     again = f2.shard_model(QLoRANet(storage=storage), config)
     ck.load(model=again)
@@ -118,6 +118,7 @@ def _sharded_run(root: str, storage: torch.dtype, **config) -> dict:
 def _world(root: str) -> dict:
     runs = {str(s): _sharded_run(root, s) for s in STORAGES}
     runs["replicate"] = _sharded_run(root, torch.uint8, quantised_weights="replicate")
+    runs["offload"] = _sharded_run(root, torch.bfloat16, cpu_offload=True)  # the packed shards offloaded too
     return runs
 
 
@@ -147,6 +148,8 @@ def test_a_4bit_base_is_sharded_as_packed_bytes_and_trains_like_one_process(tmp_
         assert kept["type"] == "Params4bit" and kept["local_bytes"] == 128 and "base.weight" not in kept["sharded"]
         assert "quantised" in kept["plan"] and "kept whole and frozen" in kept["plan"]
         _check_parity(kept, references[str(torch.uint8)])
+        assert r["offload"]["local_bytes"] == 64
+        _check_parity(r["offload"], references[str(torch.bfloat16)])
 
 
 def _uneven_world(root: str) -> dict:

@@ -260,7 +260,7 @@ def estimate_memory(
 def _resident_bytes(sizes: dict[str, GroupSizes], opt_bytes: int, offload: bool) -> int:
     """Bytes alive on the device for the whole step: shards, replicated leftovers, buffers, optimizer state."""
     shards = sum(g.sharded for g in sizes.values())
-    fixed = sum(g.replicated + g.buffers for g in sizes.values())
+    fixed = sum(g.replicated + g.quantised_whole + g.buffers for g in sizes.values())
     return fixed + (0 if offload else shards + opt_bytes)
 
 
@@ -279,11 +279,13 @@ def _result(
     shards = sum(g.sharded for g in sizes.values())
     grads = sum(g.trainable_sharded for g in sizes.values())  # frozen parameters have none
     replicated = sum(g.replicated for g in sizes.values())
+    quantised = sum(g.quantised_whole for g in sizes.values())
     buffers = sum(g.buffers for g in sizes.values())
     offload = config.cpu_offload
     # Optimizer step: shards, the trainable ones' gradients, the state and the step's temporaries.
     step_device = 0 if offload else shards + grads + opt_bytes + step_temp
-    step_peak = replicated * 3 + buffers + step_device
+    # A replicated parameter has its gradient and optimizer state beside it; a quantised one has none.
+    step_peak = replicated * 3 + quantised + buffers + step_device
     peak, phase = tracker.peak, tracker.peak_phase
     at_peak = tracker.at_peak
     if step_peak > peak:
@@ -298,7 +300,7 @@ def _result(
         activation_checkpointing=config.activation_checkpointing is not None,
         accumulation=mode.name,
         micro_batches=micro_batches,
-        param_bytes=(0 if offload else shards) + replicated,
+        param_bytes=(0 if offload else shards) + replicated + quantised,
         gathered_param_bytes=at_peak.get("gathered", 0),
         grad_bytes=at_peak.get("grads", 0),
         optimizer_bytes=0 if offload else opt_bytes,

@@ -43,6 +43,9 @@ class GroupSizes:
     """The flat reduce-scatter input: `reduce_bytes` with every dim 0 padded to the shard size."""
     replicated: int = 0
     """Parameters FSDP does not shard here (scalars, ignored modules): every rank holds them."""
+    quantised_whole: int = 0
+    """bitsandbytes bytes every rank holds whole (quantisation states; weights kept whole): frozen,
+    so without gradient or optimizer state."""
     buffers: int = 0
     """Module buffers owned by this group."""
     shard_size: int = 1
@@ -135,9 +138,9 @@ def _add_quantised(owner: GroupSizes, name: str, p: torch.Tensor, sharded: bool)
     """A bitsandbytes weight: its packed bytes sharded as a uint8 column, or kept whole; its
     quantisation state whole on every rank; no gradient, no optimizer state, no compute-dtype copy."""
     packed, state = quantised_bytes(p)
-    owner.replicated += state
+    owner.quantised_whole += state
     if not sharded:
-        owner.replicated += packed
+        owner.quantised_whole += packed
         return
     owner.params.append(name)
     owner.sharded += math.ceil(packed / owner.shard_size)
