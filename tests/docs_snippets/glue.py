@@ -123,6 +123,19 @@ class GPTLike(nn.Module):
         return self.head(self.gpt_layers(self.embed(x)))
 
 
+def pretrained_llama() -> str:
+    """A tiny Llama saved as a Hugging Face folder by rank 0 (bf16; 128 wide: bitsandbytes' CPU 4-bit
+    kernels want widths divisible by their block size): the snippet's `pretrained`."""
+    import torch.distributed as dist
+
+    folder = "pretrained"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tiny_llama(64, hidden_size=128, intermediate_size=256).to(torch.bfloat16).save_pretrained(folder)
+    if dist.is_initialized():
+        dist.barrier()
+    return folder
+
+
 def tiny_bert() -> nn.Module:
     import transformers
 
@@ -272,6 +285,12 @@ GLUE: dict[tuple[str, str], Glue] = {
         "    optimizer.zero_grad()",
         check="from pathlib import Path\nassert Path('adapter/adapter_model.safetensors').is_file()\n"
         "assert Path('ckpts/step-000001/.metadata').is_file()\nassert any(Path('merged').glob('*.safetensors'))",
+    ),
+    ("docs/guides/qlora.md", "qlora"): Glue(
+        setup="import fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import pretrained_llama\n"
+        "pretrained = pretrained_llama()",
+        check="plan = str(f2.sharding_plan(model))\nassert '4-bit weights sharded as packed bytes' in plan, plan\n"
+        "assert any(type(p).__name__ == 'DTensor' and p.dtype == torch.uint8 for p in model.parameters())",
     ),
     ("docs/guides/tuner.md", "tune"): Glue(
         setup=_NET_AND_BATCH,
