@@ -26,7 +26,7 @@ from .estimate import MemoryEstimate, StrategyComparison, estimate_memory
 from .fsdp1 import fully_shard
 from .migrate import ConvertedCheckpoint, DeepSpeedTranslation, convert_deepspeed_checkpoint, translate_deepspeed
 from .preemption import PREEMPTION_EXIT_CODE, PreemptionWatch
-from .shard import ShardingPlan, gathered, replicate, sharding_plan
+from .shard import ShardingPlan, gathered, replicate, sharding_plan, to_4bit
 from .train import (
     AccumulationMode,
     EngineState,
@@ -85,6 +85,7 @@ __all__ = [
     "init_distributed",
     "inspect_checkpoint",
     "load_full_weights",
+    "to_4bit",
     "measure_link",
     "no_sync",
     "peak_flops",

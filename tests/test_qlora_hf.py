@@ -140,3 +140,59 @@ def test_a_hugging_face_qlora_model_shards_its_4bit_base_and_trains_like_one_pro
         # The merged float model computes what the trained QLoRA model computes (NF4 dequantised
         # exactly; the delta rounded to bf16 once).
         assert rel_diff(logits, results[0][storage]["merged_logits"]) < BF16_TOL
+
+
+# --------------------------------------------------------------------------- quantised on load
+QUANTISATION = dict(bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def _packed_weights(model) -> dict[str, torch.Tensor]:
+    """Every 4-bit weight's packed bytes (a sharded one gathered), by the base model's name."""
+    out = {}
+    for name, p in model.named_parameters():
+        if name in f2.shard.quantised_param_names(model):
+            whole = p.full_tensor() if hasattr(p, "full_tensor") else p.data
+            out[name.replace("base_model.model.", "").replace(".base_layer", "")] = whole.view(torch.uint8).reshape(-1)
+    return out
+
+
+def _quantised_on_load_world(folder: str) -> dict:
+    import peft
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    f2.to_4bit(model)  # nf4, double quantisation, bf16 compute, lm_head kept: as QUANTISATION says
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model = f2.shard_model(model, mixed_precision="bf16", log_plan=False)
+    f2.load_full_weights(model, folder)
+    lora_b = [p.full_tensor() for n, p in model.named_parameters() if "lora_B" in n]
+    return {
+        "local_bytes": _packed_bytes(model),
+        "packed": _packed_weights(model),
+        "logits": _logits(model),
+        "lora_b_max": max(b.abs().max().item() for b in lora_b),
+    }
+
+
+def test_a_qlora_model_built_on_meta_is_quantised_on_load_into_each_ranks_shards(tmp_path):
+    folder = str(tmp_path / "base")
+    _save_base(folder)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        folder,
+        quantization_config=transformers.BitsAndBytesConfig(load_in_4bit=True, **QUANTISATION),
+        dtype=torch.bfloat16,
+    )
+    # Before any eval forward: on CPU bitsandbytes' inference kernel repacks a weight in place.
+    expected = _packed_weights(reference)
+    reference.train()  # the portable 4-bit kernel, as the sharded layers use
+    logits = _logits(reference)
+    results = run_distributed(_quantised_on_load_world, 2, folder, timeout=300)
+    total = sum(t.numel() for t in expected.values())
+    for r in results:
+        # The same bytes bitsandbytes writes for the whole model, half of them on each rank.
+        assert sorted(r["packed"]) == sorted(expected) and len(expected) == 14  # 7 projections x 2 layers
+        assert all(torch.equal(r["packed"][n], expected[n]) for n in expected)
+        assert r["local_bytes"] <= 0.55 * total
+        assert r["lora_b_max"] == 0.0  # PEFT's initialisation: the adapter starts as the identity
+        assert rel_diff(r["logits"], logits) < BF16_TOL

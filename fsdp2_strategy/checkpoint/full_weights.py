@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from ..distributed import log_rank_zero
 from ..mesh import mesh_device
-from ..shard import copy_from_full, has_meta_tensors, local_region, local_tensor
+from ..shard import copy_from_full, has_meta_tensors, local_region, local_tensor, pending_4bit, quantise_pending
+from .peft import merged_name, peft_models
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _ST_DTYPES = {
@@ -193,14 +194,46 @@ def _open_torch_file(path: Path) -> dict:
 
 
 def _model_tensors(model: nn.Module) -> Iterator[tuple[list[str], torch.Tensor]]:
-    """Each parameter and persistent buffer once, with all the names it has (tied weights)."""
+    """Each parameter and persistent buffer once, with all the names it has (tied weights; in a PEFT
+    model also its base model's name, as in the pretrained checkpoint). LoRA's own tensors, which no
+    pretrained checkpoint holds, are left out: they keep their initialisation."""
+    aliases = _base_model_names(model)
     names: dict[int, list[str]] = {}
     tensors: dict[int, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        names.setdefault(id(tensor), []).append(name)
+        alias = aliases.get(name, name)
+        if alias is None:
+            continue
+        names.setdefault(id(tensor), []).extend(dict.fromkeys([name, alias]))
         tensors[id(tensor)] = tensor
     for key, tensor in tensors.items():
         yield names[key], tensor
+
+
+def _base_model_names(model: nn.Module) -> dict[str, str | None]:
+    """For each state-dict key of a PEFT model inside `model`: the base model's own name for it
+    (`...q_proj.base_layer.weight` -> `...q_proj.weight`), or None for an adapter's tensor."""
+    aliases: dict[str, str | None] = {}
+    for prefix, peft_model in peft_models(model):
+        adapter = peft_model.active_adapter if isinstance(peft_model.active_adapter, str) else "default"
+        base = f"{prefix}.base_model.model." if prefix else "base_model.model."
+        for key in peft_model.state_dict(keep_vars=True):
+            full = f"{prefix}.{key}" if prefix else key
+            aliases[full] = merged_name(full.removeprefix(base), adapter)
+    return aliases
+
+
+def _expected_shape(tensor: torch.Tensor, pending: dict[int, nn.Module]) -> tuple[int, ...]:
+    """A tensor's shape in a full checkpoint: a 4-bit weight waiting for its values has its full
+    precision shape there (the model holds the packed bytes it will become)."""
+    layer = pending.get(id(tensor))
+    spec = pending_4bit(layer) if layer is not None else None
+    return spec.shape if spec is not None else tuple(tensor.shape)
+
+
+def _pending_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """`id(weight)` -> layer, for the 4-bit layers `shard_model` built from the meta device."""
+    return {id(m._parameters["weight"]): m for m in model.modules() if pending_4bit(m) is not None}
 
 
 def _check_keys(model_names: list[list[str]], available: set[str], path: Path) -> None:
@@ -217,11 +250,12 @@ def _check_keys(model_names: list[list[str]], available: set[str], path: Path) -
 
 def _check_shapes(model: nn.Module, shapes: dict[str, tuple], path: Path) -> None:
     """All shape mismatches at once, before any tensor is copied (so a mismatch leaves the model as it was)."""
+    pending = _pending_layers(model)
     wrong = [
-        f"{key}: checkpoint {shapes[key]}, model {tuple(tensor.shape)}"
+        f"{key}: checkpoint {shapes[key]}, model {_expected_shape(tensor, pending)}"
         for names, tensor in _model_tensors(model)
         for key in [next((n for n in names if n in shapes), None)]
-        if key is not None and tuple(shapes[key]) != tuple(tensor.shape)
+        if key is not None and tuple(shapes[key]) != _expected_shape(tensor, pending)
     ]
     if wrong:
         raise ValueError(
@@ -240,6 +274,12 @@ def load_full_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool
     A model still on the meta device is allocated on its mesh's device first (no random
     initialisation is run). Every file is checked before the model is touched, so an error
     leaves the model unchanged.
+
+    A PEFT model takes its base model's weights under the base model's names (the pretrained
+    checkpoint's); the adapters keep their initialisation. A bitsandbytes 4-bit layer that
+    `shard_model` sharded from the meta device (`f2.to_4bit`) gets its weight read in full
+    precision, quantised as bitsandbytes does, and keeps this rank's bytes and the quantisation
+    state: the quantised base never exists whole in any process.
 
     Args:
         model: The sharded (or meta-device) model to fill.
@@ -281,16 +321,24 @@ def load_full_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool
         mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
         model.to_empty(device=mesh_device(mesh) if mesh is not None else torch.device("cpu"))
     entries = list(_model_tensors(model))
+    pending = _pending_layers(model)
     for names, tensor in entries:
         key = next((n for n in names if n in available), None)
         if key is None:
             continue
-        if is_torch_file:
+        if id(tensor) in pending:  # a 4-bit weight: quantised whole, this rank keeps its bytes
+            full = state[key] if is_torch_file else files[key].read_slice(key, _whole(files[key].entries[key][1]))
+            copy_from_full(tensor, quantise_pending(pending[id(tensor)], full))
+        elif is_torch_file:
             copy_from_full(tensor, state[key])
         else:
             _copy_from_safetensors(tensor, files[key], key)
     log_rank_zero("Loaded full weights from %s into %d tensors.", path, len(entries))
     return model
+
+
+def _whole(shape: tuple) -> tuple[slice, ...]:
+    return tuple(slice(0, n) for n in shape)
 
 
 def _copy_from_safetensors(tensor: torch.Tensor, source: _SafetensorsFile, key: str) -> None:

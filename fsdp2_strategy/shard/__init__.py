@@ -8,6 +8,7 @@ what other packages and the adapters use.
 
 from .gathered import gathered
 from .materialize import copy_from_full, has_meta_tensors, local_region, local_tensor
+from .quantise_on_load import pending_4bit, quantise_pending, to_4bit
 from .quantised import as_packed_bytes, dequantised, four_bit_layers, quantised_param_names
 from .rank0_weights import shard_with_rank0_weights
 from .replicate import replicate
@@ -27,9 +28,12 @@ __all__ = [
     "has_meta_tensors",
     "local_region",
     "local_tensor",
+    "pending_4bit",
+    "quantise_pending",
     "quantised_param_names",
     "replicate",
     "shard_model",
     "shard_with_rank0_weights",
     "sharding_plan",
+    "to_4bit",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from .. import _torch_compat as tc
 from ..distributed import log_rank_zero
 from ..mesh import mesh_device
+from .quantise_on_load import pending_4bit
 
 
 def has_meta_tensors(model: nn.Module) -> bool:
@@ -92,8 +94,23 @@ def materialize(model: nn.Module, mesh: DeviceMesh) -> None:
     """Allocate each rank's shards on the mesh device and run the model's initialisation; then
     move the shards FSDP offloads to the host (`move_offloaded_shards_to_host`)."""
     model.to_empty(device=mesh_device(mesh))
-    _initialise(model, mesh)
+    with _pending_4bit_hidden(model):
+        _initialise(model, mesh)
     move_offloaded_shards_to_host(model)
+
+
+@contextlib.contextmanager
+def _pending_4bit_hidden(model: nn.Module) -> Iterator[None]:
+    """Inside: each 4-bit weight waiting for `load_full_weights` shows the model's initialisation an
+    empty float tensor (it would draw floats into packed bytes, or fail on uint8), then is back."""
+    hidden = [(m, m._parameters["weight"]) for m in model.modules() if pending_4bit(m) is not None]
+    for module, _ in hidden:
+        module._parameters["weight"] = nn.Parameter(torch.empty(0), requires_grad=False)
+    try:
+        yield
+    finally:
+        for module, weight in hidden:
+            module._parameters["weight"] = weight
 
 
 @torch.no_grad()
@@ -136,6 +153,22 @@ def _initialise(model: nn.Module, mesh: DeviceMesh) -> None:
             for module in model.modules():
                 if callable(getattr(module, "reset_parameters", None)):
                     run([module], module.reset_parameters)
+        _reset_lora(model, run)
+
+
+def _reset_lora(model: nn.Module, run) -> None:
+    """PEFT's own LoRA initialisation (B = 0, so the adapter starts as the identity), after the
+    model's: a Hugging Face model's `init_weights()` treats LoRA's A and B as any `nn.Linear`."""
+    peft_models: list[Any] = [m for m in model.modules() if hasattr(m, "peft_config") and hasattr(m, "get_base_model")]
+    for peft_model in peft_models:
+        module: Any
+        for module in peft_model.modules():
+            reset = getattr(module, "reset_lora_parameters", None)
+            if not callable(reset) or not isinstance(getattr(module, "lora_A", None), nn.ModuleDict):
+                continue
+            for adapter in module.lora_A:
+                init = peft_model.peft_config[adapter].init_lora_weights
+                run([module.lora_A[adapter], module.lora_B[adapter]], lambda r=reset, a=adapter, i=init: r(a, i))
 
 
 def _in_place(modules: list[nn.Module], initialise) -> None:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..train import engine_state, recorded_state
+from .quantise_on_load import is_pending, pending_format
 
 QUANTISED_TYPES = ("Params4bit", "Int8Params")
 """bitsandbytes parameter classes (`bitsandbytes.nn.Params4bit`, `Int8Params`), by name."""
@@ -100,10 +101,17 @@ def find_quantised_params(
     problems, sharded = [], []
     for name, p in found.items():
         kind = f"{name} ({type(p).__name__}, {p.dtype}, {p.device})"
-        if not _is_quantised_yet(p):
+        if mode == "shard" and is_pending(p):  # a meta model: quantised by load_full_weights
+            problem = _why_not_shardable(model, name, p)
+            if problem:
+                problems.append(f"{kind} {problem}; {_SHARD_FIX}")
+            else:
+                sharded.append(name)
+        elif not _is_quantised_yet(p):
             problems.append(
                 f"{kind} is not quantised yet: bitsandbytes quantises when the model is moved to its device; "
-                "call model.to(device) before sharding"
+                "call model.to(device) before sharding (or build it on the meta device and fill it with "
+                "f2.load_full_weights, which quantises each rank's shards)"
             )
         elif p.device.type != device.type:
             problems.append(f"{kind} is not on the mesh's device {device}: move the quantised model there first")
@@ -134,7 +142,7 @@ def _why_not_shardable(model: nn.Module, name: str, param: nn.Parameter) -> str 
             f"belongs to {type(owner).__name__}.{attr}, not the weight of a bitsandbytes "
             f"{' or '.join(_PACKED_OWNERS)}, which alone can rebuild a sharded 4-bit weight in forward"
         )
-    if getattr(param, "quant_state", None) is None:
+    if getattr(param, "quant_state", None) is None and not is_pending(param):
         return "has no quant_state"
     return None
 
@@ -150,15 +158,21 @@ def pack_for_sharding(model: nn.Module, names: tuple[str, ...]) -> None:
         layer, attr = _owner(model, name)
         param: Any = layer.get_parameter(attr)  # a Params4bit
         # bitsandbytes' forward rebuilds its Params4bit from these two (fix_4bit_weight_quant_state_from_module).
-        setattr(layer, "quant_state", param.quant_state)  # noqa: B010
+        setattr(layer, "quant_state", param.quant_state)  # noqa: B010  # None while pending
         setattr(layer, "quant_storage", torch.uint8)  # noqa: B010  # what the gathered bytes are
         if hasattr(layer, "support_avx512bf16_for_cpu"):
             # bitsandbytes' CPU inference kernel repacks the weight and rewrites `quant_state` in place
             # on the first eval forward; the next gather brings the original bytes back, which the
             # rewritten state would misread. The portable dequantising path computes the same product.
             setattr(layer, "support_avx512bf16_for_cpu", False)  # noqa: B010
-        engine_state(layer).packed_4bit = True
-        setattr(layer, attr, nn.Parameter(as_packed_bytes(param), requires_grad=False))
+        state = engine_state(layer)
+        state.packed_4bit = True
+        if is_pending(param):  # no values yet: the bytes it will hold, half a byte per weight
+            state.pending_4bit = pending_format(param)
+            packed = torch.empty((param.numel() + 1) // 2, 1, dtype=torch.uint8, device="meta")
+        else:
+            packed = as_packed_bytes(param)
+        setattr(layer, attr, nn.Parameter(packed, requires_grad=False))
 
 
 def as_packed_bytes(param: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -45,6 +46,9 @@ class EngineState:
     """The tensor-parallel style this module was split with ("colwise", "user", ...)."""
     packed_4bit: bool = False
     """Whether this is a bitsandbytes 4-bit layer whose weight FSDP shards as packed bytes."""
+    pending_4bit: Any = None
+    """On such a layer built on the meta device: the format (`shard.quantise_on_load.FourBitFormat`)
+    `load_full_weights` quantises its weight in; None once it holds values."""
 
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, EngineState] = weakref.WeakKeyDictionary()

@@ -292,6 +292,13 @@ GLUE: dict[tuple[str, str], Glue] = {
         check="plan = str(f2.sharding_plan(model))\nassert '4-bit weights sharded as packed bytes' in plan, plan\n"
         "assert any(type(p).__name__ == 'DTensor' and p.dtype == torch.uint8 for p in model.parameters())",
     ),
+    ("docs/guides/qlora.md", "quantise-on-load"): Glue(
+        setup="import fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import pretrained_llama\n"
+        "pretrained = pretrained_llama()",
+        check="assert all(f2.shard.pending_4bit(m) is None for m in model.modules())\n"
+        "assert 'lm_head' not in ' '.join(f2.shard.quantised_param_names(model))\n"
+        "assert len(f2.shard.quantised_param_names(model)) == 14",
+    ),
     ("docs/guides/tuner.md", "tune"): Glue(
         setup=_NET_AND_BATCH,
         check=_SHARDED + "assert other.wrap_policy is not None",
