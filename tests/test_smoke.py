@@ -311,3 +311,33 @@ def test_peft_finetune_example_end_to_end(tmp_path):
     assert result["checkpoint_MiB"] == pytest.approx(1.24, abs=0.005), result
     assert result["adapter_MiB"] == pytest.approx(0.29, abs=0.005), result
     assert result["accuracy_reloaded_adapter"] == result["accuracy_after"], result
+
+
+@pytest.mark.parametrize("trainer", ["lightning", "hf"])
+def test_qlora_finetune_example_through_lightning_and_the_hf_trainer(trainer, tmp_path):
+    """examples/qlora_finetune.py, as its docstring launches it: each rank holds half of the 4-bit base,
+    the loss falls, and the saved adapter reloaded with PEFT on a fresh 4-bit base computes what the
+    trained model computes (bf16: measured 0.66 % and 0.64 % at 12 steps)."""
+    pytest.importorskip("bitsandbytes")
+    import json
+
+    args = ["--trainer", trainer, "--max-steps", "4", "--out-dir", str(tmp_path)]
+    if trainer == "lightning":
+        out = _output("python", "examples/qlora_finetune.py", *args)
+    else:
+        proc = launch(
+            "accelerate",
+            "examples/qlora_finetune.py",
+            *args,
+            cwd=ROOT,
+            config="examples/accelerate_fsdp2.yaml",
+            launcher_args=["--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"],
+            timeout=300,
+        )
+        out = proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"trainer"')]
+    assert len(rows) == 2, out
+    zero = next(r for r in rows if r["base_MiB_whole"] is not None)
+    assert [r["base_MiB_this_rank"] for r in rows] == [zero["base_MiB_whole"] / 2] * 2, rows
+    assert zero["last_loss"] < zero["first_loss"], zero
+    assert zero["reloaded_logits_rel_diff"] < 0.03, zero
