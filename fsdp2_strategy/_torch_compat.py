@@ -258,6 +258,18 @@ def offloaded_params(model: nn.Module) -> list[Any]:
     return [p for g in fsdp_groups(model) for group in param_groups(g) for p in group.fsdp_params if p.offload_to_cpu]
 
 
+def gathered_param_ids(model: nn.Module) -> set[int]:
+    """`id`s of the parameter objects FSDP swaps in while `model`'s groups are gathered (one per
+    managed parameter, reused across gathers; absent before a group's first gather)."""
+    return {
+        id(p._unsharded_param)
+        for g in fsdp_groups(model)
+        for group in param_groups(g)
+        for p in group.fsdp_params
+        if hasattr(p, "_unsharded_param")
+    }
+
+
 def param_slots(fsdp_param: Any) -> list[tuple[nn.Module, str]]:
     """(module, attribute name) where modules hold an `FSDPParam`'s parameter (several if shared)."""
     info = fsdp_param._module_info

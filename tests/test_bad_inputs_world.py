@@ -51,6 +51,15 @@ def _optimizer_before_sharding(model: torch.nn.Module, root: Path) -> Callable[[
     return optimizer.step
 
 
+def _optimizer_while_gathered(model: torch.nn.Module, root: Path) -> Callable[[], Any]:
+    _shard(model)
+    with torch.no_grad():  # an evaluation: no backward follows, the root and the last block stay gathered
+        model(make_batch(2)[0])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn(model, *make_batch(2)).backward()
+    return optimizer.step
+
+
 WORLD_ROWS = [
     WorldRow(
         "shard_model wrap_policy class name",
@@ -99,6 +108,12 @@ WORLD_ROWS = [
         _optimizer_before_sharding,
         ValueError,
         ("SGD was created before shard_model()", "Create the optimizer after"),
+    ),
+    WorldRow(
+        "optimizer built while the model was gathered",
+        _optimizer_while_gathered,
+        ValueError,
+        ("SGD holds gathered copies of sharded parameters", "f2.reshard(model)"),
     ),
     WorldRow(
         "forward() called directly",

@@ -290,6 +290,21 @@ def _fsdp1_and_errors_world():
     good = torch.optim.SGD(early.parameters(), lr=0.1)
     good.step()
 
+    # An optimizer built after a forward with no backward (an evaluation) holds the gathered copies of
+    # the root's and the last block's parameters; refused at its first step, fine after f2.reshard.
+    with torch.no_grad():
+        early(idx)
+    while_gathered = torch.optim.SGD(early.parameters(), lr=0.1)
+    loss_fn(early, idx, target).backward()
+    _expect(ValueError, "holds gathered copies of sharded parameters.*f2.reshard", while_gathered.step)
+    with torch.no_grad():
+        early(idx)
+    f2.reshard(early)
+    resharded = torch.optim.SGD(early.parameters(), lr=0.1)
+    loss_fn(early, idx, target).backward()
+    resharded.step()
+    resharded.zero_grad()
+
     # forward() instead of model(...) names the fix.
     _expect(ValueError, r"forward\(\) was called directly.*model\(inputs\)", early.forward, idx)
     out["call_ok"] = early(idx).shape == (2, 16, 64)

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .. import _torch_compat as tc
+
 
 def parameters_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
     """The model's parameters by qualified name (tied parameters once): take it before sharding."""
@@ -60,6 +62,7 @@ def rebind_optimizer(optimizer: torch.optim.Optimizer, before: Mapping[str, nn.P
 # --------------------------------------------------------------------------- optimizer check
 _REPLACED = "_fsdp2_replaced_by_sharding"
 _checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_sharded_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _hook_handle = None
 
 
@@ -69,11 +72,13 @@ def mark_replaced_params(before: list[nn.Parameter], model: nn.Module) -> None:
     for p in before:
         if id(p) not in current:
             setattr(p, _REPLACED, True)
+    _sharded_models.add(model)
     _install_optimizer_check()
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Raise if `optimizer` holds parameters that `shard_model` replaced (it was built too early).
+    """Raise if `optimizer` holds parameters that `shard_model` replaced (it was built too early), or
+    the gathered copies FSDP swaps in during a forward (it was built while they were gathered).
 
     The same check runs by itself at each optimizer's first step, once `shard_model` has run.
 
@@ -82,16 +87,24 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
     Raises:
         ValueError: If `optimizer` was created before `shard_model()` and holds the original,
-            unsharded parameters, which no longer receive gradients.
+            unsharded parameters, which no longer receive gradients; or if it was created while
+            the model was gathered and holds FSDP's gathered copies of its parameters.
     """
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if getattr(p, _REPLACED, False):
-                raise ValueError(
-                    f"{type(optimizer).__name__} was created before shard_model(): it holds the original, "
-                    "unsharded parameters, which no longer receive gradients. Create the optimizer after "
-                    "shard_model(model), from model.parameters()."
-                )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(getattr(p, _REPLACED, False) for p in params):
+        raise ValueError(
+            f"{type(optimizer).__name__} was created before shard_model(): it holds the original, "
+            "unsharded parameters, which no longer receive gradients. Create the optimizer after "
+            "shard_model(model), from model.parameters()."
+        )
+    gathered = set().union(*(tc.gathered_param_ids(m) for m in list(_sharded_models)))
+    if any(id(p) in gathered for p in params):
+        raise ValueError(
+            f"{type(optimizer).__name__} holds gathered copies of sharded parameters: it was built while FSDP "
+            "had them gathered (after a forward that no backward followed, such as an evaluation: the root and "
+            "the last block stay gathered until the next backward), and its steps would update copies that the "
+            "next gather overwrites. Call f2.reshard(model) before building the optimizer, or build it first."
+        )
 
 
 def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
