@@ -17,7 +17,7 @@ from fsdp2_strategy.distributed import log_rank_zero
 
 from ..accelerate import FSDP2Accelerator, FSDP2Plugin
 from . import _compat as compat
-from . import checkpoint
+from . import checkpoint, rl
 
 __all__ = ["FSDP2Trainer", "FSDP2TrainerMixin", "fsdp2_trainer"]
 
@@ -100,6 +100,29 @@ class FSDP2TrainerMixin:
         self._preemption = _SaveOnPreemption(self.accelerator)
         if self.accelerator.fsdp2_config.checkpoint_on_preemption:
             self.add_callback(self._preemption)
+
+    # ------------------------------------------------------------------ TRL's RL trainers
+    # Properties, because TRL assigns both in its __init__ after the accelerator exists: what it
+    # assigns is adapted on the way in (rl.py says why).
+    @property
+    def _dist(self) -> Any:
+        return self.__dict__.get("_f2_dist")
+
+    @_dist.setter
+    def _dist(self, backend: Any) -> None:
+        self.__dict__["_f2_dist"] = rl.GatheringBackend(backend)
+
+    @property
+    def ref_model(self) -> Any:
+        """TRL's reference (or teacher) model: sharded for forward only when TRL sets it."""
+        return self.__dict__.get("_f2_ref_model")
+
+    @ref_model.setter
+    def ref_model(self, model: Any) -> None:
+        # precompute_ref_log_probs: DPOTrainer hashes the reference's parameters first, which DTensors refuse.
+        if getattr(self, "accelerator", None) is not None and not getattr(self.args, "precompute_ref_log_probs", False):
+            model = rl.shard_reference(model, self.accelerator.fsdp2_config, self.accelerator.state.device_mesh)
+        self.__dict__["_f2_ref_model"] = model
 
     @property
     def preempted(self) -> bool:
