@@ -341,3 +341,26 @@ def test_qlora_finetune_example_through_lightning_and_the_hf_trainer(trainer, tm
     assert [r["base_MiB_this_rank"] for r in rows] == [zero["base_MiB_whole"] / 2] * 2, rows
     assert zero["last_loss"] < zero["first_loss"], zero
     assert zero["reloaded_logits_rel_diff"] < 0.03, zero
+
+
+def test_grpo_finetune_example_reward_rises(tmp_path):
+    """examples/grpo_finetune.py as its docstring launches it: GRPO with a verifiable reward on 2 processes;
+    the mean reward of the last 15 steps is above the first 15 (measured 0.104 -> 0.362 in 120 steps)."""
+    pytest.importorskip("trl")
+    import json
+
+    proc = launch(
+        "accelerate",
+        "examples/grpo_finetune.py",
+        "--out-dir",
+        str(tmp_path),
+        cwd=ROOT,
+        config="examples/accelerate_fsdp2.yaml",
+        launcher_args=["--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"],
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    result = json.loads(next(line for line in out.splitlines() if line.startswith('{"steps"')))
+    assert result["steps"] == 120, result
+    assert result["reward_last"] > result["reward_first"] + 0.1, result
+    assert 0 < result["generation_s"] < result["step_s"], result
