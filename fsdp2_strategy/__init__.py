@@ -24,7 +24,14 @@ from .config import FSDP2Config, ModuleOverride
 from .distributed import init_distributed, shutdown
 from .estimate import MemoryEstimate, StrategyComparison, estimate_memory
 from .fsdp1 import fully_shard
-from .migrate import ConvertedCheckpoint, DeepSpeedTranslation, convert_deepspeed_checkpoint, translate_deepspeed
+from .migrate import (
+    ConvertedCheckpoint,
+    ConvertedFSDP1Checkpoint,
+    DeepSpeedTranslation,
+    convert_deepspeed_checkpoint,
+    convert_fsdp1_checkpoint,
+    translate_deepspeed,
+)
 from .preemption import PREEMPTION_EXIT_CODE, PreemptionWatch
 from .shard import ShardingPlan, gathered, replicate, sharding_plan, to_4bit
 from .train import (
@@ -59,6 +66,7 @@ __all__ = [
     "PeakFlops",
     "PreemptionWatch",
     "ConvertedCheckpoint",
+    "ConvertedFSDP1Checkpoint",
     "FSDP2Config",
     "MemoryEstimate",
     "ModuleOverride",
@@ -74,6 +82,7 @@ __all__ = [
     "clip_grad_value_",
     "compare_strategies",
     "convert_deepspeed_checkpoint",
+    "convert_fsdp1_checkpoint",
     "engine_state",
     "estimate_memory",
     "export_full",

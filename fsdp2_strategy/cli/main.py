@@ -1,5 +1,5 @@
 """`fsdp2-strategy` command line: consolidate, export (PEFT) and inspect sharded checkpoints; plan memory;
-tune throughput; translate a DeepSpeed config and convert a DeepSpeed checkpoint."""
+tune throughput; translate a DeepSpeed config and convert a DeepSpeed or FSDP1 checkpoint."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from ..checkpoint import export_full, export_peft, inspect_checkpoint
 from ..versions import __version__
 from . import convert_deepspeed as convert_deepspeed_command
+from . import convert_fsdp1 as convert_fsdp1_command
 from . import from_deepspeed as from_deepspeed_command
 from . import plan as plan_command
 from . import tune as tune_command
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fsdp2-strategy",
         description="fsdp2-strategy's command line: sharded checkpoints (consolidate, export, inspect), "
         "the memory planner (plan), the throughput tuner (tune), a DeepSpeed config translated (from-deepspeed) and a DeepSpeed "
-        "checkpoint converted (convert-deepspeed).",
+        "checkpoint converted (convert-deepspeed), an FSDP1 checkpoint converted (convert-fsdp1).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}", help="print the version")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune_command.add_parser(sub)
     from_deepspeed_command.add_parser(sub)
     convert_deepspeed_command.add_parser(sub)
+    convert_fsdp1_command.add_parser(sub)
     return parser
 
 
@@ -92,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return from_deepspeed_command.run(args)
         if args.command == "convert-deepspeed":
             return convert_deepspeed_command.run(args)
+        if args.command == "convert-fsdp1":
+            return convert_fsdp1_command.run(args)
         if args.command == "consolidate":
             out = export_full(
                 args.checkpoint,

@@ -8,7 +8,7 @@ engine's counters and the caller's `client_state`. It is written once, from one 
 (unsharded) DCP checkpoint; DCP reshards it on load onto whatever mesh the model has.
 
 Memory: the state dict handed to DCP holds meta tensors; each real tensor is assembled from the
-memory-mapped rank files when DCP's writer asks for it (`_StreamingWriter`), written into a file of
+memory-mapped rank files when DCP's writer asks for it (`stream_write.StreamingWriter`), written into a file of
 its own, and dropped. The peak is about one parameter (its slices and the assembled copy), whatever
 the model's size; `tests/test_convert_deepspeed.py` measures it.
 """
@@ -24,11 +24,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 
 from ..checkpoint import EXTRA_FILE, MODEL_KEY, OPTIM_KEY, directory, step_dir_name
 from ..distributed import logger
+from .stream_write import StreamingWriter, lazy, progress_bar
 from .zero_files import DeepSpeedObject, client_state, find_files, resolve_step_dir
 from .zero_tensors import ADAM_STATE, Slot, ZeroLayout
 
@@ -134,12 +133,12 @@ def convert_deepspeed_checkpoint(
         final,
         len(loaders),
     )
-    with _progress(len(loaders), progress) as bar:
+    with progress_bar(len(loaders), progress) as bar:
         directory.save_dir(
             final,
             state,
             files={EXTRA_FILE: extra},
-            make_writer=lambda path: _StreamingWriter(path, loaders, bar.update),
+            make_writer=lambda path: StreamingWriter(path, loaders, bar.update),
         )
     return ConvertedCheckpoint(
         final, step, layout.stage, layout.world, len(layout.slots), frozen, not weights_only, sorted(extra)
@@ -152,12 +151,10 @@ def _model_entries(layout: ZeroLayout, loaders: dict[str, Callable[[], torch.Ten
     names included) and how many frozen parameters and buffers it holds."""
     state: dict[str, Any] = {}
     for slot in layout.slots:
-        state[slot.name] = _lazy(
-            loaders, f"{MODEL_KEY}.{slot.name}", slot.shape, functools.partial(layout.weight, slot)
-        )
+        state[slot.name] = lazy(loaders, f"{MODEL_KEY}.{slot.name}", slot.shape, functools.partial(layout.weight, slot))
     frozen, shapes = layout.frozen(), layout.frozen_shapes()
     for name, load in frozen.items():
-        state[name] = _lazy(loaders, f"{MODEL_KEY}.{name}", shapes[name], load)
+        state[name] = lazy(loaders, f"{MODEL_KEY}.{name}", shapes[name], load)
     buffers = layout.buffers()
     state.update(buffers)
     for tied, source in layout.shared.items():
@@ -202,7 +199,7 @@ def _param_state(
     for key, kind in kinds.items():
         fqn = f"{OPTIM_KEY}.state.{slot.name}.{key}"
         if kind == "flat":
-            state[key] = _lazy(loaders, fqn, slot.shape, functools.partial(layout.state_value, slot, key))
+            state[key] = lazy(loaders, fqn, slot.shape, functools.partial(layout.state_value, slot, key))
         elif key == "step":  # torch keeps it as a float32 scalar tensor per parameter
             state[key] = torch.tensor(float(layout.group_scalar(slot.group, key)), dtype=torch.float32)
         else:
@@ -282,60 +279,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_plain(v) for v in value)
     return value
-
-
-# ---------------------------------------------------------------------- streaming write
-def _lazy(
-    loaders: dict[str, Callable[[], torch.Tensor]], fqn: str, shape: torch.Size, load: Callable[[], torch.Tensor]
-) -> torch.Tensor:
-    """A meta tensor standing in for the fp32 tensor `load()` makes when DCP writes `fqn`."""
-    loaders[fqn] = load
-    return torch.empty(shape, dtype=torch.float32, device="meta")
-
-
-class _Resolving(SavePlanner):
-    """DCP's planner, but the tensors under `loaders` are made when the writer asks for them."""
-
-    def __init__(self, inner: SavePlanner, loaders: dict, done: Callable[[int], Any]):
-        self._inner, self._loaders, self._done = inner, loaders, done
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
-        self._inner.set_up_planner(*args, **kwargs)
-
-    def create_local_plan(self) -> SavePlan:
-        return self._inner.create_local_plan()
-
-    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Any]:
-        return self._inner.create_global_plan(all_plans)
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        return self._inner.finish_plan(new_plan)
-
-    def resolve_data(self, write_item: WriteItem) -> Any:
-        load = self._loaders.get(write_item.index.fqn)
-        if load is None:
-            return self._inner.resolve_data(write_item)
-        tensor = load()
-        self._done(1)
-        return tensor
-
-
-class _StreamingWriter(FileSystemWriter):
-    """One file per tensor (DCP's writer keeps every tensor of a file alive until the file is
-    closed), each tensor made on demand (`_Resolving`)."""
-
-    def __init__(self, path: Path, loaders: dict, done: Callable[[int], Any]):
-        super().__init__(str(path), single_file_per_rank=False)
-        self._loaders, self._done = loaders, done
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
-        return super().write_data(plan, _Resolving(planner, self._loaders, self._done))
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="Converting", unit="tensor", disable=not enabled)
