@@ -77,6 +77,11 @@ def _generation_world():
     with f2.gathered(model, memory_budget=1024), count_collectives() as over:
         out["over_budget"] = _greedy(model, prompt, NEW).tolist()
     out["gathers_over_budget"] = _gathers(over)
+    # A budget for part of the model: the groups that fit are held, the others gathered per forward.
+    with f2.gathered(model, memory_budget=sum(p.numel() * p.element_size() for p in ref.parameters()) // 2):
+        with count_collectives() as partly:
+            out["partly_held"] = _greedy(model, prompt, NEW).tolist()
+    out["gathers_partly_held"] = _gathers(partly)
 
     # A reference model (forward only): frozen, every group resharded after forward (the root too),
     # the same logits as the unsharded model; a model sharded for training keeps its root gathered.
@@ -141,9 +146,12 @@ def test_model_is_sharded_and_trains_as_before_after_the_context(generation):
     assert r["train_after_same_loss"] and step == fresh_step, r["train_after_collectives"]
 
 
-def test_over_the_budget_nothing_is_held(generation):
+def test_over_the_budget_only_the_groups_that_fit_are_held(generation):
     r = generation
     assert r["over_budget"] == r["reference"] and r["gathers_over_budget"] == r["gathers_outside"]
+    # Half the model's bytes: some groups held, so fewer all-gathers per token than outside, not none.
+    assert r["partly_held"] == r["reference"]
+    assert 0 < r["gathers_partly_held"] < r["gathers_outside"], (r["gathers_partly_held"], r["gathers_outside"])
 
 
 def test_reference_model_is_frozen_in_the_compute_dtype_and_resharded_after_forward(generation):

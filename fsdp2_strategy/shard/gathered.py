@@ -5,8 +5,9 @@ all-gather per group per generated token, which is what makes generation on a sh
 (and every rank must then run the same number of forwards). Inside it, the groups are gathered once,
 all their all-gathers started together, and stay gathered for every forward, so decoding runs no
 collective at all; on exit each group's own reshard choices come back and every group is resharded.
-When the gathered model would not fit the memory budget, nothing is held: generation runs as
-without the context (one group gathered at a time) and a warning says so.
+When the whole gathered model would not fit the memory budget, the groups that fit are held (in
+forward order) and the others gathered at each forward as without the context: fewer all-gathers per
+token, not none, and a warning says so.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from .. import _torch_compat as tc
 from ..config_checks import parse_bytes
@@ -32,15 +34,34 @@ def gathered_bytes(model: nn.Module) -> int:
     """Bytes the model's FSDP-managed parameters take gathered, floating ones in their group's compute
     dtype (the mixed-precision policy's `param_dtype` where one is set). A parameter's `numel()` is
     its full size (a DTensor's global one; under tensor parallelism that over-counts the TP shard)."""
+    return sum(_group_bytes(cast(nn.Module, module)) for module in tc.fsdp_groups(model))
+
+
+def _group_bytes(module: nn.Module) -> int:
+    """Bytes one FSDP group's own parameters take gathered (see `gathered_bytes`)."""
+    state = recorded_state(module)
+    compute = state.group.mp_policy.param_dtype if state is not None and state.group is not None else None
     total = 0
-    for module in tc.fsdp_groups(model):
-        state = recorded_state(cast(nn.Module, module))
-        compute = state.group.mp_policy.param_dtype if state is not None and state.group is not None else None
-        for member in tc.group_modules(module):
-            for _, p in own_named_params(member):
-                dtype = compute if compute is not None and p.is_floating_point() else p.dtype
-                total += p.numel() * torch.empty((), dtype=dtype, device="meta").element_size()
+    for member in tc.group_modules(module):
+        for _, p in own_named_params(member):
+            dtype = compute if compute is not None and p.is_floating_point() else p.dtype
+            total += p.numel() * torch.empty((), dtype=dtype, device="meta").element_size()
     return total
+
+
+def _groups_within(models: tuple[nn.Module, ...], budget: int) -> list[list[FSDPModule]]:
+    """Per model, its FSDP groups that fit `budget` together, taken in forward order."""
+    chosen: list[list[FSDPModule]] = []
+    used = 0
+    for model in models:
+        fitting = []
+        for module in tc.fsdp_groups(model):
+            size = _group_bytes(cast(nn.Module, module))
+            if used + size <= budget:
+                fitting.append(module)
+                used += size
+        chosen.append(fitting)
+    return chosen
 
 
 @contextlib.contextmanager
@@ -58,8 +79,9 @@ def gathered(*models: nn.Module, memory_budget: int | str | None = None) -> Iter
         *models: Models `shard_model` sharded (a model without FSDP groups is left as it is).
         memory_budget: Bytes per rank the gathered parameters may take, an int or text like "20GiB";
             None: the accelerator's total memory, or on CPU the available RAM divided by the local
-            ranks, less a margin (`estimate.default_budget`). Above it the groups are not held and
-            a warning says so.
+            ranks, less a margin (`estimate.default_budget`). Above it only the groups that fit are
+            held (the others gathered at each forward, so every rank must run the same forwards:
+            keep `synced_gpus`), and a warning says so.
 
     Example:
         ```python
@@ -69,25 +91,28 @@ def gathered(*models: nn.Module, memory_budget: int | str | None = None) -> Iter
     """
     budget = parse_bytes(memory_budget, "gathered(memory_budget)") or default_budget(_local_ranks())
     needed = sum(gathered_bytes(m) for m in models)
+    chosen = _groups_within(models, budget)
     if needed > budget:
+        held_bytes = sum(_group_bytes(cast(nn.Module, m)) for group in chosen for m in group)
         log_rank_zero(
-            "f2.gathered: the gathered model needs %s per rank, over the budget of %s; not holding the groups "
-            "(each forward gathers them one at a time). Pass gathered(..., memory_budget=...) or free memory.",
+            "f2.gathered: the gathered model needs %s per rank, over the budget of %s; holding the %d groups "
+            "that fit (%s), the others are gathered at each forward (keep generate's synced_gpus=True). "
+            "Pass gathered(..., memory_budget=...) or free memory to hold them all.",
             human_bytes(needed),
             human_bytes(budget),
+            sum(len(group) for group in chosen),
+            human_bytes(held_bytes),
             level=30,
         )
-        yield
-        return
     held = []
-    for model in models:
+    for model, groups in zip(models, chosen):
         modules = tc.fsdp_groups(model)
-        if not modules:
+        if not modules or not groups:
             continue
         # The root's lazy init (normally at its first forward) fixes its reshard choice: run it first,
         # so the choices saved and restored are the final ones. Idempotent.
         tc.lazy_init(modules[0])
-        kept = KeptGroups(modules)
+        kept = KeptGroups(groups)
         held.append(kept)
         kept.keep(gather_now=True)
     try:
