@@ -154,6 +154,21 @@ def _lora_world(tmp: str) -> dict:
     out["plain_stream_exact"] = plain_stream.keys() == plain.state_dict().keys() and all(
         torch.equal(plain_stream[k], v) for k, v in plain.state_dict().items()
     )
+    # rank0_only: the merged stream gathered on rank 0 alone (no all-gather; the others get None), into a
+    # plain transformers model there, which then equals the merged reference.
+    DTensor.full_tensor = lambda self, *a, **kw: gathers.append(1) or full_tensor(self, *a, **kw)
+    try:
+        gathers.clear()
+        to_rank0 = dict(f2.full_weights(model, device="cpu", rank0_only=True))
+        out["rank0_stream_all_gathers"] = len(gathers)
+    finally:
+        DTensor.full_tensor = full_tensor
+    if rank == 0:
+        engine = copy.deepcopy(ref).merge_and_unload()
+        engine.load_state_dict(to_rank0)
+        out["rank0_stream_err"] = max(rel_diff(v, merged_ref[k]) for k, v in engine.state_dict().items())
+    else:
+        out["rank0_stream_none"] = sorted(to_rank0) == sorted(merged_ref) and all(v is None for v in to_rank0.values())
 
     # 3. Trainable-only checkpoint ("auto" for PEFT): resume continues exactly; another base is refused.
     ckpt = f2.Checkpointer(tmp_path / "ckpt")
@@ -255,6 +270,13 @@ def test_full_weight_stream_is_the_merged_model_one_tensor_at_a_time(lora_world)
         # Lazy: nothing gathered by the call, one tensor for the first item (the embedding).
         assert (r["stream_gathers_before_first"], r["stream_gathers_for_first"]) == (0, 1), (rank, r)
         assert r["plain_stream_exact"], rank
+        # rank0_only: gathered on rank 0 alone (dist.gather, no all-gather), loaded there into a plain
+        # transformers model equal to the merged reference; the other rank receives nothing.
+        assert r["rank0_stream_all_gathers"] == 0, (rank, r["rank0_stream_all_gathers"])
+        if rank == 0:
+            assert r["rank0_stream_err"] < TOL, r["rank0_stream_err"]
+        else:
+            assert r["rank0_stream_none"]
 
 
 def test_adapter_and_merged_weights_load_in_peft_and_transformers(lora_world, tmp_path):

@@ -3,8 +3,8 @@ DCP directory with its commit marker and checksums (`directory`, `integrity`), a
 overlapped saves (`async_save`), one directory per step (`Checkpointer`), whether a checkpoint fits
 a model (`matching`), the layouts a failed load names and the optimizer groups it checks
 (`layout`), full weights in and out (`full_weights`,
-`export`), trainable-only checkpoints (`trainable`) and PEFT adapters and merged weights out
-(`peft`, `peft_export`).
+`export`, `weight_stream`), trainable-only checkpoints (`trainable`) and PEFT adapters and merged
+weights out (`peft`, `peft_export`).
 
 Imports the base modules and `shard` (full-weight loading copies into shards). `__all__` is what
 other packages and the adapters use; `directory` is the atomic-directory API the adapters build
@@ -16,7 +16,7 @@ from .async_save import AsyncSaver, make_saver
 from .checkpointer import EXTRA_FILE, MODEL_KEY, OPTIM_KEY, Checkpointer, load_step_dir, step_dir_name
 from .export import export_full, inspect_checkpoint, read_full_model_state, write_model_view
 from .full_weights import load_full_weights
-from .peft import full_weights, peft_models, save_merged, save_peft_adapter
+from .peft import peft_models, save_peft_adapter
 from .peft_export import export_peft
 from .state import (
     Models,
@@ -29,6 +29,7 @@ from .state import (
     unstepped_kept,
 )
 from .trainable import saves_trainable_only
+from .weight_stream import full_weights, save_merged
 
 __all__ = [
     "EXTRA_FILE",

@@ -24,14 +24,13 @@ from ..distributed import logger
 from ..precision import dtype_from_name
 from . import directory as cdir
 from . import integrity as integrity
-from .hf_files import ShardWriter
+from .hf_files import DEFAULT_MAX_SHARD_BYTES, ShardWriter
 from .layout import saved_world_size
 from .peft import PEFT_ENTRY
 
 # Where the model's tensors sit in a DCP checkpoint: `Checkpointer` ("model.") and
 # Lightning's sharded checkpoints ("state_dict."; also what our Lightning adapter writes).
 MODEL_PREFIXES = ("model.", "state_dict.")
-DEFAULT_MAX_SHARD_BYTES = 5 * 2**30  # Hugging Face's default shard size
 
 
 def resolve_checkpoint_dir(path: str | Path, step: int | None = None) -> Path:

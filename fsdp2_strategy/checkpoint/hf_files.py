@@ -8,6 +8,9 @@ from pathlib import Path
 
 import torch
 
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+"""The most bytes per safetensors file by default (Hugging Face's `max_shard_size`)."""
+
 
 def split_by_size(sizes: dict[str, int], max_bytes: float) -> list[list[str]]:
     """Names in order, cut into consecutive files of at most `max_bytes` (one larger tensor alone)."""

@@ -18,10 +18,8 @@ weights from `base=` (the pretrained model's folder).
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +28,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..distributed import barrier, logger, rank
-from ..shard import dequantised, four_bit_layers
-from .hf_files import ShardWriter
 
 PEFT_ENTRY = "peft"
 """Top-level checkpoint key prefix of a PEFT model's adapter description: `peft.<model key>`."""
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
-DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 # PEFT's LoRA Linear layers (plain, and on bitsandbytes 4-/8-bit bases): the delta is B @ A.
 _SUPPORTED_LAYERS = ("Linear", "Linear4bit", "Linear8bitLt")
 # Why an 8-bit base is not merged live: its int8 data and row scales live in bitsandbytes' layer state.
@@ -159,86 +154,10 @@ def lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out:
     return delta.T if fan_in_fan_out else delta
 
 
-# ---------------------------------------------------------------------- live model (collective)
-def _full(t: torch.Tensor, device: torch.device | str | None = "cpu") -> torch.Tensor:
-    """Collective for a DTensor: the whole tensor on every rank, on `device` (None: where it is)."""
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """Collective for a DTensor: the whole tensor on every rank, on the CPU."""
     t = t.detach()
-    full = t.full_tensor() if isinstance(t, DTensor) else t
-    return full if device is None else full.to(device)
-
-
-def _weights(model: nn.Module, device: torch.device | str | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective: `model.state_dict()`'s entries whole, one at a time; a bitsandbytes 4-bit weight
-    dequantised (in the dtype it was quantised from), its quantisation-state entries dropped."""
-    quantised = four_bit_layers(model)
-    for key, value in model.state_dict().items():
-        owner, _, leaf = key.rpartition(".")
-        if any(key.startswith(f"{name}.weight.") for name in quantised):
-            continue  # absmax, quant_map, ...: part of the 4-bit weight, not a weight of the float model
-        tensor = _full(value, device)
-        if leaf == "weight" and owner in quantised:
-            tensor = dequantised(quantised[owner], tensor)
-        yield key, tensor
-
-
-def full_weights(
-    model: nn.Module, *, adapter_name: str = "default", device: torch.device | str | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Collective: `(name, full tensor)` for every weight of a sharded model, one tensor gathered at a
-    time, under the Hugging Face names, for an inference engine's weight loading (vLLM's
-    `load_weights`, TRL's weight sync) or a writer.
-
-    A PEFT model's weights come merged, each LoRA delta added to its base weight as the layer is
-    reached (`merge_and_unload` semantics: `W + scaling * B @ A`, summed in fp32, the weight's dtype
-    kept), under the base model's names: the merged model never exists in memory, only one tensor.
-    Every rank must consume the whole iterator, in step (each item is an all-gather); each rank
-    receives every tensor.
-
-    Args:
-        model: The sharded model, a `PeftModel`, or a module holding one.
-        adapter_name: The adapter whose deltas are merged (PEFT models).
-        device: Where the tensors are delivered (None: the parameters' device).
-
-    Yields:
-        `(name, tensor)` in the model's state-dict order.
-
-    Raises:
-        ValueError: A LoRA layer of the adapter cannot be merged (DoRA, embeddings, convolutions, a
-            8-bit base): raised by the call, before any tensor is gathered.
-
-    Example:
-        ```python
-        llm.load_weights(f2.full_weights(model))  # on the rank that holds the engine; every rank iterates
-        ```
-    """
-    found_peft = peft_models(model)
-    if not found_peft:
-        return _weights(model, device)
-    peft_model = found_peft[0][1]
-    return _merged_weights(peft_model, _mergeable_layers(peft_model, adapter_name), adapter_name, device)
-
-
-def _mergeable_layers(peft_model: Any, adapter_name: str) -> dict[str, Any]:
-    """The adapter's LoRA layers by name; ValueError naming those that cannot be merged."""
-    found = lora_layers(peft_model, adapter_name)
-    check_mergeable({name: why for name, (_, why) in found.items()})
-    return {name: layer for name, (layer, _) in found.items()}
-
-
-def _merged_weights(
-    peft_model: Any, layers: dict[str, Any], adapter_name: str, device: torch.device | str | None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    for key, tensor in _weights(peft_model.get_base_model(), device):
-        name = merged_name(key, adapter_name)
-        if name is None:
-            continue
-        layer = layers.get(key.removesuffix(".base_layer.weight")) if key.endswith(".base_layer.weight") else None
-        if layer is not None:
-            a = _full(layer.lora_A[adapter_name].weight, tensor.device)
-            b = _full(layer.lora_B[adapter_name].weight, tensor.device)
-            delta = lora_delta(a, b, float(layer.scaling[adapter_name]), getattr(layer, "fan_in_fan_out", False))
-            tensor = (tensor.float() + delta).to(tensor.dtype)
-        yield name, tensor
+    return (t.full_tensor() if isinstance(t, DTensor) else t).to("cpu")
 
 
 def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike, *, adapter_name: str = "default") -> Path:
@@ -277,67 +196,3 @@ def save_peft_adapter(model: nn.Module, out_dir: str | os.PathLike, *, adapter_n
         logger.info("Saved PEFT adapter %r (%d tensors) to %s", adapter_name, len(state), out)
     barrier()
     return out
-
-
-def save_merged(
-    model: nn.Module,
-    out_dir: str | os.PathLike,
-    *,
-    adapter_name: str = "default",
-    max_shard_size: int = DEFAULT_MAX_SHARD_BYTES,
-) -> Path:
-    """Collective: write a sharded PEFT model's weights with the LoRA deltas merged in (rank 0 writes).
-
-    The output is Hugging Face safetensors (with an index past `max_shard_size`) plus the base
-    model's `config.json`, under the base model's names, which `AutoModel.from_pretrained` loads.
-    Each weight keeps its dtype (the sum is taken in fp32); a bitsandbytes 4-bit base weight is
-    written dequantised, in the dtype it was quantised from, and the config without its
-    `quantization_config`. Every rank must call it.
-
-    Args:
-        model: The sharded `PeftModel`, or a module holding one.
-        out_dir: The folder to write (created if missing).
-        adapter_name: The adapter whose deltas are merged.
-        max_shard_size: The most bytes per safetensors file (default 5 GiB, Hugging Face's).
-
-    Returns:
-        `out_dir`, as a Path.
-
-    Raises:
-        ValueError: If `model` holds no PEFT model, or a LoRA layer of the adapter cannot be merged
-            (DoRA, embeddings, convolutions, an 8-bit base).
-    """
-    _, peft_model = find_peft_model(model)
-    layers = _mergeable_layers(peft_model, adapter_name)
-    base = peft_model.get_base_model()
-    state = base.state_dict()
-    names = {k: merged_name(k, adapter_name) for k in state}
-    sizes = {name: _nbytes(state[k]) for k, name in names.items() if name is not None}
-    writer = ShardWriter(Path(out_dir), sizes, max_shard_size) if rank() == 0 else None
-    for name, tensor in _merged_weights(peft_model, layers, adapter_name, "cpu"):
-        if writer is not None:
-            writer.add(name, tensor)
-    if writer is not None:
-        writer.close()
-        _save_float_config(base, Path(out_dir))
-        logger.info("Saved merged weights (%d LoRA layers) to %s", len(layers), out_dir)
-    barrier()
-    return Path(out_dir)
-
-
-def _save_float_config(base: nn.Module, out: Path) -> None:
-    """The base model's `config.json`, if it has one, without `quantization_config`: the merged
-    weights are written dequantised, so `from_pretrained` must load them as a float model."""
-    config: Any = getattr(base, "config", None)
-    if not callable(getattr(config, "save_pretrained", None)):
-        return
-    if getattr(config, "quantization_config", None) is not None:
-        config = copy.deepcopy(config)
-        for name in ("quantization_config", "_pre_quantization_dtype"):
-            if hasattr(config, name):
-                delattr(config, name)
-    config.save_pretrained(str(out))
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

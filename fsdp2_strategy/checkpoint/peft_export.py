@@ -18,11 +18,10 @@ import torch
 from ..distributed import logger
 from . import directory as cdir
 from .export import read_objects, read_tensors, verified_checkpoint_dir
-from .hf_files import ShardWriter
+from .hf_files import DEFAULT_MAX_SHARD_BYTES, ShardWriter
 from .peft import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
-    DEFAULT_MAX_SHARD_BYTES,
     PEFT_ENTRY,
     adapter_name_in,
     check_mergeable,
