@@ -162,20 +162,21 @@ def _optimizer_entries(
     groups = _param_groups(source)
     per_param = _per_param_keys(source)
     naming = _position_names(source, model_state, per_param, model) if _by_position(groups) else None
-    state: dict[str, Any] = {}
-    for key, kinds in per_param.items():
-        name = naming[key] if naming is not None else clean_name(key)
-        state[name] = {
-            kind: _state_value(source, f"state.{key}.{kind}", name, kind, model_state, loaders) for kind in kinds
-        }
+    names = {key: naming[key] if naming is not None else clean_name(key) for key in per_param}
     for group in groups:
         group["params"] = [naming[str(p)] if naming is not None else clean_name(p) for p in group["params"]]
-    missing = sorted({p for g in groups for p in g["params"]} - set(model_state))
+    missing = sorted(({p for g in groups for p in g["params"]} | set(names.values())) - set(model_state))
     if missing:
         raise ValueError(
             f"{source.where}: the optimizer's parameters {missing[:5]} are not in the model state "
             f"(which holds e.g. {sorted(model_state)[:5]}): the files come from different models or saves"
         )
+    state = {
+        names[key]: {
+            kind: _state_value(source, f"state.{key}.{kind}", names[key], kind, model_state, loaders) for kind in kinds
+        }
+        for key, kinds in per_param.items()
+    }
     return {"state": state, "param_groups": groups}
 
 

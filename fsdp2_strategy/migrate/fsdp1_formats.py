@@ -94,7 +94,7 @@ def _dcp_save(folder: Path) -> FSDP1Save:
         "torch-sharded",
         dcp_source(folder, "model"),
         dcp_source(folder, optim_key) if optim_key else None,
-        {"source_state": other_values} if other_values else {},
+        {"source_state": _unflatten(other_values)} if other_values else {},
         _int(counter),
         world,
     )
@@ -166,6 +166,18 @@ def _lightning_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
         "epoch": rest.get("epoch"),
         "lightning": rest,
     }
+
+
+def _unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    """DCP's flattened keys ("scheduler.last_epoch") back into nested dicts."""
+    nested: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
 
 
 def _int(value: Any) -> int | None:
