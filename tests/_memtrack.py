@@ -179,17 +179,24 @@ def measure_peak(
     optimizer="adamw",
     micro_batches: int = 1,
     batch_size: int = 8,
+    with_reference: bool = False,
 ) -> int:
     """Peak live tensor bytes of this rank during one steady-state optimizer step (the accumulation
-    mode is the config's)."""
+    mode is the config's); `with_reference`: a copy of the model sharded by `f2.shard_reference`
+    beside it (its shards counted; its no-grad forward, between steps, is not measured here)."""
 
     make_model, make_batch_, loss_fn = MODELS[model_name]
     model = f2.shard_model(make_model(), {**config, "log_plan": False})
+    reference = f2.shard_reference(make_model(), {**config, "log_plan": False}) if with_reference else None
     opt = optimizer_factory(optimizer)(list(model.parameters()))
     batch = make_batch_(batch_size)
+
+    if reference is not None:
+        with torch.no_grad():
+            loss_fn(reference, batch)  # (outside the tracker: it counts one forward per module)
     train_step(model, opt, batch, loss_fn, micro_batches)  # warm-up: optimizer state exists
     tracker = FrozenAwareTracker()
-    tracker.track_external(model, opt)
+    tracker.track_external(model, opt, *([reference] if reference is not None else []))
     with tracker:
         train_step(model, opt, batch, loss_fn, micro_batches, tracker)
     snapshot = tracker.get_tracker_snapshot("peak")
@@ -204,11 +211,13 @@ def estimate_peak(
     micro_batches: int = 1,
     batch_size: int = 8,
     nodes: int = 1,
+    with_reference: bool = False,
 ):
     make_model, make_batch_, loss_fn = MODELS[model_name]
     return f2.estimate_memory(
         make_model(),
         config,
+        reference=make_model() if with_reference else None,
         world_size=world_size,
         nodes=nodes,
         optimizer=optimizer,

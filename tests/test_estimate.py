@@ -38,6 +38,8 @@ ONLY_AT_K = {
 def _measure_all():
     peaks = {("gpt", name, 1): measure_peak("gpt", cfg) for name, cfg in SETTINGS.items()}
     peaks[("convnet", "FULL_SHARD", 1)] = measure_peak("convnet", SETTINGS["FULL_SHARD"])
+    # A policy with a forward-only reference beside it (f2.shard_reference), as in RL fine-tuning.
+    peaks[("gpt", "FULL_SHARD+reference", 1)] = measure_peak("gpt", SETTINGS["FULL_SHARD"], with_reference=True)
     if importlib.util.find_spec("bitsandbytes") is not None:  # 4-bit base sharded as packed bytes
         peaks[("qlora", "FULL_SHARD", 1)] = measure_peak("qlora", SETTINGS["FULL_SHARD"])
     peaks[("gpt", "FULL_SHARD", 4)] = measure_peak("gpt", SETTINGS["FULL_SHARD"], micro_batches=4)
@@ -51,8 +53,8 @@ def test_estimates_match_measured_peaks_of_two_rank_runs():
     assert set(measured[0]) == set(measured[1])
     for key in measured[0]:
         model, name, k = key
-        config = SETTINGS.get(name) or ONLY_AT_K[name]
-        estimate = estimate_peak(model, config, 2, micro_batches=k)
+        config = SETTINGS.get(name.removesuffix("+reference")) or ONLY_AT_K[name]
+        estimate = estimate_peak(model, config, 2, micro_batches=k, with_reference=name.endswith("+reference"))
         peak = max(r[key] for r in measured)
         # Checkpointing's recomputation temporaries and bf16 casts are approximated (measured -5.3 %
         # and +3.2 %); everything else is played exactly (measured within 0.02 %).

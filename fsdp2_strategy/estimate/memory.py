@@ -13,6 +13,7 @@ stepping the optimizer on meta tensors of the local shard sizes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from ..activation_checkpoint import apply_activation_checkpointing
 from ..config import FSDP2Config
 from ..groups import ignored_names, resolve_groups
 from ..train import AccumulationMode, accumulation_mode
+from .reference import reference_sizes
 from .sim_device import resolve_device_type
 from .sim_model import meta_copy
 from .sim_optimizer import measure_optimizer
@@ -73,7 +75,7 @@ class MemoryEstimate:
     peak_bytes: int
     """Peak live tensor bytes on the device of one rank."""
     peak_phase: str
-    """Where the peak happens: "forward", "backward" or "optimizer step"."""
+    """Where the peak happens: "forward", "backward", "optimizer step" (or "reference forward")."""
     host_bytes: int = 0
     """Host memory for offloaded state (sharded params, grads, optimizer state)."""
     communication: dict = field(default_factory=dict)
@@ -94,6 +96,10 @@ class MemoryEstimate:
     each."""
     local_groups: int = 0
     """FSDP groups with parameters sharded over one rank: the local unshards of one forward."""
+    reference_bytes: int = 0
+    """A forward-only model's shards beside this one (`estimate_memory(reference=...)`), in `peak_bytes`."""
+    reference_gathered_bytes: int = 0
+    """Its largest group gathered while its forward runs (between this model's steps)."""
     host_copy_bytes: int = 0
     """Bytes copied between host and device per optimizer step under CPU offload (`host_copies`):
     every unshard from the sharded state copies the group's shard to the device, every gradient
@@ -118,6 +124,7 @@ class MemoryEstimate:
             "buffer_bytes",
             "activation_bytes",
             "communication_buffer_bytes",
+            *(("reference_bytes", "reference_gathered_bytes") if self.reference_bytes else ()),
             "peak_bytes",
             "host_bytes",
         ):
@@ -175,6 +182,7 @@ def estimate_memory(
     accumulation: str | None = None,
     micro_batches: int = 1,
     device_type: str | None = None,
+    reference: nn.Module | None = None,
 ) -> MemoryEstimate:
     """Estimate per-rank memory and communication of training `model` with `config`.
 
@@ -200,6 +208,10 @@ def estimate_memory(
             accelerator, else "cpu"). It decides which attention kernel the activations are
             measured with and the scratch a reduce-scatter holds (gloo's copy of its input, or the
             ring's receive buffer of `FSDP2Config.collectives`); see `sim_device`.
+        reference: A forward-only model trained beside `model` (RL's reference, a teacher), sharded as
+            `f2.shard_reference(reference, config)` does: its shards stay on the device, its
+            forward gathers one group at a time (`estimate.reference`). The pair's peak is in
+            `peak_bytes`; its parts are `reference_bytes` and `reference_gathered_bytes`.
 
     Returns:
         The per-rank estimate: peak bytes and what is alive at the peak, resident and host bytes,
@@ -243,7 +255,7 @@ def estimate_memory(
         states_without_batch(
             sizes, tracker, base, config.backward_prefetch or 1, config.cpu_offload, device_type, config.collectives
         )
-    return _result(
+    estimate = _result(
         root.strategy,
         world_size,
         shard,
@@ -254,6 +266,18 @@ def estimate_memory(
         opt_bytes,
         step_temp,
         tracker,
+    )
+    if reference is None:
+        return estimate
+    ref = reference_sizes(reference, config, lambda s: _shard_and_replicate(s, config, world_size, nodes))
+    # Its forward runs between this model's steps, when only the resident state is alive.
+    during_step, during_reference = estimate.peak_bytes + ref.resident, base + ref.resident + ref.gathered
+    return dataclasses.replace(
+        estimate,
+        peak_bytes=max(during_step, during_reference),
+        peak_phase=estimate.peak_phase if during_step >= during_reference else "reference forward",
+        reference_bytes=ref.resident,
+        reference_gathered_bytes=ref.gathered,
     )
 
 
