@@ -55,3 +55,22 @@ def ds_config(stage: int) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def worst_difference(got: dict, expected: dict) -> tuple[float, str]:
+    """The largest relative difference of parameters and Adam moments (`{"param": {name: tensor},
+    "exp_avg": ..., "exp_avg_sq": ...}`), and where; the frozen parameters (carried over, not
+    trained) must be there unchanged."""
+    diffs = [
+        (rel(got[kind][name], expected[kind][name]), f"{kind} {name}")
+        for kind in ("param", "exp_avg", "exp_avg_sq")
+        for name in expected[kind]
+    ]
+    frozen = {n: p for n, p in make_model().named_parameters() if not p.requires_grad}
+    assert set(got["param"]) == set(expected["param"]) | set(frozen) and len(frozen) == 2
+    assert all(torch.equal(got["param"][n], p) for n, p in frozen.items())  # frozen, carried over as they were
+    return max(diffs)

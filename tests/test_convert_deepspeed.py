@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _deepspeed_models import K_STEPS, LR, M_STEPS, batch_for, lm_loss, make_model, make_optimizer
+from _deepspeed_models import K_STEPS, LR, M_STEPS, batch_for, lm_loss, make_model, make_optimizer, worst_difference
 from _harness import launch, run_distributed
 from torch.distributed.tensor import DTensor
 
@@ -140,22 +140,6 @@ def continued(converted) -> dict:
     return {world: run_distributed(_continue, world, roots)[0] for world in (1, 2, 3)}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-
-
-def _worst(got: dict, expected: dict) -> tuple[float, str]:
-    diffs = [
-        (_rel(got[kind][name], expected[kind][name]), f"{kind} {name}")
-        for kind in ("param", "exp_avg", "exp_avg_sq")
-        for name in expected[kind]
-    ]
-    frozen = {n: p for n, p in make_model().named_parameters() if not p.requires_grad}
-    assert set(got["param"]) == set(expected["param"]) | set(frozen) and len(frozen) == 2
-    assert all(torch.equal(got["param"][n], p) for n, p in frozen.items())  # frozen, carried over as they were
-    return max(diffs)
-
-
 @pytest.mark.parametrize("stage", STAGES)
 def test_converted_state_is_deepspeeds_at_the_save(deepspeed_run, converted, stage):
     result = converted[stage]
@@ -165,7 +149,7 @@ def test_converted_state_is_deepspeeds_at_the_save(deepspeed_run, converted, sta
     optimizer = make_optimizer(model)
     _scheduler(optimizer)  # adds `initial_lr` to the groups, which the load then asks for
     extra = f2.Checkpointer(Path(root).parent).load(model=model, optimizer=optimizer, step=K_STEPS)
-    assert _worst(_snapshot_plain(model, optimizer), reference)[0] == 0.0  # bit for bit
+    assert worst_difference(_snapshot_plain(model, optimizer), reference)[0] == 0.0  # bit for bit
     assert extra["client_state"] == {"epoch": 3, "data_position": 1234}
     assert (extra["global_steps"], extra["global_samples"], extra["lr_scheduler"]["last_epoch"]) == (3, 18, 3)
     assert extra["deepspeed"]["zero_stage"] == stage and extra["deepspeed"]["dp_world_size"] == 2
@@ -188,7 +172,7 @@ def _snapshot_plain(model, optimizer) -> dict:
 def test_training_continues_as_deepspeed_would(deepspeed_run, continued, stage, world):
     reference = torch.load(deepspeed_run / "reference.pt", weights_only=False)[stage]["continued"]
     got = continued[world][stage]["snapshot"]
-    worst, where = _worst(got, reference)
+    worst, where = worst_difference(got, reference)
     assert worst < TOLERANCE, f"ZeRO-{stage} resumed on {world} rank(s): {where} differs by {worst:.2e} (relative)"
     assert got["lr"] == pytest.approx(reference["lr"], rel=1e-12)
 

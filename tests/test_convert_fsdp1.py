@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _deepspeed_models import K_STEPS, M_STEPS, batch_for, lm_loss, make_model, make_optimizer
+from _deepspeed_models import K_STEPS, M_STEPS, batch_for, lm_loss, make_model, make_optimizer, worst_difference
 from _fsdp1_sources import make_scheduler, save_sources
 from _harness import run_distributed
 from torch.distributed.tensor import DTensor
@@ -118,22 +118,6 @@ def continued(fsdp1_run, converted) -> dict:
     return {world: run_distributed(_continue, world, roots, reference)[0] for world in (1, 2)}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-
-
-def _worst(got: dict, expected: dict) -> tuple[float, str]:
-    diffs = [
-        (_rel(got[kind][name], expected[kind][name]), f"{kind} {name}")
-        for kind in ("param", "exp_avg", "exp_avg_sq")
-        for name in expected[kind]
-    ]
-    frozen = {n: p for n, p in make_model().named_parameters() if not p.requires_grad}
-    assert set(got["param"]) == set(expected["param"]) | set(frozen) and len(frozen) == 2
-    assert all(torch.equal(got["param"][n], p) for n, p in frozen.items())  # frozen, carried over as they were
-    return max(diffs)
-
-
 @pytest.mark.parametrize("name", SOURCES)
 def test_converted_state_is_fsdp1s_at_the_save(fsdp1_run, converted, name):
     reference = torch.load(fsdp1_run / "reference.pt", weights_only=False)["at_save"]
@@ -146,7 +130,7 @@ def test_converted_state_is_fsdp1s_at_the_save(fsdp1_run, converted, name):
         "param": {n: p.detach() for p, n in names.items()},
         **{k: {names[p]: s[k] for p, s in optimizer.state.items()} for k in ("exp_avg", "exp_avg_sq")},
     }
-    assert _worst(got, reference)[0] == 0.0  # bit for bit
+    assert worst_difference(got, reference)[0] == 0.0  # bit for bit
     assert model.head.weight is model.tok.weight  # tied names came back as one parameter
     assert optimizer.param_groups[0]["lr"] == pytest.approx(reference["lr"])
     assert all(state["step"].item() == K_STEPS for state in optimizer.state.values())
@@ -166,7 +150,7 @@ def test_converted_state_is_fsdp1s_at_the_save(fsdp1_run, converted, name):
 def test_training_continues_as_fsdp1_would(fsdp1_run, continued, name, world):
     reference = torch.load(fsdp1_run / "reference.pt", weights_only=False)["continued"]
     got = continued[world][name]
-    worst, where = _worst(got, reference)
+    worst, where = worst_difference(got, reference)
     assert worst < TOLERANCE, f"{name} resumed on {world} rank(s): {where} differs by {worst:.2e} (relative)"
     assert got["lr"] == pytest.approx(reference["lr"], rel=1e-12)
 

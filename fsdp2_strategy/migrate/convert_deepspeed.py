@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import EXTRA_FILE, MODEL_KEY, OPTIM_KEY, directory, step_dir_name
+from ..checkpoint import MODEL_KEY, OPTIM_KEY, directory, step_dir_name
 from ..distributed import logger
-from .stream_write import StreamingWriter, lazy, progress_bar
+from .stream_write import lazy, write_converted
 from .zero_files import DeepSpeedObject, client_state, find_files, resolve_step_dir
 from .zero_tensors import ADAM_STATE, Slot, ZeroLayout
 
@@ -133,13 +133,7 @@ def convert_deepspeed_checkpoint(
         final,
         len(loaders),
     )
-    with progress_bar(len(loaders), progress) as bar:
-        directory.save_dir(
-            final,
-            state,
-            files={EXTRA_FILE: extra},
-            make_writer=lambda path: StreamingWriter(path, loaders, bar.update),
-        )
+    write_converted(final, state, extra, loaders, progress)
     return ConvertedCheckpoint(
         final, step, layout.stage, layout.world, len(layout.slots), frozen, not weights_only, sorted(extra)
     )

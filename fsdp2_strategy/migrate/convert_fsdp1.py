@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import EXTRA_FILE, MODEL_KEY, OPTIM_KEY, directory, step_dir_name
+from ..checkpoint import MODEL_KEY, OPTIM_KEY, directory, step_dir_name
 from ..distributed import logger
 from .fsdp1_files import TensorSource, clean_name
 from .fsdp1_formats import FSDP1Save, read_fsdp1_save
-from .stream_write import Loaders, StreamingWriter, lazy, progress_bar
+from .stream_write import Loaders, lazy, write_converted
 
 
 @dataclass
@@ -125,13 +125,7 @@ def convert_fsdp1_checkpoint(
         raise ValueError(f"{final} already exists (committed steps are never rewritten); pass another step= or target")
     extra = _extra(save, source)
     logger.info("Converting %s (%s) into %s: %d tensors", source, save.format, final, len(loaders))
-    with progress_bar(len(loaders), progress) as bar:
-        directory.save_dir(
-            final,
-            state,
-            files={EXTRA_FILE: extra},
-            make_writer=lambda path: StreamingWriter(path, loaders, bar.update),
-        )
+    write_converted(final, state, extra, loaders, progress)
     optimized = len(state[OPTIM_KEY]["state"]) if OPTIM_KEY in state else 0
     return ConvertedFSDP1Checkpoint(
         final, step, save.format, save.source_world_size, len(model_state), optimized, sorted(extra)

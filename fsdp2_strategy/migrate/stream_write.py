@@ -14,6 +14,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 
+from ..checkpoint import EXTRA_FILE, directory
+
 Loaders = dict[str, Callable[[], torch.Tensor]]
 """Flattened DCP key ("model.<name>", "optim.state.<name>.<key>") -> the function making its tensor."""
 
@@ -83,3 +85,15 @@ def progress_bar(total: int, enabled: bool) -> Any:
     from tqdm import tqdm  # optional dependency: only a conversion's progress bar needs it
 
     return tqdm(total=total, desc="Converting", unit="tensor", disable=not enabled)
+
+
+def write_converted(final: Path, state: dict, extra: dict, loaders: Loaders, progress: bool) -> None:
+    """One committed checkpoint step at `final`: `state`'s tensors made by `loaders` one at a time
+    (`StreamingWriter`), `extra` beside them, a progress bar over the tensors."""
+    with progress_bar(len(loaders), progress) as bar:
+        directory.save_dir(
+            final,
+            state,
+            files={EXTRA_FILE: extra},
+            make_writer=lambda path: StreamingWriter(path, loaders, bar.update),
+        )
