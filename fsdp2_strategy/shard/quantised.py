@@ -101,19 +101,14 @@ def find_quantised_params(
     problems, sharded = [], []
     for name, p in found.items():
         kind = f"{name} ({type(p).__name__}, {p.dtype}, {p.device})"
-        if mode == "shard" and is_pending(p):  # a meta model: quantised by load_full_weights
-            problem = _why_not_shardable(model, name, p)
-            if problem:
-                problems.append(f"{kind} {problem}; {_SHARD_FIX}")
-            else:
-                sharded.append(name)
-        elif not _is_quantised_yet(p):
+        pending = mode == "shard" and is_pending(p)  # a meta model: load_full_weights quantises it
+        if not pending and not _is_quantised_yet(p):
             problems.append(
                 f"{kind} is not quantised yet: bitsandbytes quantises when the model is moved to its device; "
                 "call model.to(device) before sharding (or build it on the meta device and fill it with "
                 "f2.load_full_weights, which quantises each rank's shards)"
             )
-        elif p.device.type != device.type:
+        elif not pending and p.device.type != device.type:
             problems.append(f"{kind} is not on the mesh's device {device}: move the quantised model there first")
         elif mode == "shard":
             problem = _why_not_shardable(model, name, p)
