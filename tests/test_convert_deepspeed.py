@@ -235,3 +235,21 @@ def test_refusals_name_the_file_and_the_fix(deepspeed_run, tmp_path):
     with pytest.raises(ValueError, match="step-000003 already exists"):
         f2.convert_deepspeed_checkpoint(sgd, tmp_path / "out", weights_only=True)
     assert main(["convert-deepspeed", str(untagged), str(tmp_path / "cli")]) == 2  # a message, no traceback
+
+
+def test_the_deepspeed_comparison_benchmark_runs(deepspeed_path):
+    """benchmarks/deepspeed_compare.py at a tiny size, so it cannot rot: four engines interleaved,
+    each with a ratio to its ZeRO stage (the measured table is in benchmarks/results)."""
+    root = Path(__file__).resolve().parents[1]
+    proc = launch(
+        "torchrun",
+        "benchmarks/deepspeed_compare.py",
+        *["--part", "time", "--dim", "32", "--layers", "2", "--batch", "4", "--steps", "1", "--rounds", "1"],
+        cwd=root,
+        pythonpath=[deepspeed_path],
+        env={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"},
+        timeout=240,
+    )
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()[:1]}
+    assert {"ZeRO-2", "SHARD_GRAD_OP", "ZeRO-3", "FULL_SHARD"} <= set(rows), proc.stdout
+    assert rows["ZeRO-2"][-2] == rows["ZeRO-3"][-2] == "1.000" and float(rows["FULL_SHARD"][-2]) > 0

@@ -1,0 +1,159 @@
+"""This engine against DeepSpeed ZeRO on the same model, batch and ranks: ZeRO-2 vs SHARD_GRAD_OP and
+ZeRO-3 vs FULL_SHARD, fp32, torch AdamW in both.
+
+    DS_ACCELERATOR=cpu PYTHONPATH=<deepspeed install> torchrun --standalone --nproc_per_node=2 \\
+        benchmarks/deepspeed_compare.py [--part time memory] [--dim 512 --layers 8 --batch 16]
+    python benchmarks/deepspeed_compare.py --memory-runs 3     # memory: launches the worlds itself
+
+`time`: one 2-rank world holds the four engines, each on its own copy of the benchmark model (the
+same initial weights; `_bench.Net`: input layer, `--layers` pre-norm MLP blocks, head) and steps them
+interleaved, round by round in alternating order (the first round untimed); reported: median seconds
+per optimizer step, its spread, and the ratio of each engine to its DeepSpeed counterpart.
+`memory`: each engine alone in a fresh 2-process world (a process's resident high-water mark is all
+it ever held), `--memory-runs` launches each, alternated; reported per engine: the median over
+launches of the largest rank's peak resident memory and its rise over the process after imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _bench  # noqa: E402
+
+import fsdp2_strategy as f2  # noqa: E402
+
+PAIRS = {"SHARD_GRAD_OP": 2, "FULL_SHARD": 3}  # our strategy -> the ZeRO stage it stands for
+LR = 1e-3
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def deepspeed_engine(args: argparse.Namespace, stage: int):
+    import deepspeed
+
+    model = _bench.make_net(args.dim, args.layers)
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+    def step(i: int) -> None:
+        x, y = args.data[i % len(args.data)]
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+
+    return step
+
+
+def our_engine(args: argparse.Namespace, strategy: str):
+    model = f2.shard_model(_bench.make_net(args.dim, args.layers), sharding_strategy=strategy, log_plan=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def step(i: int) -> None:
+        x, y = args.data[i % len(args.data)]
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def engine_for(args: argparse.Namespace, name: str):
+    return deepspeed_engine(args, int(name[-1])) if name.startswith("ZeRO-") else our_engine(args, name)
+
+
+def names() -> list[str]:
+    return [n for ours, stage in PAIRS.items() for n in (f"ZeRO-{stage}", ours)]
+
+
+def time_part(args: argparse.Namespace) -> None:
+    steps = {name: engine_for(args, name) for name in names()}
+    results = _bench.interleave(
+        {name: (lambda s=step: _bench.timed_steps(s, args.steps)) for name, step in steps.items()}, args.rounds
+    )
+    if dist.get_rank() == 0:
+        print(f"model: {args.layers} blocks of {args.dim}, batch {args.batch} per rank, fp32, AdamW, 2 ranks")
+        print(f"{'engine':<16} {'median s/step':>14} {'p25-p75':>15} {'vs ZeRO':>8} {'n':>4}")
+        for ours, stage in PAIRS.items():
+            base = statistics.median(results[f"ZeRO-{stage}"])
+            for name in (f"ZeRO-{stage}", ours):
+                med = statistics.median(results[name])
+                q1, _, q3 = statistics.quantiles(results[name], n=4) if len(results[name]) > 1 else [med] * 3
+                print(f"{name:<16} {med:>14.4f} {q1:>7.3f}-{q3:<7.3f} {med / base:>8.3f} {len(results[name]):>4}")
+
+
+def memory_world(args: argparse.Namespace) -> None:
+    """One engine (`--engine`) alone: this rank's peak resident memory after its steps, as JSON."""
+    start = _rss_mib()
+    step = engine_for(args, args.engine)
+    for i in range(args.steps):
+        step(i)
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, {"start": start, "peak": _rss_mib()})
+    if dist.get_rank() == 0:
+        print("MEMORY " + json.dumps(peaks), flush=True)
+
+
+def memory_part(args: argparse.Namespace) -> None:
+    """Launch each engine's world `--memory-runs` times, alternating, and print the medians."""
+    rows: dict[str, list[dict]] = {name: [] for name in names()}
+    for run in range(args.memory_runs):
+        for name in names() if run % 2 == 0 else names()[::-1]:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
+            cmd += ["--part", "memory-world", "--engine", name, "--dim", str(args.dim), "--layers", str(args.layers)]
+            cmd += ["--batch", str(args.batch), "--steps", str(args.steps)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            peaks = json.loads(next(line for line in out.splitlines() if line.startswith("MEMORY "))[7:])
+            top = max(peaks, key=lambda p: p["peak"])
+            rows[name].append({"peak": top["peak"], "rise": top["peak"] - top["start"]})
+    print(f"{'engine':<16} {'peak RSS MiB':>13} {'rise MiB':>9} {'rise vs ZeRO':>13} {'launches':>9}")
+    for ours, stage in PAIRS.items():
+        base = statistics.median(r["rise"] for r in rows[f"ZeRO-{stage}"])
+        for name in (f"ZeRO-{stage}", ours):
+            peak = statistics.median(r["peak"] for r in rows[name])
+            rise = statistics.median(r["rise"] for r in rows[name])
+            print(f"{name:<16} {peak:>13.0f} {rise:>9.0f} {rise / base:>13.3f} {len(rows[name]):>9}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", default="time", choices=("time", "memory", "memory-world"))
+    parser.add_argument("--engine", choices=names(), help="memory-world: the engine to run")
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16, help="per rank")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per engine and round")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (plus one untimed)")
+    parser.add_argument("--memory-runs", type=int, default=3, help="memory: launches per engine")
+    args = parser.parse_args()
+    if args.part == "memory":
+        memory_part(args)
+        return
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    _bench.pin_to_core(dist.get_rank())
+    args.data = _bench.batches(8, args.batch)
+    time_part(args) if args.part == "time" else memory_world(args)
+    f2.shutdown()
+
+
+if __name__ == "__main__":
+    main()
