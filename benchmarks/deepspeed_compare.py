@@ -5,8 +5,11 @@ ZeRO-3 vs FULL_SHARD, fp32, torch AdamW in both.
         benchmarks/deepspeed_compare.py [--part time memory] [--dim 512 --layers 8 --batch 16]
     python benchmarks/deepspeed_compare.py --memory-runs 3     # memory: launches the worlds itself
 
-`time`: one 2-rank world holds the four engines, each on its own copy of the benchmark model (the
-same initial weights; `_bench.Net`: input layer, `--layers` pre-norm MLP blocks, head) and steps them
+`--model blocks` (default): the benchmark model (`_bench.Net`: input layer, `--layers` pre-norm MLP
+blocks of `--dim`, head; a regression loss); `--model minilm`: all-MiniLM-L6-v2 (the embedded
+pretrained folder, 22.7 M parameters; sequences of 64 tokens, the mean square of the last hidden state).
+`time`: one 2-rank world holds the four engines, each on its own copy of the model (the
+same initial weights) and steps them
 interleaved, round by round in alternating order (the first round untimed); reported: median seconds
 per optimizer step, its spread, and the ratio of each engine to its DeepSpeed counterpart.
 `memory`: each engine alone in a fresh 2-process world (a process's resident high-water mark is all
@@ -41,10 +44,35 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def make_model(args: argparse.Namespace) -> torch.nn.Module:
+    if args.model == "minilm":
+        from transformers import AutoModel
+
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+        from reviews import pretrained_dir  # examples/reviews.py: the embedded all-MiniLM-L6-v2
+
+        torch.manual_seed(0)
+        return AutoModel.from_pretrained(pretrained_dir())
+    return _bench.make_net(args.dim, args.layers)
+
+
+def make_data(args: argparse.Namespace) -> list:
+    if args.model == "minilm":
+        g = torch.Generator().manual_seed(_bench.BATCH_SEED + dist.get_rank())
+        return [(torch.randint(0, 30000, (args.batch, 64), generator=g), None) for _ in range(8)]
+    return _bench.batches(8, args.batch)
+
+
+def loss_of(model, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+    if y is None:  # MiniLM
+        return model(input_ids=x).last_hidden_state.pow(2).mean()
+    return F.mse_loss(model(x), y)
+
+
 def deepspeed_engine(args: argparse.Namespace, stage: int):
     import deepspeed
 
-    model = _bench.make_net(args.dim, args.layers)
+    model = make_model(args)
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": 1,
@@ -56,19 +84,19 @@ def deepspeed_engine(args: argparse.Namespace, stage: int):
 
     def step(i: int) -> None:
         x, y = args.data[i % len(args.data)]
-        engine.backward(F.mse_loss(engine(x), y))
+        engine.backward(loss_of(engine, x, y))
         engine.step()
 
     return step
 
 
 def our_engine(args: argparse.Namespace, strategy: str):
-    model = f2.shard_model(_bench.make_net(args.dim, args.layers), sharding_strategy=strategy, log_plan=False)
+    model = f2.shard_model(make_model(args), sharding_strategy=strategy, log_plan=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(i: int) -> None:
         x, y = args.data[i % len(args.data)]
-        F.mse_loss(model(x), y).backward()
+        loss_of(model, x, y).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -89,7 +117,8 @@ def time_part(args: argparse.Namespace) -> None:
         {name: (lambda s=step: _bench.timed_steps(s, args.steps)) for name, step in steps.items()}, args.rounds
     )
     if dist.get_rank() == 0:
-        print(f"model: {args.layers} blocks of {args.dim}, batch {args.batch} per rank, fp32, AdamW, 2 ranks")
+        what = "all-MiniLM-L6-v2, 64 tokens" if args.model == "minilm" else f"{args.layers} blocks of {args.dim}"
+        print(f"model: {what}, batch {args.batch} per rank, fp32, AdamW, 2 ranks")
         print(f"{'engine':<16} {'median s/step':>14} {'p25-p75':>15} {'vs ZeRO':>8} {'n':>4}")
         for ours, stage in PAIRS.items():
             base = statistics.median(results[f"ZeRO-{stage}"])
@@ -118,7 +147,7 @@ def memory_part(args: argparse.Namespace) -> None:
         for name in names() if run % 2 == 0 else names()[::-1]:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
             cmd += ["--part", "memory-world", "--engine", name, "--dim", str(args.dim), "--layers", str(args.layers)]
-            cmd += ["--batch", str(args.batch), "--steps", str(args.steps)]
+            cmd += ["--batch", str(args.batch), "--steps", str(args.steps), "--model", args.model]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             peaks = json.loads(next(line for line in out.splitlines() if line.startswith("MEMORY "))[7:])
             top = max(peaks, key=lambda p: p["peak"])
@@ -136,6 +165,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", default="time", choices=("time", "memory", "memory-world"))
     parser.add_argument("--engine", choices=names(), help="memory-world: the engine to run")
+    parser.add_argument("--model", default="blocks", choices=("blocks", "minilm"))
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16, help="per rank")
@@ -150,7 +180,7 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")
     _bench.pin_to_core(dist.get_rank())
-    args.data = _bench.batches(8, args.batch)
+    args.data = make_data(args)
     time_part(args) if args.part == "time" else memory_world(args)
     f2.shutdown()
 
