@@ -253,3 +253,35 @@ def test_the_deepspeed_comparison_benchmark_runs(deepspeed_path):
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()[:1]}
     assert {"ZeRO-2", "SHARD_GRAD_OP", "ZeRO-3", "FULL_SHARD"} <= set(rows), proc.stdout
     assert rows["ZeRO-2"][-2] == rows["ZeRO-3"][-2] == "1.000" and float(rows["FULL_SHARD"][-2]) > 0
+
+
+# ---------------------------------------------------------------------- resumed by the trainers
+def test_lightning_fit_resumes_a_converted_checkpoint_as_deepspeed_would(deepspeed_run, converted):
+    """ZeRO-3 converted, then `fit(ckpt_path=<the step>)` on 2 ranks: the LightningModule holds the model
+    as `self.model` (names `model.<name>`), found by the strategy; M more steps continue from global
+    step K on DeepSpeed's path."""
+    from _trainer_resume import LIGHTNING_ENV, lightning_continue
+
+    step_dir = next(Path(converted[3]).glob("step-*"))
+    got = run_distributed(lightning_continue, 2, str(step_dir), K_STEPS, env=LIGHTNING_ENV, timeout=240)[0]
+    reference = torch.load(deepspeed_run / "reference.pt", weights_only=False)[3]["continued"]
+    assert got["steps"] == list(range(K_STEPS, K_STEPS + M_STEPS)) and got["global_step"] == K_STEPS + M_STEPS
+    stripped = {k: {n.removeprefix("model."): t for n, t in got[k].items()} for k in ("param", "exp_avg", "exp_avg_sq")}
+    worst, where = worst_difference(stripped, reference)
+    assert worst < TOLERANCE, f"Lightning resumed ZeRO-3: {where} differs by {worst:.2e} (relative)"
+    assert got["lr"] == pytest.approx(reference["lr"], rel=1e-12)
+
+
+def test_a_converted_step_is_refused_by_name_when_no_or_several_submodules_fit(converted):
+    from fsdp2_strategy.checkpoint import load_into
+
+    step_dir = converted[1].path
+    twins = torch.nn.ModuleDict({"student": make_model(), "teacher": make_model()})
+    with pytest.raises(ValueError, match="fits several submodules of ModuleDict: student, teacher"):
+        load_into(step_dir, twins)
+    with pytest.raises(ValueError, match="fits student, teacher of ModuleDict, but the optimizer also updates"):
+        load_into(step_dir, twins, torch.optim.AdamW(twins.parameters()))
+    load_into(step_dir, twins, make_optimizer(twins["student"]))  # the optimizer says which one
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="matches no submodule of Linear.*missing in the model: blocks"):
+        load_into(step_dir, other, torch.optim.AdamW(other.parameters()))

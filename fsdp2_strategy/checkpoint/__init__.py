@@ -2,7 +2,7 @@
 DCP directory with its commit marker and checksums (`directory`, `integrity`), asynchronous and
 overlapped saves (`async_save`), one directory per step (`Checkpointer`), whether a checkpoint fits
 a model (`matching`), the layouts a failed load names and the optimizer groups it checks
-(`layout`), full weights in and out (`full_weights`,
+(`layout`), resuming a trainer from a converted step (`converted`), full weights in and out (`full_weights`,
 `export`, `weight_stream`), trainable-only checkpoints (`trainable`) and PEFT adapters and merged
 weights out (`peft`, `peft_export`).
 
@@ -14,6 +14,7 @@ their own checkpoint layouts on.
 from . import directory
 from .async_save import AsyncSaver, make_saver
 from .checkpointer import EXTRA_FILE, MODEL_KEY, OPTIM_KEY, Checkpointer, load_step_dir, step_dir_name
+from .converted import is_checkpointer_step, load_into, resume_counters
 from .export import export_full, inspect_checkpoint, read_full_model_state, write_model_view
 from .full_weights import load_full_weights
 from .peft import peft_models, save_peft_adapter
@@ -43,7 +44,9 @@ __all__ = [
     "export_full",
     "export_peft",
     "inspect_checkpoint",
+    "is_checkpointer_step",
     "load_full_weights",
+    "load_into",
     "load_step_dir",
     "make_saver",
     "model_state",
@@ -51,6 +54,7 @@ __all__ = [
     "owning_models",
     "peft_models",
     "read_full_model_state",
+    "resume_counters",
     "full_weights",
     "save_merged",
     "save_peft_adapter",

@@ -29,6 +29,8 @@ from torch.optim import Optimizer
 import fsdp2_strategy as f2
 from fsdp2_strategy.checkpoint import (
     AsyncSaver,
+    is_checkpointer_step,
+    load_into,
     make_saver,
     model_state,
     optimizer_state_dict,
@@ -52,6 +54,7 @@ from .._lightning_shared import (
     register_all,
 )
 from ._compat import FullStateMultiProcessingLauncher, SubprocessScriptLauncher, optimizers_to_device
+from .converted import lightning_state
 from .precision import FSDP2Precision, to_fsdp2_precision
 from .tuning import throughput_inputs
 
@@ -351,6 +354,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         """Load a sharded directory (any world size: DCP reshards) or a full file; return the rest."""
         self.wait_for_checkpoint()
         path = Path(self.broadcast(checkpoint_path))
+        if is_checkpointer_step(path):
+            return self._load_converted(path)
         if not is_sharded_checkpoint(path):
             if path.is_dir():
                 raise not_committed_error(path, "Pick another checkpoint.")
@@ -363,6 +368,19 @@ class FSDP2Strategy(ModelParallelStrategy):
             strict=self.lightning_module.strict_loading,
         )
         return torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+
+    def _load_converted(self, path: Path) -> dict[str, Any]:
+        """A `Checkpointer` step (`f2.convert_deepspeed_checkpoint`, `f2.convert_fsdp1_checkpoint`): model and
+        optimizer into the LightningModule's submodule it was saved from, the counters and scheduler in
+        Lightning's keys."""
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        if len(optimizers) > 1:
+            raise ValueError(
+                f"{path} is a Checkpointer step holding one optimizer's state, and configure_optimizers returned "
+                f"{len(optimizers)}; resume it with one optimizer, or load it with f2.load_step_dir per submodule."
+            )
+        extra = load_into(path, self.model, optimizers[0] if optimizers else None)
+        return lightning_state(self.lightning_module.trainer, extra)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Rank 0 removes a checkpoint file or directory (ModelCheckpoint's `save_top_k`)."""

@@ -1,0 +1,75 @@
+"""Trainers resuming a converted checkpoint (a `Checkpointer` step): Lightning's `fit(ckpt_path=...)`
+continues the shared DeepSpeed test model M steps, each step on the batch its global step names, so
+that a global step not continued from the converted one trains on the wrong data."""
+
+from __future__ import annotations
+
+import torch
+from _deepspeed_models import M_STEPS, batch_for, lm_loss, make_model, make_optimizer
+from torch.distributed.tensor import DTensor
+
+LIGHTNING_ENV = {"GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "converted"}
+"""Lightning takes the world run_distributed started as torchrun's (TorchElasticEnvironment)."""
+
+
+def scheduler_for(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """The schedule the DeepSpeed reference run used."""
+    return torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.3, total_iters=10)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Full parameters and Adam moments by name (collective for sharded ones)."""
+    names = {p: n for n, p in model.named_parameters()}
+    out: dict = {"param": {n: _full(p) for p, n in names.items()}, "exp_avg": {}, "exp_avg_sq": {}}
+    for p, state in optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key][names[p]] = _full(state[key])
+    return out
+
+
+def lightning_continue(ckpt_path: str, start: int) -> dict | None:
+    """`Trainer(strategy=FSDP2Strategy()).fit(module, ckpt_path=<converted>)` for M more steps; rank 0
+    returns the model's parameters and moments, the global steps seen and the learning rate."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from fsdp2_strategy.integrations.lightning import FSDP2Strategy
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = make_model()  # parameter names "model.<the converted names>"
+            self.steps: list[int] = []
+
+        def training_step(self, batch, batch_idx):
+            self.steps.append(self.trainer.global_step)
+            idx, tgt = batch_for(self.trainer.global_step, self.global_rank, self.trainer.world_size)
+            return lm_loss(self.model, idx, tgt)
+
+        def configure_optimizers(self):
+            optimizer = make_optimizer(self.model)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler_for(optimizer), "interval": "step"}}
+
+        def train_dataloader(self):
+            return DataLoader(range(64), batch_size=1)  # the batches come from batch_for
+
+    module = Module()
+    trainer = pl.Trainer(
+        strategy=FSDP2Strategy(),
+        accelerator="cpu",
+        devices=2,
+        max_steps=start + M_STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    optimizer = trainer.optimizers[0]
+    snap = snapshot(module.model, optimizer)
+    snap.update(steps=module.steps, global_step=trainer.global_step, lr=optimizer.param_groups[0]["lr"])
+    return snap if trainer.global_rank == 0 else None
