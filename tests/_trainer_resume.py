@@ -73,3 +73,49 @@ def lightning_continue(ckpt_path: str, start: int) -> dict | None:
     snap = snapshot(module.model, optimizer)
     snap.update(steps=module.steps, global_step=trainer.global_step, lr=optimizer.param_groups[0]["lr"])
     return snap if trainer.global_rank == 0 else None
+
+
+def hf_continue(ckpt_path: str, start: int, out_dir: str) -> dict | None:
+    """`FSDP2Trainer.train(resume_from_checkpoint=<converted>)` for M more steps, the optimizer and the
+    schedule of the DeepSpeed run (one AdamW group, LinearLR, no clipping); rank 0 returns the model's
+    parameters and moments, the global steps seen and the learning rate."""
+    import torch.distributed as dist
+    from transformers import TrainingArguments
+
+    from fsdp2_strategy.integrations.transformers import FSDP2Trainer
+
+    class Stepped(FSDP2Trainer):
+        steps: list[int] = []
+
+        def create_optimizer(self, model=None):
+            self.optimizer = make_optimizer(self.model)
+            return self.optimizer
+
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            self.lr_scheduler = scheduler_for(optimizer or self.optimizer)
+            return self.lr_scheduler
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            self.steps.append(self.state.global_step)
+            idx, tgt = batch_for(self.state.global_step, dist.get_rank(), dist.get_world_size())
+            return lm_loss(model, idx, tgt)
+
+    args = TrainingArguments(
+        output_dir=out_dir,
+        max_steps=start + M_STEPS,
+        per_device_train_batch_size=1,
+        max_grad_norm=0.0,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        ignore_data_skip=True,  # the batches come from batch_for, not the data set
+        remove_unused_columns=False,
+    )
+    trainer = Stepped(model=make_model(), args=args, train_dataset=[{"x": i} for i in range(64)],
+                      data_collator=lambda rows: {"x": torch.tensor([r["x"] for r in rows])})  # fmt: skip
+    trainer.train(resume_from_checkpoint=ckpt_path)
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    snap = snapshot(trainer.model, optimizer)
+    snap.update(steps=Stepped.steps, global_step=trainer.state.global_step, lr=optimizer.param_groups[0]["lr"])
+    return snap if dist.get_rank() == 0 else None

@@ -272,6 +272,20 @@ def test_lightning_fit_resumes_a_converted_checkpoint_as_deepspeed_would(deepspe
     assert got["lr"] == pytest.approx(reference["lr"], rel=1e-12)
 
 
+def test_the_hf_trainer_resumes_a_converted_step_where_deepspeed_would_continue(deepspeed_run, converted, tmp_path):
+    """ZeRO-3 converted, then `FSDP2Trainer.train(resume_from_checkpoint=<the step>)` on 2 ranks (no
+    trainer_state.json there): the global step continues from K, M more steps on DeepSpeed's path."""
+    from _trainer_resume import hf_continue
+
+    step_dir = next(Path(converted[3]).glob("step-*"))
+    got = run_distributed(hf_continue, 2, str(step_dir), K_STEPS, str(tmp_path), timeout=240)[0]
+    reference = torch.load(deepspeed_run / "reference.pt", weights_only=False)[3]["continued"]
+    assert got["steps"] == list(range(K_STEPS, K_STEPS + M_STEPS)) and got["global_step"] == K_STEPS + M_STEPS
+    worst, where = worst_difference({k: got[k] for k in ("param", "exp_avg", "exp_avg_sq")}, reference)
+    assert worst < TOLERANCE, f"the HF Trainer resumed ZeRO-3: {where} differs by {worst:.2e} (relative)"
+    assert got["lr"] == pytest.approx(reference["lr"], rel=1e-12)
+
+
 def test_a_converted_step_is_refused_by_name_when_no_or_several_submodules_fit(converted):
     from fsdp2_strategy.checkpoint import load_into
 

@@ -14,7 +14,7 @@ their own checkpoint layouts on.
 from . import directory
 from .async_save import AsyncSaver, make_saver
 from .checkpointer import EXTRA_FILE, MODEL_KEY, OPTIM_KEY, Checkpointer, load_step_dir, step_dir_name
-from .converted import is_checkpointer_step, load_into, resume_counters
+from .converted import is_checkpointer_step, load_into, resume_counters, step_extra
 from .export import export_full, inspect_checkpoint, read_full_model_state, write_model_view
 from .full_weights import load_full_weights
 from .peft import peft_models, save_peft_adapter
@@ -55,6 +55,7 @@ __all__ = [
     "peft_models",
     "read_full_model_state",
     "resume_counters",
+    "step_extra",
     "full_weights",
     "save_merged",
     "save_peft_adapter",

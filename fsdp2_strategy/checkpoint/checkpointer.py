@@ -290,7 +290,7 @@ def load_step_dir(
     models, optimizers = _named(model, optimizer)
     cdir.load_dir(path, models, optimizers, hint=hint)
     log_rank_zero("Loaded checkpoint %s", path)
-    return _read_extra(path)
+    return read_extra(path)
 
 
 def _named(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> tuple[Models, Optimizers]:
@@ -303,7 +303,7 @@ def _named(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> 
     return {MODEL_KEY: model}, ({OPTIM_KEY: (model, optimizer)} if optimizer is not None else {})
 
 
-def _read_extra(path: Path) -> Any:
+def read_extra(path: Path) -> Any:
     file = path / EXTRA_FILE
     if not file.is_file():
         return None

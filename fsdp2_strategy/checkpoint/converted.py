@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import directory as cdir
-from .checkpointer import EXTRA_FILE, MODEL_KEY, OPTIM_KEY, load_step_dir
+from .checkpointer import EXTRA_FILE, MODEL_KEY, OPTIM_KEY, load_step_dir, read_extra
 from .matching import saved_keys
 
 _MARKERS = ("meta.pt", "trainer_state.json")
@@ -47,6 +47,11 @@ def resume_counters(extra: Any) -> tuple[int, int]:
     places: list[dict] = [extra, client] if isinstance(client, dict) else [extra]
     epoch = next((d["epoch"] for d in places if isinstance(d.get("epoch"), int)), 0)
     return int(step), int(epoch)
+
+
+def step_extra(path: str | os.PathLike) -> Any:
+    """A `Checkpointer` step's `extra` (None without one), read alone: the counters before any load."""
+    return read_extra(Path(path))
 
 
 def load_into(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:

@@ -12,7 +12,7 @@ import transformers
 from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin
 
 import fsdp2_strategy as f2
-from fsdp2_strategy.checkpoint import peft_models
+from fsdp2_strategy.checkpoint import is_checkpointer_step, load_into, peft_models, resume_counters, step_extra
 from fsdp2_strategy.distributed import log_rank_zero
 
 from ..accelerate import FSDP2Accelerator, FSDP2Plugin
@@ -206,14 +206,45 @@ class FSDP2TrainerMixin:
 
     # ------------------------------------------------------------------ checkpoints
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        """The Trainer's `train`; `resume_from_checkpoint=True` resumes from the newest *committed* checkpoint."""
+        """The Trainer's `train`; `resume_from_checkpoint=True` resumes from the newest *committed*
+        checkpoint; a path may also be a step converted from DeepSpeed or FSDP1 (`fsdp2-strategy
+        convert-deepspeed` / `convert-fsdp1`), which has no `trainer_state.json`: the global step comes
+        from what the converter stored, model and optimizer state are loaded after preparation."""
+        self._f2_converted = None
         if resume_from_checkpoint is True:
             resume_from_checkpoint = checkpoint.latest_checkpoint(self.args.output_dir)
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)) and is_checkpointer_step(resume_from_checkpoint):
+            self._f2_converted, resume_from_checkpoint = str(resume_from_checkpoint), None
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             resume_from_checkpoint = checkpoint.check_resumable(resume_from_checkpoint)
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         self.accelerator.wait_for_checkpoint()  # the last asynchronous save is committed with the run
         return output
+
+    def _init_training_state(self, max_steps: int, steps_per_epoch: int, *args: Any, **kwargs: Any) -> Any:
+        epochs, steps_in_epoch = super()._init_training_state(max_steps, steps_per_epoch, *args, **kwargs)  # type: ignore[misc]
+        if getattr(self, "_f2_converted", None) is None:
+            return epochs, steps_in_epoch
+        # A converted step: the stock loop skips the same data as after its own checkpoint at that step.
+        step, _ = resume_counters(step_extra(self._f2_converted))
+        self.state.global_step = step
+        skipped = 0 if self.args.ignore_data_skip else (step % steps_per_epoch) * self.args.gradient_accumulation_steps
+        return step // steps_per_epoch, skipped
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+        prepared = super()._prepare_for_training(*args, **kwargs)  # type: ignore[misc]
+        if getattr(self, "_f2_converted", None) is not None:
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper
+            extra = load_into(self._f2_converted, self.model, optimizer)
+            scheduler = extra.get("lr_scheduler") if isinstance(extra, dict) else None
+            if isinstance(scheduler, dict) and self.lr_scheduler is not None:
+                self.lr_scheduler.load_state_dict(scheduler)
+            log_rank_zero(
+                "FSDP2Trainer: resumed the converted step %s at global step %d",
+                self._f2_converted,
+                self.state.global_step,
+            )
+        return prepared
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         checkpoint.save_checkpoint(self, trial)
