@@ -1,11 +1,13 @@
-"""What the DeepSpeed checkpoint tests share between DeepSpeed's ranks and ours: the model, the data,
-the optimizer and DeepSpeed's config (ZeRO stage aside)."""
+"""What the converter tests (DeepSpeed, FSDP1) share between the source engine's ranks and ours: the
+model, the data, the optimizer and its schedule, DeepSpeed's config (ZeRO stage aside), and the
+snapshots and differences the parity checks compare."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from _models import TinyGPT, make_batch
+from torch.distributed.tensor import DTensor
 
 K_STEPS, M_STEPS = 3, 3
 """DeepSpeed trains K steps, saves, and both engines continue M steps."""
@@ -74,3 +76,22 @@ def worst_difference(got: dict, expected: dict) -> tuple[float, str]:
     assert set(got["param"]) == set(expected["param"]) | set(frozen) and len(frozen) == 2
     assert all(torch.equal(got["param"][n], p) for n, p in frozen.items())  # frozen, carried over as they were
     return max(diffs)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """The schedule every source run and every continuation uses."""
+    return torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.3, total_iters=10)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Full parameters and Adam moments by name (collective for sharded ones)."""
+    names = {p: n for n, p in model.named_parameters()}
+    out: dict = {"param": {n: _full(p) for p, n in names.items()}, "exp_avg": {}, "exp_avg_sq": {}}
+    for p, state in optimizer.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[key][names[p]] = _full(state[key])
+    return out

@@ -28,17 +28,13 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _deepspeed_models import K_STEPS, M_STEPS, batch_for, lm_loss, make_model, make_optimizer
+from _deepspeed_models import K_STEPS, M_STEPS, batch_for, lm_loss, make_model, make_optimizer, make_scheduler
 from _models import Block
 from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, OptimStateKeyType, StateDictType
 from torch.distributed.fsdp.api import FullOptimStateDictConfig
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 FSDP = FullyShardedDataParallel
-
-
-def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-    return torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.3, total_iters=10)
 
 
 def _train(model, optimizer, scheduler, steps: range) -> None:

@@ -5,30 +5,10 @@ that a global step not continued from the converted one trains on the wrong data
 from __future__ import annotations
 
 import torch
-from _deepspeed_models import M_STEPS, batch_for, lm_loss, make_model, make_optimizer
-from torch.distributed.tensor import DTensor
+from _deepspeed_models import M_STEPS, batch_for, lm_loss, make_model, make_optimizer, make_scheduler, snapshot
 
 LIGHTNING_ENV = {"GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "converted"}
 """Lightning takes the world run_distributed started as torchrun's (TorchElasticEnvironment)."""
-
-
-def scheduler_for(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-    """The schedule the DeepSpeed reference run used."""
-    return torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.3, total_iters=10)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
-def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Full parameters and Adam moments by name (collective for sharded ones)."""
-    names = {p: n for n, p in model.named_parameters()}
-    out: dict = {"param": {n: _full(p) for p, n in names.items()}, "exp_avg": {}, "exp_avg_sq": {}}
-    for p, state in optimizer.state.items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[key][names[p]] = _full(state[key])
-    return out
 
 
 def lightning_continue(ckpt_path: str, start: int) -> dict | None:
@@ -52,7 +32,10 @@ def lightning_continue(ckpt_path: str, start: int) -> dict | None:
 
         def configure_optimizers(self):
             optimizer = make_optimizer(self.model)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler_for(optimizer), "interval": "step"}}
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": make_scheduler(optimizer), "interval": "step"},
+            }
 
         def train_dataloader(self):
             return DataLoader(range(64), batch_size=1)  # the batches come from batch_for
@@ -92,7 +75,7 @@ def hf_continue(ckpt_path: str, start: int, out_dir: str) -> dict | None:
             return self.optimizer
 
         def create_scheduler(self, num_training_steps, optimizer=None):
-            self.lr_scheduler = scheduler_for(optimizer or self.optimizer)
+            self.lr_scheduler = make_scheduler(optimizer or self.optimizer)
             return self.lr_scheduler
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

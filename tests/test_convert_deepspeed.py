@@ -21,9 +21,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from _deepspeed_models import K_STEPS, LR, M_STEPS, batch_for, lm_loss, make_model, make_optimizer, worst_difference
+from _deepspeed_models import (
+    K_STEPS,
+    LR,
+    M_STEPS,
+    batch_for,
+    lm_loss,
+    make_model,
+    make_optimizer,
+    make_scheduler,
+    snapshot,
+    worst_difference,
+)
 from _harness import launch, run_distributed
-from torch.distributed.tensor import DTensor
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.cli import main
@@ -93,22 +103,8 @@ def converted(deepspeed_run, tmp_path_factory) -> dict:
     return results
 
 
-def _scheduler(optimizer):
-    return torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.3, total_iters=10)
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
 def _snapshot(model, optimizer, scheduler) -> dict:
-    names = {p: n for n, p in model.named_parameters()}
-    out: dict = {"param": {n: _full(p) for p, n in names.items()}, "exp_avg": {}, "exp_avg_sq": {}}
-    for p, state in optimizer.state.items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[key][names[p]] = _full(state[key])
-    out["lr"] = scheduler.get_last_lr()[0]
-    return out
+    return {**snapshot(model, optimizer), "lr": scheduler.get_last_lr()[0]}
 
 
 def _continue(roots: dict) -> dict:
@@ -119,7 +115,7 @@ def _continue(roots: dict) -> dict:
     for stage, root in roots.items():
         model = f2.shard_model(make_model(), log_plan=False)
         optimizer = make_optimizer(model)
-        scheduler = _scheduler(optimizer)
+        scheduler = make_scheduler(optimizer)
         extra = f2.Checkpointer(root).load(model=model, optimizer=optimizer)
         scheduler.load_state_dict(extra["lr_scheduler"])
         start = extra["global_steps"]
@@ -147,7 +143,7 @@ def test_converted_state_is_deepspeeds_at_the_save(deepspeed_run, converted, sta
     reference = torch.load(deepspeed_run / "reference.pt", weights_only=False)[stage]["at_save"]
     model = make_model()
     optimizer = make_optimizer(model)
-    _scheduler(optimizer)  # adds `initial_lr` to the groups, which the load then asks for
+    make_scheduler(optimizer)  # adds `initial_lr` to the groups, which the load then asks for
     extra = f2.Checkpointer(Path(root).parent).load(model=model, optimizer=optimizer, step=K_STEPS)
     assert worst_difference(_snapshot_plain(model, optimizer), reference)[0] == 0.0  # bit for bit
     assert extra["client_state"] == {"epoch": 3, "data_position": 1234}

@@ -23,10 +23,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from _deepspeed_models import K_STEPS, M_STEPS, batch_for, lm_loss, make_model, make_optimizer, worst_difference
-from _fsdp1_sources import make_scheduler, save_sources
+from _deepspeed_models import (
+    K_STEPS,
+    M_STEPS,
+    batch_for,
+    lm_loss,
+    make_model,
+    make_optimizer,
+    make_scheduler,
+    snapshot,
+    worst_difference,
+)
+from _fsdp1_sources import save_sources
 from _harness import run_distributed
-from torch.distributed.tensor import DTensor
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.cli import main
@@ -75,18 +84,8 @@ def _scheduler_state(extra: dict, reference: dict) -> dict:
     return extra.get("source_state", {}).get("scheduler") or reference["at_save"]["scheduler"]
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
 def _snapshot(model, optimizer, scheduler) -> dict:
-    names = {p: n for n, p in model.named_parameters()}
-    out: dict = {"param": {n: _full(p) for p, n in names.items()}, "exp_avg": {}, "exp_avg_sq": {}}
-    for p, state in optimizer.state.items():
-        for key in ("exp_avg", "exp_avg_sq"):
-            out[key][names[p]] = _full(state[key])
-    out["lr"] = scheduler.get_last_lr()[0]
-    return out
+    return {**snapshot(model, optimizer), "lr": scheduler.get_last_lr()[0]}
 
 
 def _continue(roots: dict, reference: dict) -> dict:

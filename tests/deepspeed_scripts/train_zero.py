@@ -15,7 +15,17 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
-from _deepspeed_models import K_STEPS, M_STEPS, WORLD, batch_for, ds_config, lm_loss, make_model, make_optimizer
+from _deepspeed_models import (
+    K_STEPS,
+    M_STEPS,
+    WORLD,
+    batch_for,
+    ds_config,
+    lm_loss,
+    make_model,
+    make_optimizer,
+    make_scheduler,
+)
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
 
@@ -44,7 +54,7 @@ def train(engine, steps: range) -> None:
 def run_stage(stage: int, out: Path) -> dict:
     model = make_model()
     optimizer = make_optimizer(model)
-    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=0.3, total_iters=10)
+    scheduler = make_scheduler(optimizer)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(stage))
     train(engine, range(K_STEPS))
     engine.save_checkpoint(str(out / f"zero{stage}"), client_state={"epoch": 3, "data_position": 1234})
