@@ -16,6 +16,15 @@ from . import from_deepspeed as from_deepspeed_command
 from . import plan as plan_command
 from . import tune as tune_command
 
+_COMMAND_MODULES = {
+    "plan": plan_command,
+    "tune": tune_command,
+    "from-deepspeed": from_deepspeed_command,
+    "convert-deepspeed": convert_deepspeed_command,
+    "convert-fsdp1": convert_fsdp1_command,
+}
+"""Subcommands defined in a module of their own (`add_parser(sub)` and `run(args)`), by name."""
+
 
 def _size(text: str) -> int:
     units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
@@ -74,11 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     insp.add_argument("checkpoint", help="a DCP directory or a Checkpointer root (every committed step)")
     insp.add_argument("--step", type=int, default=None, help="only this step of a Checkpointer root")
-    plan_command.add_parser(sub)
-    tune_command.add_parser(sub)
-    from_deepspeed_command.add_parser(sub)
-    convert_deepspeed_command.add_parser(sub)
-    convert_fsdp1_command.add_parser(sub)
+    for module in _COMMAND_MODULES.values():
+        module.add_parser(sub)
     return parser
 
 
@@ -86,16 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        if args.command == "plan":
-            return plan_command.run(args)
-        if args.command == "tune":
-            return tune_command.run(args)
-        if args.command == "from-deepspeed":
-            return from_deepspeed_command.run(args)
-        if args.command == "convert-deepspeed":
-            return convert_deepspeed_command.run(args)
-        if args.command == "convert-fsdp1":
-            return convert_fsdp1_command.run(args)
+        if args.command in _COMMAND_MODULES:
+            return _COMMAND_MODULES[args.command].run(args)
         if args.command == "consolidate":
             out = export_full(
                 args.checkpoint,
