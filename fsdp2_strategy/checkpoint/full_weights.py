@@ -327,7 +327,7 @@ def load_full_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool
         if key is None:
             continue
         if id(tensor) in pending:  # a 4-bit weight: quantised whole, this rank keeps its bytes
-            full = state[key] if is_torch_file else files[key].read_slice(key, _whole(files[key].entries[key][1]))
+            full = state[key] if is_torch_file else _read_whole(files[key], key)
             copy_from_full(tensor, quantise_pending(pending[id(tensor)], full))
         elif is_torch_file:
             copy_from_full(tensor, state[key])
@@ -337,8 +337,12 @@ def load_full_weights(model: nn.Module, path: str | os.PathLike, *, strict: bool
     return model
 
 
-def _whole(shape: tuple) -> tuple[slice, ...]:
-    return tuple(slice(0, n) for n in shape)
+def _read_whole(source: _SafetensorsFile, key: str) -> torch.Tensor:
+    """The whole tensor `key`, read straight into one tensor (one byte range, as a shard's rows)."""
+    dtype, shape, _ = source.entries[key]
+    whole = torch.empty(shape, dtype=dtype)
+    source.read_rows(key, 0, whole)
+    return whole
 
 
 def _copy_from_safetensors(tensor: torch.Tensor, source: _SafetensorsFile, key: str) -> None:
