@@ -172,7 +172,7 @@ class FSDP2Config:
     - "replicate": quantised weights are left out of FSDP and kept whole on every rank (each rank
       holds the whole base; no all-gather of it in forward).
 
-    Either way they stay frozen and are not in trainable-only checkpoints."""
+    Either way they stay frozen and are not in checkpoints (the base comes from its pretrained weights)."""
 
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state on CPU. Pinned memory is used only
