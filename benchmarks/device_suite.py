@@ -15,7 +15,9 @@ Parts (`--parts`, in the order given; the default is the order below):
 - `checkpoint`: `checkpoint_save.py` on a 169 M Llama (2 GB of weights and AdamW state): the stall
   of sync, async and overlap saves and the overhead of a save every 10 steps;
 - `planner`: `gpu_memory.py planner`: the estimate against the allocator's peak, six settings;
-- `largest`: `gpu_memory.py largest`: the largest model per setting, predicted, then run.
+- `largest`: `gpu_memory.py largest`: the largest model per setting, predicted, then run;
+- `qlora`: `qlora_step.py` on a 3 B Llama shape in NF4 + LoRA (bitsandbytes' kernels): step time
+  and peak memory unsharded against `f2.shard_model`, the planner against the allocator's peak.
 
 Each part runs in its own processes with a time limit; a part that fails or times out is recorded
 with its error and the suite goes on. `--budget` seconds bound the whole run: a part that would
@@ -45,8 +47,9 @@ ROOT = BENCH.parent
 sys.path[:0] = [str(BENCH), str(ROOT)]
 
 import gpu_throughput  # noqa: E402
+import qlora_step  # noqa: E402
 
-PARTS = ("tests", "throughput", "compile", "checkpoint", "planner", "largest")
+PARTS = ("tests", "throughput", "compile", "checkpoint", "planner", "largest", "qlora")
 VERSIONED = ("torch", "transformers", "accelerate", "lightning", "peft", "torchao")
 
 
@@ -185,6 +188,13 @@ def part_largest(ctx: dict) -> object:
     return _memory(ctx, "largest")
 
 
+def part_qlora(ctx: dict) -> dict:
+    if not _has("bitsandbytes"):
+        return {"not_run": "bitsandbytes is not installed (carry its wheel)"}
+    size, steps, warmup = ("tiny", 2, 1) if ctx["dry_run"] else ("3b", 6, 2)
+    return qlora_step.run(size, steps, warmup, timeout=ctx["limit"] / 2.2)
+
+
 RUNNERS = {
     "tests": part_tests,
     "throughput": part_throughput,
@@ -192,10 +202,19 @@ RUNNERS = {
     "checkpoint": part_checkpoint,
     "planner": part_planner,
     "largest": part_largest,
+    "qlora": part_qlora,
 }
-LIMITS = {"tests": 240, "throughput": 240, "compile": 150, "checkpoint": 150, "planner": 150, "largest": 240}
+LIMITS = {
+    "tests": 240,
+    "throughput": 240,
+    "compile": 150,
+    "checkpoint": 150,
+    "planner": 150,
+    "largest": 240,
+    "qlora": 200,
+}
 """Seconds each part may take on the device (a dry run takes a fraction)."""
-MIN_START = {"tests": 60, "throughput": 60, "compile": 60, "checkpoint": 30, "planner": 30, "largest": 60}
+MIN_START = {"tests": 60, "throughput": 60, "compile": 60, "checkpoint": 30, "planner": 30, "largest": 60, "qlora": 60}
 """A part starts only with this many seconds of the budget left."""
 
 
@@ -241,6 +260,8 @@ def _part_text(name: str, result) -> str:
             )
             rows.append(f"{setting:<20} predicted largest {r['predicted_largest']}; runs: {runs}")
         return "\n".join(rows)
+    if name == "qlora":
+        return result.get("not_run") or f"model {result['size']} {result['shape']}\n" + qlora_step.table(result)
     return json.dumps(result, indent=1)[:4000]
 
 

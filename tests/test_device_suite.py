@@ -22,7 +22,7 @@ def dry_run(tmp_path_factory) -> tuple[dict, Path]:
 
 def test_every_part_ran_and_left_its_files(dry_run):
     results, out = dry_run
-    assert list(results["parts"]) == ["tests", "throughput", "compile", "checkpoint", "planner", "largest"]
+    assert list(results["parts"]) == ["tests", "throughput", "compile", "checkpoint", "planner", "largest", "qlora"]
     failed = {name: part.get("error") or part.get("not_run") for name, part in results["parts"].items()}
     assert all("result" in part for part in results["parts"].values()), failed
     env = results["environment"]
@@ -108,3 +108,16 @@ def test_largest_model_predicted_then_run(dry_run):
         if predicted != sizes[-1]:
             assert row["estimates"][sizes[sizes.index(predicted) + 1]] > budget
         assert row["runs"] and row["runs"][0]["size"] == predicted and row["runs"][0]["fits"], row["runs"]
+
+
+def test_qlora_unsharded_and_sharded_train_the_same_4bit_model(dry_run):
+    result = dry_run[0]["parts"]["qlora"]["result"]
+    runs = result["runs"]
+    assert all("error" not in r for r in runs.values()), runs
+    unsharded, sharded = runs["unsharded"], runs["sharded"]
+    # A world of one holds the whole packed base: the same bytes as bitsandbytes' own layers.
+    assert sharded["quantised_bytes"] == unsharded["quantised_bytes"] > 0
+    assert sharded["trainable"] == unsharded["trainable"] > 0
+    # One seed, one batch: the first loss agrees (bf16 compute on both paths).
+    assert sharded["losses"][0] == pytest.approx(unsharded["losses"][0], rel=1e-2)
+    assert result["estimate"]["peak_bytes"] > 0 and result["step_ratio"] > 0
