@@ -134,6 +134,10 @@ _ATTRIBUTES = (
 
 
 _BEFORE_2_13 = minor(torch.__version__) < (2, 13)
+FSDP_SHARDS_INTEGER_PARAMS = not _BEFORE_2_13
+"""Whether `fully_shard` can shard a non-floating parameter: torch 2.11-2.12 wrap every sharded
+parameter as `nn.Parameter(dtensor)` (requires_grad=True, refused for integer dtypes) before
+copying the original's `requires_grad`; torch 2.13 passes it to the constructor."""
 _ATTRIBUTES_BEFORE_2_13 = (
     # `reset_iter_state` below: torch 2.13 made this recovery public (`FSDPModule.reset_iter_state`).
     *(

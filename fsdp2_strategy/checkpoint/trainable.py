@@ -59,16 +59,22 @@ def frozen_names(model: nn.Module) -> list[str]:
 def frozen_fingerprint(model: nn.Module) -> dict[str, list]:
     """Collective: `{name: [shape, sum, sum of squares]}` of every frozen parameter (see module doc)."""
     names = frozen_names(model)
-    # A 4-bit weight as its packed bytes, kept whole or sharded (`FSDP2Config.quantised_weights`).
+    packed = quantised_param_names(model)
+    # A 4-bit weight as its packed bytes, kept whole or sharded (`FSDP2Config.quantised_weights`),
+    # whatever words store them (bf16 words on torch 2.11-2.12, or `bnb_4bit_quant_storage`).
     params = {n: as_packed_bytes(p) for n, p in model.named_parameters(remove_duplicate=False)}
+    shapes = {n: list(params[n].shape) for n in names}
     stats = torch.zeros(len(names), 2, dtype=torch.float64)
     for i, name in enumerate(names):
         local, copies = _local_values(params[name])
+        if name in packed:
+            local = local.detach().reshape(-1).view(torch.uint8)
+            shapes[name] = [params[name].numel() * params[name].element_size(), 1]
         x = local.detach().to(torch.bfloat16).to(device="cpu", dtype=torch.float64)
         stats[i, 0], stats[i, 1] = x.sum() / copies, (x * x).sum() / copies
     if is_distributed():
         dist.all_reduce(stats)
-    return {n: [list(params[n].shape), *stats[i].tolist()] for i, n in enumerate(names)}
+    return {n: [shapes[n], *stats[i].tolist()] for i, n in enumerate(names)}
 
 
 def _local_values(param: torch.Tensor) -> tuple[torch.Tensor, int]:

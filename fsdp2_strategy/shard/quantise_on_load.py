@@ -123,7 +123,8 @@ def pending_4bit(layer: nn.Module) -> FourBitFormat | None:
 @torch.no_grad()
 def quantise_pending(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """Quantise the full-precision `weight` of a pending 4-bit `layer` as bitsandbytes does; the layer
-    keeps the quantisation state (whole). Returns the packed bytes as the uint8 column FSDP shards.
+    keeps the quantisation state (whole). Returns the packed bytes as the column FSDP shards (in
+    the dtype `shard_model` stores them in: the layer's `quant_storage`).
 
     Raises:
         ValueError: `layer` holds no pending 4-bit weight, or `weight` has another shape.
@@ -146,4 +147,4 @@ def quantise_pending(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     )
     setattr(layer, "quant_state", state)  # noqa: B010  # what bitsandbytes' forward rebuilds from
     engine_state(layer).pending_4bit = None
-    return packed.reshape(-1, 1)
+    return packed.reshape(-1).view(getattr(layer, "quant_storage", torch.uint8)).reshape(-1, 1)

@@ -6,7 +6,9 @@ uint8, or bf16/fp32 words holding the same bytes) plus a quantisation state (abs
 nested absmax, code map, original shape). Under "shard" (the default) `shard_model` sees the
 packed data as what it is, bytes: each weight becomes a frozen uint8 column `(nbytes, 1)` that
 FSDP shards like any frozen parameter (1/N of the bytes per rank, never cast by mixed precision
-or `frozen_dtype`, all-gathered as bytes). The quantisation state stays on the layer, whole on
+or `frozen_dtype`, all-gathered as bytes). On torch 2.11-2.12, whose `fully_shard` cannot shard
+an integer parameter, the same bytes are stored as words of the owning group's compute dtype
+(`packed_storage`): mixed precision leaves a parameter already in its dtype as it is. The quantisation state stays on the layer, whole on
 every rank: it is small (4 bytes of absmax per 64 weights, or ~1 byte with nested
 quantisation, against 32 bytes of packed data), and bitsandbytes' `Linear4bit`/`Embedding4bit`
 already rebuild their `Params4bit` from the layer's `quant_state` when they find a plain
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _torch_compat as tc
 from ..train import engine_state, recorded_state
 from .quantise_on_load import is_pending, pending_format
 
@@ -142,19 +145,48 @@ def _why_not_shardable(model: nn.Module, name: str, param: nn.Parameter) -> str 
     return None
 
 
-def pack_for_sharding(model: nn.Module, names: tuple[str, ...]) -> None:
-    """Turn each named `Params4bit` into a frozen uint8 column of its packed bytes, ready for FSDP.
+def packed_storage(compute: torch.dtype | None) -> torch.dtype:
+    """The dtype `shard_model` stores a 4-bit weight's packed bytes in, for a group computing in `compute`.
 
-    The layer keeps the quantisation state (`quant_state`) and learns that its weight is now
-    stored as uint8, so bitsandbytes rebuilds the `Params4bit` in forward from the gathered bytes;
-    the engine marks the layer (`engine_state(layer).packed_4bit`).
+    uint8 where `fully_shard` shards integer parameters (torch >= 2.13). Before, the bytes are
+    stored as words of the group's compute dtype (bf16 without mixed precision), the storage of
+    the FSDP-QLoRA recipe (`bnb_4bit_quant_storage`): FSDP's mixed precision casts a parameter
+    only when its dtype differs from the compute dtype, so the words travel unchanged.
     """
-    for name in names:
+    if tc.FSDP_SHARDS_INTEGER_PARAMS:
+        return torch.uint8
+    return compute if compute is not None and compute.is_floating_point else torch.bfloat16
+
+
+def pack_for_sharding(model: nn.Module, storage: dict[str, torch.dtype]) -> None:
+    """Turn each named `Params4bit` into a frozen column of its packed bytes, ready for FSDP.
+
+    The layer keeps the quantisation state (`quant_state`) and learns the dtype its weight is now
+    stored in, so bitsandbytes rebuilds the `Params4bit` in forward from the gathered bytes; the
+    engine marks the layer (`engine_state(layer).packed_4bit`).
+
+    Args:
+        model: The model about to be sharded.
+        storage: The 4-bit weights to shard, by qualified name, with the dtype to store their
+            bytes in (`packed_storage`).
+
+    Raises:
+        ValueError: A weight's packed bytes do not fill whole words of its storage dtype.
+    """
+    for name, dtype in storage.items():
         layer, attr = _owner(model, name)
         param: Any = layer.get_parameter(attr)  # a Params4bit
+        nbytes = (param.numel() + 1) // 2 if is_pending(param) else param.nbytes
+        words, rest = divmod(nbytes, dtype.itemsize)
+        if rest:
+            raise ValueError(
+                f"{name}: its {nbytes} packed bytes do not fill whole {dtype} words, the storage torch "
+                f"{torch.__version__}'s fully_shard needs (it cannot shard uint8 before 2.13); "
+                f"use torch >= 2.13, or {_SHARD_FIX}"
+            )
         # bitsandbytes' forward rebuilds its Params4bit from these two (fix_4bit_weight_quant_state_from_module).
         setattr(layer, "quant_state", param.quant_state)  # noqa: B010  # None while pending
-        setattr(layer, "quant_storage", torch.uint8)  # noqa: B010  # what the gathered bytes are
+        setattr(layer, "quant_storage", dtype)  # noqa: B010  # what the gathered bytes are
         if hasattr(layer, "support_avx512bf16_for_cpu"):
             # bitsandbytes' CPU inference kernel repacks the weight and rewrites `quant_state` in place
             # on the first eval forward; the next gather brings the original bytes back, which the
@@ -164,9 +196,9 @@ def pack_for_sharding(model: nn.Module, names: tuple[str, ...]) -> None:
         state.packed_4bit = True
         if is_pending(param):  # no values yet: the bytes it will hold, half a byte per weight
             state.pending_4bit = pending_format(param)
-            packed = torch.empty((param.numel() + 1) // 2, 1, dtype=torch.uint8, device="meta")
+            packed = torch.empty(words, 1, dtype=dtype, device="meta")
         else:
-            packed = as_packed_bytes(param)
+            packed = as_packed_bytes(param).reshape(-1).view(dtype).reshape(-1, 1)
         setattr(layer, attr, nn.Parameter(packed, requires_grad=False))
 
 

@@ -25,7 +25,7 @@ from .frozen import cast_frozen
 from .host_memory import apply_host_allocator
 from .materialize import materialize
 from .plan import ResolvedPlan, ShardedGroup, plan_sharding
-from .quantised import QUANTISED_REASON, pack_for_sharding
+from .quantised import QUANTISED_REASON, pack_for_sharding, packed_storage
 from .report import sharding_plan
 from .ring_comms import install_ring_comms
 
@@ -72,8 +72,11 @@ def apply_plan(model: nn.Module, plan: ResolvedPlan) -> nn.Module:
     ignored = {p for n in plan.ignored for p in model.get_submodule(n).parameters()}
     quantised = {n: model.get_parameter(n) for n in plan.quantised}
     skip_fsdp = ignored | {model.get_parameter(n) for n in plan.scalars} | set(quantised.values())
-    pack_for_sharding(model, plan.packed)  # uint8 bytes now: neither cast_frozen nor mixed precision casts them
-    cast_frozen(model, [g.spec for g in plan.groups], plan.frozen_dtype, skip_fsdp)
+    packed = _packed_storage(model, plan)
+    pack_for_sharding(model, packed)
+    # Packed bytes are no weights to cast: frozen_dtype leaves them (mixed precision does, by their dtype).
+    packed_params = {model.get_parameter(n) for n in packed}
+    cast_frozen(model, [g.spec for g in plan.groups], plan.frozen_dtype, skip_fsdp | packed_params)
     params_before = list(model.parameters())
     for group in reversed(plan.groups):  # children before parents, root last
         _shard_one(model, group, skip_fsdp)
@@ -99,6 +102,19 @@ def apply_plan(model: nn.Module, plan: ResolvedPlan) -> nn.Module:
     if plan.log_plan:
         log_rank_zero("FSDP2 sharding plan:\n%s", sharding_plan(model))
     return model
+
+
+def _packed_storage(model: nn.Module, plan: ResolvedPlan) -> dict[str, torch.dtype]:
+    """Each packed 4-bit weight's storage dtype, from the compute dtype of its deepest group."""
+    owners: dict[str, torch.dtype] = {}
+    for group in reversed(plan.groups):  # children first: a parameter's owner is its deepest group
+        compute = group.spec.settings.mp_policy.param_dtype
+        for member in group.spec.modules:
+            prefix = f"{member}." if member else ""
+            for name in plan.packed:
+                if name.startswith(prefix):
+                    owners.setdefault(name, packed_storage(compute))
+    return owners
 
 
 def _shard_one(model: nn.Module, group: ShardedGroup, skip: set) -> None:
