@@ -182,3 +182,27 @@ def test_attention_dropout_on_cpu_runs_the_math_kernel_and_saves_the_matrix():
     }
     assert act[(0.0, "cpu")] == act[(0.0, "cuda")] == act[(0.1, "cuda")]
     assert act[(0.1, "cpu")] - act[(0.0, "cpu")] >= 4 * 4 * 128 * 128 * 4
+
+
+def test_grouped_query_attention_runs_a_fused_kernel():
+    """A Llama with fewer key/value heads than query heads (transformers passes `enable_gqa=True`)
+    saves no attention matrix on either device: its activations are at most those of the same model
+    with a key/value head per query head (they hold larger keys and values)."""
+    from _models import tiny_llama
+
+    seq, heads, layers = 128, 4, 2
+    ids = torch.zeros(2, seq, dtype=torch.long)
+    act = {
+        (kv, d): f2.estimate_memory(
+            tiny_llama(64, num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=seq),
+            {"sharding_strategy": "NO_SHARD"},
+            world_size=1,
+            example_batch={"input_ids": ids, "labels": ids},
+            device_type=d,
+        ).activation_peak_bytes
+        for kv in (1, heads)
+        for d in ("cpu", "cuda")
+    }
+    matrices = layers * 2 * heads * seq * seq * 4  # what the math kernel would save (fp32 scores)
+    for d in ("cpu", "cuda"):
+        assert act[(1, d)] <= act[(heads, d)] < act[(1, d)] + matrices // 4, (d, act)

@@ -5,8 +5,8 @@ The meta run has no device, but two things it imitates depend on one:
 - Which scaled-dot-product-attention kernel runs. A fused kernel keeps O(sequence) statistics
   for backward; the math fallback saves the attention matrix (with dropout also the mask and
   the dropped matrix). Meta tensors always get the math fallback. Accelerators run a fused
-  kernel; on CPU torch 2.13 picks its flash kernel only without dropout, so a model training
-  with attention dropout (BERT's 0.1) runs the math path there. `attention_kernels` asks
+  kernel (with grouped-query attention too); on CPU torch 2.13 picks its flash kernel only
+  without dropout, so a model training with attention dropout (BERT's 0.1) runs the math path there. `attention_kernels` asks
   torch's own selection (`torch._fused_sdp_choice`) on CPU stand-ins of the meta shapes.
 - The scratch memory of a reduce-scatter. gloo's (the CPU backend) copies its whole input
   before reducing, so while a group's gradients are reduce-scattered its flat input, that copy
@@ -81,7 +81,9 @@ def _cpu_runs_fused(query, key, value, attn_mask, dropout_p, is_causal, scale, e
 
 def _sdpa_for(original, device_type: str):
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        fused = not enable_gqa and query.dim() == 4
+        # Grouped-query attention (`enable_gqa`, fewer key/value heads) runs fused too: the CUDA
+        # flash kernel and torch's CPU flash kernel take it, and so does the meta implementation.
+        fused = query.dim() == 4
         if fused and device_type == "cpu":
             fused = _cpu_runs_fused(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if not fused:
