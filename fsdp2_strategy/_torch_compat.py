@@ -123,6 +123,7 @@ _ATTRIBUTES = (
     (WrapPolicy, "_run_policy"),
     (MixedPrecision, "_module_classes_to_ignore"),
     (torch, "_fused_sdp_choice"),
+    (torch.utils._foreach_utils, "_get_foreach_kernels_supported_devices"),
     (torch, "_foreach_mul_"),
     (torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
     (torch.UntypedStorage, "_cdata"),
@@ -346,6 +347,11 @@ def shard_process_group(group: Any) -> torch.distributed.ProcessGroup | None:
 def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply every tensor in place by `factor` (one fused kernel per device and dtype)."""
     torch._foreach_mul_(tensors, factor)
+
+
+def foreach_devices() -> list[str]:
+    """Device types on which torch's optimizers default to their foreach (multi-tensor) kernels."""
+    return torch.utils._foreach_utils._get_foreach_kernels_supported_devices()
 
 
 def fused_sdp_choice(*args: Any, **kwargs: Any) -> int:

@@ -263,7 +263,9 @@ def _qlora_world(root: str) -> dict:
     f2.save_merged(model, f"{root}/merged")
     other_base = f2.shard_model(qlora_model(lora_seed=5), log_plan=False)
     with torch.no_grad():  # another base: other packed bytes in one rank's shard of blocks.1
-        other_base.base_model.model.blocks[1].base_layer.weight.to_local().view(torch.uint8)[:4].add_(dist.get_rank() == 0)
+        other_base.base_model.model.blocks[1].base_layer.weight.to_local().view(torch.uint8)[:4].add_(
+            dist.get_rank() == 0
+        )
     try:
         ck.load(model=other_base)
         wrong_base = "no error"

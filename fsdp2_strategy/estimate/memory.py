@@ -246,7 +246,7 @@ def estimate_memory(
     )
     groups = [m for spec in specs[1:] for m in spec.modules]
     apply_activation_checkpointing(sim_model, config.activation_checkpointing, groups)
-    opt_bytes, step_temp = measure_optimizer(optimizer, sizes)
+    opt_bytes, step_temp = measure_optimizer(optimizer, sizes, "cpu" if config.cpu_offload else device_type)
     base = _resident_bytes(sizes, opt_bytes, config.cpu_offload)
     tracker = LiveBytes()
     if batch is not None:

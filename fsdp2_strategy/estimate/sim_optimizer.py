@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _torch_compat as tc
 from .sim_sizes import GroupSizes
 from .simulate import LiveBytes
 
@@ -42,11 +43,12 @@ def optimizer_factory(spec: Any) -> Callable[[list], torch.optim.Optimizer] | No
     )
 
 
-def measure_optimizer(spec: Any, sizes: dict[str, GroupSizes]) -> tuple[int, int]:
+def measure_optimizer(spec: Any, sizes: dict[str, GroupSizes], device_type: str = "cpu") -> tuple[int, int]:
     """(state bytes, step temporaries) of the optimizer on this rank's shards, stepped on meta.
 
     The trainable shards are stood in for by one flat meta tensor per group and dtype-size (the state is
     elementwise for the optimizers named here; a factory given by the user is measured the same way).
+    `device_type` is where the step runs (the host under CPU offload): it decides the kernels, as below.
     """
     factory = optimizer_factory(spec)
     if factory is None:
@@ -59,6 +61,7 @@ def measure_optimizer(spec: Any, sizes: dict[str, GroupSizes]) -> tuple[int, int
     for p in params:
         p.grad = torch.empty_like(p)
     opt = factory(params)
+    _choose_kernels_as_on(opt, device_type)
     opt.step()  # creates the state
     state = sum(
         t.untyped_storage().nbytes()
@@ -77,3 +80,18 @@ def measure_optimizer(spec: Any, sizes: dict[str, GroupSizes]) -> tuple[int, int
     with tracker:
         opt.step()
     return state, tracker.peak
+
+
+def _choose_kernels_as_on(opt: torch.optim.Optimizer, device_type: str) -> None:
+    """Set the foreach choice torch makes on `device_type` where the optimizer leaves it to torch.
+
+    On devices with foreach kernels (CUDA, XPU, ...) an optimizer with `foreach=None` steps all its
+    parameters at once: AdamW's `sqrt(v)` is one temporary the size of every parameter together
+    (4 bytes a parameter: a quarter of the state, the peak of a large model's step). Meta tensors
+    would take the one-parameter-at-a-time path, whose temporary is one parameter's size.
+    """
+    if device_type not in tc.foreach_devices():
+        return
+    for group in opt.param_groups:
+        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+            group["foreach"] = True
