@@ -290,7 +290,8 @@ GLUE: dict[tuple[str, str], Glue] = {
         setup="import fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import pretrained_llama\n"
         "pretrained = pretrained_llama()",
         check="plan = str(f2.sharding_plan(model))\nassert '4-bit weights sharded as packed bytes' in plan, plan\n"
-        "assert any(type(p).__name__ == 'DTensor' and p.dtype == torch.uint8 for p in model.parameters())",
+        "packed = f2.shard.quantised_param_names(model)\n"
+        "assert packed and all(type(p).__name__ == 'DTensor' for n, p in model.named_parameters() if n in packed)",
     ),
     ("docs/guides/qlora.md", "quantise-on-load"): Glue(
         setup="import fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import pretrained_llama\n"
