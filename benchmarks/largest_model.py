@@ -21,7 +21,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 from _models import TinyGPT  # noqa: E402
 
 import fsdp2_strategy as f2  # noqa: E402
-from fsdp2_strategy.config import parse_bytes  # noqa: E402
+from fsdp2_strategy.config_checks import parse_bytes  # noqa: E402
 
 FAMILY = [(768, 12), (1024, 24), (1536, 24), (2048, 24), (2560, 32), (4096, 32), (5120, 40), (6656, 60), (8192, 80)]
 """(width, layers) of GPT-3's sizes 125M ... 65B (vocabulary 50257, tied embedding)."""

@@ -1,8 +1,11 @@
-"""`FSDP2Config`: every sharding choice in one validated dataclass.
+"""`FSDP2Config`: every setting of the engine in one validated dataclass, composed of sections by owner.
 
-A config is built from keyword arguments, a dict (`FSDP2Config.from_dict`) or a YAML file
-(`FSDP2Config.from_yaml`). Validation happens once, in `__post_init__`, field by field, and
-every error names the field and the values it accepts. Values stay close to what the user
+`ShardingOptions` (here: how `shard_model` shards) and the sections of `config_options`
+(`HostOptions`, `CheckpointOptions`, `ChoiceOptions`) each hold their fields, documentation and
+checks; `FSDP2Config` inherits them all, so users still write one flat config. A config is built
+from keyword arguments, a dict (`FSDP2Config.from_dict`) or a YAML file (`FSDP2Config.from_yaml`).
+Validation happens once, in `__post_init__`, section by section into one error, and every error
+names the field and the values it accepts. Values stay close to what the user
 wrote (strings, classes, callables); they are resolved against a concrete model and mesh
 later, by `wrap_policy.py`, `precision.py` and `mesh.py`.
 """
@@ -30,17 +33,21 @@ from .config_checks import (
     _check_reshard,
     _check_wrap_policy,
     _strategy_name,
-    check_async_save,
     check_bool,
     check_choice,
     check_compile,
     check_frozen_dtype,
-    check_objective,
     check_tensor_parallel,
-    check_trainable_only,
     did_you_mean,
     mesh_shape_of,
-    parse_bytes,
+)
+from .config_options import (  # noqa: F401  (the sections' accepted values are this module's names too)
+    COLLECTIVES,
+    HOST_ALLOCATORS,
+    OBJECTIVES,
+    CheckpointOptions,
+    ChoiceOptions,
+    HostOptions,
 )
 
 SHARDING_STRATEGIES = strategies.NAMES
@@ -49,14 +56,6 @@ SHARDING_STRATEGIES = strategies.NAMES
 ACCUMULATION_MODES = ("sync_each", "sync_last", "keep_gathered")
 """Accepted values for `FSDP2Config.accumulation` (see its docstring for the trade-off)."""
 
-COLLECTIVES = ("auto", "ring", "torch")
-"""Accepted values for `FSDP2Config.collectives` (see `shard.ring_comms`)."""
-
-OBJECTIVES = ("memory", "throughput")
-"""Accepted values for `FSDP2Config.objective`."""
-
-HOST_ALLOCATORS = ("auto", "cache", "system")
-"""Accepted values for `FSDP2Config.host_allocator` (see `shard.host_memory`)."""
 
 QUANTISED_WEIGHTS = ("shard", "replicate")
 """Accepted values for `FSDP2Config.quantised_weights` (see `shard.quantised`)."""
@@ -115,10 +114,10 @@ def _names_unknown_fields(cls: type[T]) -> type[T]:
     return cls
 
 
-@_names_unknown_fields
 @dataclass
-class FSDP2Config:
-    """How `shard_model` applies FSDP2 to a model; every field is optional."""
+class ShardingOptions:
+    """How `shard_model` shards a model: strategy, groups, precision, offload, recomputation,
+    accumulation (the core's section of `FSDP2Config`)."""
 
     sharding_strategy: Any = "FULL_SHARD"
     """"auto" (the memory planner picks the strategy with the least communication that fits
@@ -230,74 +229,13 @@ class FSDP2Config:
     With HSDP the all-reduce across replicas runs on the last micro-batch only, in every mode.
     Without `no_sync` (k = 1) the modes do not differ."""
 
-    collectives: str = "auto"
-    """How FSDP's all-gather and reduce-scatter run:
-
-    - "auto" (default): as point-to-point rings (`ring_comms`) on groups whose process group is
-      gloo (CPU), torch's collectives elsewhere (NCCL and other accelerator backends).
-    - "ring": the rings on every sharded group, whatever the backend.
-    - "torch": torch's collectives everywhere.
-
-    Why: gloo has no reduce-scatter (it all-reduces a copy of the whole input) and its all-gather
-    is slower than an all-reduce; the rings send the least bytes through `isend`/`irecv`, and on
-    CPU they are faster than gloo's collectives (`benchmarks/ring_collectives.py`). Results equal
-    torch's (bitwise on 2 ranks; on more, the sum runs in another order)."""
-
-    host_allocator: str = "auto"
-    """Whether glibc's malloc keeps freed host memory for reuse (`host_memory`), process-wide:
-
-    - "auto" (default): yes when the mesh is on CPU and the C library is glibc; else untouched.
-    - "cache": yes, whatever the device (an error where the C library is not glibc).
-    - "system": leave malloc's settings as they are.
-
-    Why: every step FSDP frees and re-allocates its gathered parameters and gradient buffers, and
-    glibc's defaults give them back to the OS and page-fault them in again every step, which DDP,
-    keeping its buffers, does not pay. The cost: resident memory stays at its high-water mark;
-    tensor memory is unchanged."""
-
-    checkpoint_trainable_only: bool | str = "auto"
-    """What the adapters' sharded checkpoints (Lightning's `save_checkpoint`, Fabric's `save`,
-    Accelerate's `save_state`) store of a model: True: only what training changes (parameters
-    that require gradients, buffers, optimizer state) plus a fingerprint of the frozen parameters,
-    checked on load; False: everything; "auto" (default): True for PEFT models, so a LoRA
-    checkpoint is adapter-sized. `f2.Checkpointer(trainable_only=...)` is the core's switch."""
-
-    checkpoint_async_save: bool | str = False
-    """How the adapters' sharded checkpoints are written: False (default: before the save returns),
-    True (a copy in CPU memory, then written in the background) or "overlap" (the copy too runs
-    behind the next forward and backward; the next optimizer step waits for it). Each save is
-    committed before the next save or load and when training ends. `f2.Checkpointer(async_save=...)`
-    is the core's switch; its docstring says which mode to use when."""
-
-    checkpoint_on_preemption: bool = False
-    """On SIGTERM (Kubernetes, SLURM, spot instances), save a checkpoint after the current step and
-    stop: Lightning's Trainer writes `hpc_ckpt_<N>.ckpt` (resume with `ckpt_path="hpc"`) and exits
-    with 143; Accelerate sets `accelerator.set_trigger()` for the loop's `check_trigger()`; the
-    Hugging Face Trainer saves and stops. `f2.Checkpointer(save_on_preemption=True)` is the core's."""
-
     log_plan: bool = True
     """Log the sharding plan table on rank 0 after `shard_model`."""
 
-    memory_budget: Any = None
-    """Bytes per rank that `sharding_strategy="auto"` must fit (an int, or text like "80GiB").
-    None: the accelerator's total memory, or on CPU the available RAM divided by the local ranks,
-    minus `estimate.compare.BUDGET_MARGIN` (10%)."""
-
-    objective: str = "memory"
-    """How `sharding_strategy="auto"` chooses among the settings that fit `memory_budget`: "memory"
-    (default: the least communication, from shapes alone) or "throughput" (`f2.tune` measures each
-    fitting setting on the process group with the example batch `shard_model` is given and picks
-    the fastest; strategy, wrapping, reshard and accumulation mode may change; the decision is
-    cached in a JSON file, `fsdp2_strategy.tuning.cache_path()`, so a restarted run does not re-tune)."""
-
-    def __post_init__(self) -> None:
-        # Every field is checked before raising: one error lists all the bad ones.
-        errors = FieldErrors("FSDP2Config")
+    def _check_sharding(self, errors: FieldErrors) -> str | None:
+        """Check (and normalise) this section's fields; returns the strategy's name, None if invalid."""
         strategy = errors.check(_strategy_name, self.sharding_strategy, True)
         self.sharding_strategy = strategy if strategy is not None else self.sharding_strategy
-        self.memory_budget = errors.check(parse_bytes, self.memory_budget, "FSDP2Config.memory_budget")
-        if strategy is not None:
-            errors.check(check_objective, self.objective, strategy, OBJECTIVES)
         errors.check(_check_reshard, self.reshard_after_forward, "FSDP2Config.reshard_after_forward")
         self.mesh_shape = errors.check(mesh_shape_of, self.mesh_shape, keep=self.mesh_shape)
         errors.check(_check_wrap_policy, self.wrap_policy, "FSDP2Config.wrap_policy")
@@ -315,13 +253,7 @@ class FSDP2Config:
         errors.check(_check_nonneg_int, self.backward_prefetch, "FSDP2Config.backward_prefetch")
         self.module_overrides = errors.check(self._validated_overrides, self.module_overrides, keep={})
         errors.check(check_choice, self.accumulation, ACCUMULATION_MODES, "FSDP2Config.accumulation")
-        errors.check(check_choice, self.collectives, COLLECTIVES, "FSDP2Config.collectives")
-        errors.check(check_choice, self.host_allocator, HOST_ALLOCATORS, "FSDP2Config.host_allocator")
-        errors.check(check_trainable_only, self.checkpoint_trainable_only, "FSDP2Config.checkpoint_trainable_only")
-        errors.check(check_async_save, self.checkpoint_async_save, "FSDP2Config.checkpoint_async_save")
-        errors.check(check_bool, self.checkpoint_on_preemption, "FSDP2Config.checkpoint_on_preemption")
-        errors.raise_if_any()
-        check_tensor_parallel(self)  # reads several fields: only once they are all valid
+        return strategy
 
     def _validate_ignored_modules(self) -> None:
         value = self.ignored_modules
@@ -364,6 +296,27 @@ class FSDP2Config:
             override.validate(pattern)
             result[str(pattern)] = override
         return result
+
+
+@_names_unknown_fields
+@dataclass
+class FSDP2Config(ChoiceOptions, CheckpointOptions, HostOptions, ShardingOptions):
+    """How `shard_model` applies FSDP2 to a model; every field is optional.
+
+    One flat set of fields (keywords, `from_dict`, `from_yaml`, the adapters' keywords), composed of
+    sections by owner: `ShardingOptions` (the core's sharding), `HostOptions` (the CPU runtime),
+    `CheckpointOptions` (the adapters' checkpoints) and `ChoiceOptions` (how "auto" is chosen).
+    """
+
+    def __post_init__(self) -> None:
+        # Every field is checked before raising: one error lists all the bad ones.
+        errors = FieldErrors("FSDP2Config")
+        strategy = self._check_sharding(errors)
+        self._check_choice(errors, strategy)
+        self._check_host(errors)
+        self._check_checkpoint(errors)
+        errors.raise_if_any()
+        check_tensor_parallel(self)  # reads several fields: only once they are all valid
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> FSDP2Config:

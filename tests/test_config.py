@@ -74,6 +74,39 @@ def test_every_bad_field_is_reported_at_once_with_the_closest_name():
         f2.FSDP2Config.from_dict({"cpu_offload": "yes", "forward_prefetch": -1})
 
 
+def test_sections_by_owner_compose_one_flat_config(tmp_path):
+    """Each owner's section holds its fields; FSDP2Config is all of them, written flat, in one order."""
+    import dataclasses
+    import inspect
+
+    from fsdp2_strategy.config import ShardingOptions
+    from fsdp2_strategy.config_options import CheckpointOptions, ChoiceOptions, HostOptions
+
+    sections = (ShardingOptions, HostOptions, CheckpointOptions, ChoiceOptions)
+    names = [f.name for section in sections for f in dataclasses.fields(section)]
+    assert [f.name for f in dataclasses.fields(f2.FSDP2Config)] == names  # each field once, sharding first
+    assert list(inspect.signature(f2.FSDP2Config).parameters) == names  # what LightningCLI reads
+    assert {f.name for f in dataclasses.fields(CheckpointOptions)} == {
+        "checkpoint_trainable_only",
+        "checkpoint_async_save",
+        "checkpoint_on_preemption",
+    }
+    assert {f.name for f in dataclasses.fields(HostOptions)} == {"collectives", "host_allocator"}
+    assert {f.name for f in dataclasses.fields(ChoiceOptions)} == {"memory_budget", "objective"}
+    values = {"sharding_strategy": "auto", "collectives": "ring", "checkpoint_async_save": "overlap"}
+    (tmp_path / "c.yaml").write_text("".join(f"{k}: {v}\n" for k, v in values.items()) + "memory_budget: 2GiB\n")
+    for config in (f2.FSDP2Config(**values, memory_budget="2GiB"), f2.FSDP2Config.from_yaml(tmp_path / "c.yaml")):
+        assert all(isinstance(config, section) for section in sections)
+        assert (config.collectives, config.checkpoint_async_save, config.memory_budget) == ("ring", "overlap", 2 << 30)
+    # Every section's checks run into one error.
+    with pytest.raises(ValueError) as info:
+        f2.FSDP2Config(accumulation="x", host_allocator="x", checkpoint_on_preemption="x", objective="x")
+    message = str(info.value)
+    assert message.startswith("FSDP2Config has 4 invalid fields:")
+    for name in ("accumulation", "host_allocator", "checkpoint_on_preemption", "objective"):
+        assert f"FSDP2Config.{name}='x'" in message
+
+
 def test_fsdp1_enum_and_yaml(tmp_path):
     assert f2.FSDP2Config(sharding_strategy=ShardingStrategy.HYBRID_SHARD).sharding_strategy == "HYBRID_SHARD"
     path = tmp_path / "fsdp2.yaml"

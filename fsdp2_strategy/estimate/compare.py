@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import SHARDING_STRATEGIES, FSDP2Config, parse_bytes
+from ..config import SHARDING_STRATEGIES, FSDP2Config
+from ..config_checks import parse_bytes
 from .memory import MemoryEstimate, estimate_memory, human_bytes
 from .step_time import StepTimeModel, StepTimePrediction
 

@@ -21,8 +21,8 @@ import ctypes
 import logging
 import platform
 
-from ..config import HOST_ALLOCATORS
 from ..config_checks import check_choice
+from ..config_options import HOST_ALLOCATORS
 
 MMAP_THRESHOLD = 1 << 30
 """Blocks below 1 GiB come from malloc's heap (reused) instead of a fresh mmap each time."""

@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from .. import _torch_compat as tc
-from ..config import COLLECTIVES
 from ..config_checks import check_choice
+from ..config_options import COLLECTIVES
 from ..train import engine_state
 
 

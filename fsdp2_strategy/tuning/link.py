@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..config import COLLECTIVES
 from ..config_checks import check_choice
+from ..config_options import COLLECTIVES
 from ..estimate import CollectiveFit, Link
 from ..mesh import collective_device
 from ..shard import RingAllGather, RingReduceScatter

@@ -28,7 +28,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from .. import _torch_compat as tc
-from ..config import FSDP2Config, parse_bytes
+from ..config import FSDP2Config
+from ..config_checks import parse_bytes
 from ..distributed import from_rank_zero, log_rank_zero
 from ..estimate import (
     ComputeProfile,
