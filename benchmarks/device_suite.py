@@ -207,7 +207,7 @@ RUNNERS = {
 LIMITS = {
     "tests": 240,
     "throughput": 240,
-    "compile": 150,
+    "compile": 300,
     "checkpoint": 150,
     "planner": 150,
     "largest": 240,

@@ -402,11 +402,17 @@ def run(paths, size_name: str, rounds: int, steps: int, warmup: int, deadline: f
     flops = f2.flops_per_token(build_model(size, "meta"), seq_len=size["seq"])
     peak = f2.peak_flops()
     rows = [summarise(p, runs[p], size, peak.flops, flops) for p in paths]
-    base = next((row for row in rows if row["path"] == "hand" and "error" not in row), None)
+    # Each path against the hand-written loop with the same extras ("core+compile" against "hand+compile").
+    hands = {_extras(row["path"]): row for row in rows if row["path"].split("+")[0] == "hand" and "error" not in row}
     for row in rows:
+        base = hands.get(_extras(row["path"]))
         if base and "error" not in row:
             row["vs_hand"] = row["tokens_per_s"] / base["tokens_per_s"]
     return {"size": size_name, "shape": size, "flops_per_token": flops, "peak": peak.to_dict(), "rows": rows}
+
+
+def _extras(path: str) -> str:
+    return path.partition("+")[2]
 
 
 def _short(r: dict) -> str:
