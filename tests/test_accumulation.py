@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 from _comm import collective_dtypes, count_collectives
-from _harness import run_agreeing
+from _harness import launch, run_agreeing
 from _models import TinyGPT, loss_fn, make_batch, rel_diff
 from _precision import TIED_TOL, policy_grads, with_weights
 
@@ -390,35 +390,11 @@ def test_invalid_mode_names_the_field():
 
 def test_accumulation_benchmark_counts_each_mode():
     """benchmarks/accumulation.py at a tiny size: its counts show each mode's promise."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "benchmarks/accumulation.py",
-        "--dim",
-        "64",
-        "--layers",
-        "2",
-        "--batch",
-        "2",
-        "--ks",
-        "1",
-        "4",
-        "--part",
-        "counts",
-    ]
-    proc = subprocess.run(
-        cmd, cwd=root, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    args = ["--dim", "64", "--layers", "2", "--batch", "2", "--ks", "1", "4", "--part", "counts"]
+    proc = launch("torchrun", "benchmarks/accumulation.py", *args, cwd=root, nproc=2, timeout=300)
     rows = {
         (line.split()[0], int(line.split()[1])): [float(v) for v in line.split()[2:]]
         for line in proc.stdout.splitlines()

@@ -3,11 +3,9 @@ file or option and the fix, no traceback, and nothing changed on disk (the table
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from _bad_inputs import CliRow, Env, assert_unchanged
+from _harness import launch
 
 from fsdp2_strategy.cli.main import main
 
@@ -136,11 +134,16 @@ def test_bad_command_line_exits_with_a_message(row: CliRow, env: Env, capsys):
 def test_installed_command_prints_no_traceback(env: Env):
     """The real process: exit status 2 and one error line on stderr, for an error raised deep in
     DCP (a checkpoint whose shards are gone)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "fsdp2_strategy.cli", "consolidate", str(env.root / "shardless"), str(env.root / "out")],
-        capture_output=True,
-        text=True,
+    done = launch(
+        "python",
+        "-m",
+        "fsdp2_strategy.cli",
+        "consolidate",
+        env.root / "shardless",
+        env.root / "out",
+        cwd=env.root,
         timeout=120,
+        check=False,
     )
     assert done.returncode == _USAGE, done
     assert "Traceback" not in done.stdout + done.stderr

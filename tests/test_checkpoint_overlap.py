@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from _harness import run_distributed
+from _harness import launch, run_distributed
 from _slow_staging import differing, full_state, slow
 from torch import nn
 
@@ -124,10 +122,7 @@ if sys.argv[2] == "shutdown":
 def test_shutdown_commits_the_save_in_flight_and_a_plain_exit_warns(tmp_path, ending):
     """A script ending with `f2.shutdown()` keeps its last asynchronous save; one that just ends
     loses it (the write thread dies with the process) and is told so."""
-    run = subprocess.run(
-        [sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path), ending], capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode == 0, run.stderr
+    run = launch("python", "-c", _EXIT_SCRIPT, tmp_path, ending, cwd=tmp_path, timeout=120)
     if ending == "shutdown":
         assert f2.Checkpointer(tmp_path).latest_step() == 1
     else:

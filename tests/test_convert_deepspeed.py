@@ -15,7 +15,6 @@ rank, 1.8e-7 on 3, and 0 on 2 (DeepSpeed's own split); 2e-6 is asserted. The con
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -53,23 +52,12 @@ def deepspeed_path() -> Path:
     if (target / "deepspeed").is_dir():
         return target
     staging = target.with_name(target.name + ".partial")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "-q",
-        "--no-deps",
-        "--target",
-        str(staging),
-        DEEPSPEED,
-        *DEPENDENCIES,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    args = ["install", "-q", "--no-deps", "--target", staging, DEEPSPEED, *DEPENDENCIES]
+    proc = launch("python", "-m", "pip", *args, cwd=target.parent, timeout=600, check=False)
     if proc.returncode != 0:
         if any(text in proc.stderr for text in UNREACHABLE):
             pytest.skip(f"{DEEPSPEED} could not be installed (package registry unreachable): {proc.stderr[-300:]}")
-        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        raise AssertionError(f"{' '.join(proc.args)} failed:\n{proc.stderr[-3000:]}")
     staging.rename(target)  # whole or not at all: a concurrent run either sees it complete or installs its own
     return target
 

@@ -3,12 +3,9 @@ destroyed, atexit hooks still run."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from _harness import free_port
+from _harness import free_port, launch
 
 SCRIPT = r"""
 import atexit, sys, tempfile
@@ -31,13 +28,7 @@ print("shutdown returned")
 
 def test_shutdown_destroys_the_group_runs_atexit_hooks_and_exits_with_the_code(tmp_path: Path):
     report = tmp_path / "report.txt"
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(report), str(free_port())],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
+    proc = launch("python", "-c", SCRIPT, report, free_port(), cwd=tmp_path, timeout=120, check=False)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "shutdown returned" not in proc.stdout
     initialized, tmpdir = report.read_text().split()
@@ -63,15 +54,11 @@ def test_init_distributed_without_and_under_a_launcher(tmp_path: Path):
     another port waited forever on torchrun's agent store, so the timeout fails it); with two: both ranks."""
     script = tmp_path / "init.py"
     script.write_text(INIT_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    runs = {"plain": [str(script)]}
-    for n in (1, 2):
-        runs[f"torchrun{n}"] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", str(script)]
+    env = dict.fromkeys(("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))  # None: removed
+    runs = {"plain": ("python", None)} | {f"torchrun{n}": ("torchrun", n) for n in (1, 2)}
     lines = {}
-    for name, args in runs.items():
-        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=90, env=env)
-        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+    for name, (kind, nproc) in runs.items():
+        proc = launch(kind, script, cwd=tmp_path, nproc=nproc, env=env, timeout=90)
         lines[name] = sorted(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("INIT"))
     assert lines["plain"] == [["1", "0", "gloo", "cpu", "cpu"]]
     assert lines["torchrun1"] == [["1", "0", "gloo", "cpu", "cpu"]]

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from _harness import run_agreeing
+from _harness import launch, run_agreeing
+
+
+def _cli(*args, cwd, check=True):
+    """`fsdp2-strategy ARGS...` in its own process (`python -m fsdp2_strategy.cli`); with `check`, a
+    non-zero exit fails the test with the command and the ends of its output."""
+    return launch("python", "-m", "fsdp2_strategy.cli", *args, cwd=cwd, timeout=120, check=check)
 
 
 def _save_world(root: str):
@@ -71,27 +74,12 @@ def test_consolidate_to_hf_safetensors_and_torch(tmp_path):
     assert all(torch.equal(merged[k], full[k].to(torch.bfloat16)) for k in full)
 
     # CLI: torch format and inspect; a missing checkpoint is a clear error.
-    cli = [sys.executable, "-m", "fsdp2_strategy.cli"]
-    env = dict(os.environ)
-    done = subprocess.run(
-        cli + ["consolidate", str(root), str(tmp_path / "pt"), "--format", "torch"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr
+    _cli("consolidate", root, tmp_path / "pt", "--format", "torch", cwd=tmp_path)
     state = torch.load(tmp_path / "pt" / "model.pt")
     assert all(torch.equal(state[k], full[k]) for k in full)
-    shown = subprocess.run(cli + ["inspect", str(root)], capture_output=True, text=True, timeout=120, env=env)
-    assert (
-        shown.returncode == 0
-        and "saved by 2 rank(s)" in shown.stdout
-        and "model.transformer.h.0.attn.c_attn.weight" in shown.stdout
-    )
-    missing = subprocess.run(
-        cli + ["inspect", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=120, env=env
-    )
+    shown = _cli("inspect", root, cwd=tmp_path)
+    assert "saved by 2 rank(s)" in shown.stdout and "model.transformer.h.0.attn.c_attn.weight" in shown.stdout
+    missing = _cli("inspect", tmp_path / "nothing", cwd=tmp_path, check=False)
     assert missing.returncode == 2 and "No committed checkpoint" in missing.stderr
     with pytest.raises(ValueError, match="format='onnx'"):
         f2.export_full(root, tmp_path / "x", format="onnx")
@@ -118,15 +106,9 @@ def test_consolidate_and_inspect_refuse_a_damaged_checkpoint(tmp_path):
     assert not (tmp_path / "out" / "model.safetensors").exists()
     info = f2.inspect_checkpoint(tmp_path / "root")
     assert info.problems and "DAMAGED: __0_0.distcp: corrupted" in str(info)
-    cli = [sys.executable, "-m", "fsdp2_strategy.cli"]
-    consolidate = subprocess.run(
-        cli + ["consolidate", str(tmp_path / "root"), str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    consolidate = _cli("consolidate", tmp_path / "root", tmp_path / "out", cwd=tmp_path, check=False)
     assert consolidate.returncode == 2 and "damaged" in consolidate.stderr
-    inspect = subprocess.run(cli + ["inspect", str(tmp_path / "root")], capture_output=True, text=True, timeout=120)
+    inspect = _cli("inspect", tmp_path / "root", cwd=tmp_path, check=False)
     assert inspect.returncode == 1 and "DAMAGED" in inspect.stdout
     f2.export_full(tmp_path / "root", tmp_path / "out", step=1)
     from safetensors.torch import load_file

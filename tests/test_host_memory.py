@@ -9,11 +9,9 @@ spawned 2-rank world checks that `shard_model` applies it on CPU under "auto", n
 from __future__ import annotations
 
 import platform
-import subprocess
-import sys
 
 import pytest
-from _harness import run_distributed
+from _harness import launch, run_distributed
 from _models import TinyGPT
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
@@ -39,9 +37,8 @@ print(default, faults_per_cycle())
 
 
 @pytest.mark.skipif(not GLIBC, reason="tunes glibc's malloc")
-def test_kept_memory_is_reused_without_page_faults():
-    out = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_kept_memory_is_reused_without_page_faults(tmp_path):
+    out = launch("python", "-c", _FAULTS, cwd=tmp_path, timeout=120)
     default, kept = map(int, out.stdout.split())
     # 48 MiB are 12 288 pages of 4 KiB: by default a fresh mmap faults every one in again; kept, none.
     assert default > 10_000 and kept < 100, (default, kept)
