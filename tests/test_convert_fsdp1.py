@@ -222,3 +222,49 @@ def test_refusals_name_the_file_and_the_fix(fsdp1_run, tmp_path):
         f2.convert_fsdp1_checkpoint(full / "model.pt", tmp_path / "out", weights_only=True)
     assert main(["convert-fsdp1", str(tmp_path / "other"), str(tmp_path / "cli")]) == 2  # a message, no traceback
     shutil.rmtree(tmp_path / "out")
+
+
+# ---------------------------------------------------------------------- resumed by the trainers
+@pytest.mark.parametrize("trainer, source", [("lightning", "lightning_sharded"), ("hf", "accelerate_sharded")])
+def test_the_trainers_resume_a_converted_fsdp1_step_where_fsdp1_would_continue(
+    fsdp1_run, converted, trainer, source, tmp_path
+):
+    """Lightning's FSDPStrategy folder converted, then `fit(ckpt_path=<the step>)`; Accelerate's FSDP1
+    `save_state` folder converted, then `FSDP2Trainer.train(resume_from_checkpoint=<the step>)`; on 2
+    ranks: the global step continues from K and M more steps follow FSDP1's own continuation. The
+    fixture's Lightning source keeps a minimal loop state (not all a fit loop saves): the loops restart
+    from the step's counters, with a warning, instead of failing inside Lightning's loop loading."""
+    from _trainer_resume import LIGHTNING_ENV, hf_continue, lightning_continue
+
+    step_dir = str(next(Path(converted[source]).glob("step-*")))
+    if trainer == "lightning":
+        got = run_distributed(lightning_continue, 2, step_dir, K_STEPS, env=LIGHTNING_ENV, timeout=240)[0]
+        got = {
+            k: {n.removeprefix("model."): t for n, t in v.items()} if isinstance(v, dict) else v for k, v in got.items()
+        }
+    else:
+        got = run_distributed(hf_continue, 2, step_dir, K_STEPS, str(tmp_path), timeout=240)[0]
+    reference = torch.load(fsdp1_run / "reference.pt", weights_only=False)["continued"]
+    assert got["steps"] == list(range(K_STEPS, K_STEPS + M_STEPS)) and got["global_step"] == K_STEPS + M_STEPS
+    worst, where = worst_difference({k: got[k] for k in ("param", "exp_avg", "exp_avg_sq")}, reference)
+    assert worst < TOLERANCE, f"{trainer} resumed the converted step: {where} differs by {worst:.2e} (relative)"
+    assert got["lr"] == pytest.approx(reference["lr"], rel=1e-12)
+
+
+def test_a_kept_lightning_loop_state_is_used_only_when_it_is_complete():
+    """`fit(ckpt_path=<converted step>)` hands Lightning the source's own loop state when it has every
+    entry this Lightning's fit loop saves, else loops rebuilt at the step's counters (and says so)."""
+    import lightning.pytorch as pl
+
+    from fsdp2_strategy.integrations.lightning.converted import lightning_state
+
+    trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    complete = trainer.fit_loop.state_dict()
+    complete["epoch_loop.state_dict"]["_batches_that_stepped"] = 7
+    kept = {"loops": {"fit_loop": complete}, "epoch": 2, "global_step": 7, "callbacks": {"c": 1}}
+    assert lightning_state(trainer, {"lightning": kept, "global_step": 7})["loops"]["fit_loop"] is complete
+    minimal = {**kept, "loops": {"fit_loop": {"epoch_progress": {"current": {"completed": 1}}}}}
+    with pytest.warns(UserWarning, match="loops restart at its global step 3 and epoch 1"):
+        state = lightning_state(trainer, {"lightning": minimal, "global_step": 3, "epoch": 1})
+    fit_loop = state["loops"]["fit_loop"]
+    assert fit_loop["epoch_loop.state_dict"]["_batches_that_stepped"] == 3 and state["callbacks"] == {"c": 1}
