@@ -67,25 +67,32 @@ ACCELERATE_PATHS = ("fsdp2_accelerator", "stock_accelerator", "hf_trainer_fsdp2"
 
 
 # --------------------------------------------------------------------------- one path (one process)
-def build_model(size: dict, device):
-    """The seeded Llama-shaped model of `size`, fp32, built on `device`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(size: dict):
+    """The `LlamaConfig` of `size` (untied embeddings, SDPA; `kv_heads` defaults to `heads`)."""
+    from transformers import LlamaConfig
 
     config = LlamaConfig(
         hidden_size=size["hidden"],
         intermediate_size=size["ffn"],
         num_hidden_layers=size["layers"],
         num_attention_heads=size["heads"],
-        num_key_value_heads=size["heads"],
+        num_key_value_heads=size.get("kv_heads", size["heads"]),
         vocab_size=size["vocab"],
         max_position_embeddings=size["seq"],
         tie_word_embeddings=False,
     )
     config._attn_implementation = "sdpa"
+    return config
+
+
+def build_model(size: dict, device):
+    """The seeded Llama-shaped model of `size`, fp32, built on `device`."""
+    import torch
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
     with torch.device(device):
-        return LlamaForCausalLM(config)
+        return LlamaForCausalLM(llama_config(size))
 
 
 def batches(size: dict, steps: int):

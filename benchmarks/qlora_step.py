@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import _bench  # this folder: on sys.path as the script's directory, or put there by device_suite
+import gpu_throughput
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = "QLORA_STEP_RESULT "
@@ -59,21 +60,11 @@ def build(size: dict, device):
     """The seeded QLoRA model of `size`: quantised on `device`, or pending (not quantised) on meta."""
     import peft
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     import fsdp2_strategy as f2
 
-    config = LlamaConfig(
-        hidden_size=size["hidden"],
-        intermediate_size=size["ffn"],
-        num_hidden_layers=size["layers"],
-        num_attention_heads=size["heads"],
-        num_key_value_heads=size["kv_heads"],
-        vocab_size=size["vocab"],
-        max_position_embeddings=size["seq"],
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = "sdpa"
+    config = gpu_throughput.llama_config(size)
     torch.manual_seed(0)
     # Initialised on the device (fast), quantised from the host: bitsandbytes quantises a
     # Params4bit when it moves to a device, not when it is already there.
