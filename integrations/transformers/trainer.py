@@ -24,7 +24,8 @@ __all__ = ["FSDP2Trainer", "FSDP2TrainerMixin", "fsdp2_trainer"]
 T = TypeVar("T", bound=type)
 
 _ENGINE_ARGS = {
-    "deepspeed": "DeepSpeed is another engine; drop TrainingArguments(deepspeed=...) or use the stock Trainer",
+    "deepspeed": "DeepSpeed is another engine; move the file to FSDP2Trainer(deepspeed=...), which translates it "
+    "into FSDP2 settings, and drop TrainingArguments(deepspeed=...)",
     "fsdp": "the FSDP settings come from the accelerate config file (fsdp_config: with fsdp_version: 2) or "
     "FSDP2Trainer(fsdp_plugin=FSDP2Plugin(...)); drop TrainingArguments(fsdp=..., fsdp_config=...)",
     "save_only_model": "FSDP2Trainer checkpoints are the whole training state (committed DCP directories); "
@@ -53,6 +54,34 @@ def _refuse_other_engines(args: Any) -> None:
         raise ValueError("FSDP2Trainer cannot run with TrainingArguments " + "; ".join(refused) + ".")
 
 
+def _check_deepspeed_agrees(translation: Any, args: Any, world_size: int) -> None:
+    """ValueError listing each DeepSpeed value (not "auto") that differs from `TrainingArguments`' own."""
+    hf = {
+        "max_grad_norm": args.max_grad_norm,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size,
+    }
+    # The DeepSpeed key each setting came from: translation.mapped says "trainer <name>=<value>".
+    keys = {
+        text.split()[1].split("=")[0]: key for key, text in translation.mapped.items() if text.startswith("trainer ")
+    }
+    differ = [
+        f"DeepSpeed {keys.get(name, name)}={value} vs TrainingArguments {name}={hf[name]}"
+        for name, value in translation.trainer.items()
+        if name in hf and value != hf[name]
+    ]
+    precision = translation.config.mixed_precision
+    if precision in ("bf16", "fp16") and not getattr(args, precision):
+        differ.append(f"DeepSpeed {precision}.enabled=true vs TrainingArguments {precision}=False")
+    if differ:
+        raise ValueError(
+            "The DeepSpeed config given as FSDP2Trainer(deepspeed=...) disagrees with TrainingArguments: "
+            + "; ".join(differ)
+            + '. Set those DeepSpeed values to "auto" (TrainingArguments decide) or make them equal.'
+        )
+
+
 def _launched_world_size() -> int:
     value = os.environ.get("WORLD_SIZE", "1")
     return int(value) if value.isdigit() else 1
@@ -70,6 +99,11 @@ class FSDP2TrainerMixin:
         *args: the Trainer's own positional arguments.
         **kwargs: the Trainer's own keyword arguments.
         fsdp_plugin: an `FSDP2Plugin` (settings the accelerate config cannot carry); default `FSDP2Plugin()`.
+        deepspeed: the DeepSpeed config (a JSON path or a dict) a run used as `TrainingArguments(deepspeed=...)`:
+            translated by `f2.translate_deepspeed` into the plugin's `FSDP2Config` (ZeRO stage, offload,
+            precision; keys without an equivalent are warned about once). Its values that are not
+            "auto" for the batch size, accumulation, clipping and precision must equal
+            `TrainingArguments`', as the stock DeepSpeed integration requires. Not with `fsdp_plugin`.
         log_throughput: add `tokens_per_s`, `step_time_s`, `mfu` and `peak_memory_gib` (this rank's,
             of the last optimizer step) to the Trainer's training logs (every `logging_steps`, to
             every `report_to` integration). Default False: off (it synchronises the device each step).
@@ -85,7 +119,12 @@ class FSDP2TrainerMixin:
             )
 
     def __init__(
-        self, *args: Any, fsdp_plugin: FSDP2Plugin | None = None, log_throughput: bool = False, **kwargs: Any
+        self,
+        *args: Any,
+        fsdp_plugin: FSDP2Plugin | None = None,
+        deepspeed: str | os.PathLike | dict | None = None,
+        log_throughput: bool = False,
+        **kwargs: Any,
     ) -> None:
         if not isinstance(self, transformers.Trainer):
             raise TypeError(
@@ -94,7 +133,14 @@ class FSDP2TrainerMixin:
             )
         if fsdp_plugin is not None and not isinstance(fsdp_plugin, FSDP2Plugin):
             raise TypeError(f"fsdp_plugin must be an FSDP2Plugin, got {type(fsdp_plugin).__name__}.")
+        if deepspeed is not None and fsdp_plugin is not None:
+            raise ValueError(
+                "FSDP2Trainer got both fsdp_plugin= and deepspeed=; give one (deepspeed= becomes the plugin's config)."
+            )
         self._fsdp2_plugin = fsdp_plugin
+        self._deepspeed = (
+            None if deepspeed is None else f2.translate_deepspeed(deepspeed, world_size=_launched_world_size())
+        )
         self._log_throughput = log_throughput
         super().__init__(*args, **kwargs)
         self._preemption = _SaveOnPreemption(self.accelerator)
@@ -141,8 +187,12 @@ class FSDP2TrainerMixin:
             # No GPU and no `use_cpu`: Accelerate decided every rank trains alone. Drop that state;
             # FSDP2Accelerator starts the gloo group and the state the launch asked for.
             compat.reset_accelerate_state()
+        plugin = self._fsdp2_plugin
+        if self._deepspeed is not None:
+            _check_deepspeed_agrees(self._deepspeed, args, _launched_world_size())
+            plugin = FSDP2Plugin(config=self._deepspeed.config)
         self.accelerator = FSDP2Accelerator(
-            fsdp_plugin=self._fsdp2_plugin or FSDP2Plugin(),
+            fsdp_plugin=plugin or FSDP2Plugin(),
             # Every step: the Trainer's logs carry the latest report (its own cadence is logging_steps).
             log_throughput_every=1 if self._log_throughput else None,
             **self._fsdp2_accelerator_args(),

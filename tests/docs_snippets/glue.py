@@ -349,6 +349,17 @@ GLUE: dict[tuple[str, str], Glue] = {
         launch="accelerate",
         config=_BLOCK,
     ),
+    ("docs/migration/deepspeed.md", "hf-trainer"): Glue(
+        setup="import json, os\nfrom transformers import TrainingArguments\n"
+        "from docs_snippets.glue import tiny_llama, lm_dataset\nmodel, data = tiny_llama(), lm_dataset()\n"
+        "ds = {'zero_optimization': {'stage': 2}, 'train_micro_batch_size_per_gpu': 'auto'}\n"
+        "tmp = f'ds_config.json.{os.getpid()}'\njson.dump(ds, open(tmp, 'w'))\n"
+        "os.replace(tmp, 'ds_config.json')  # each rank writes the same file whole",
+        check="assert trainer.state.global_step == 2\n"
+        "assert trainer.accelerator.fsdp2_config.sharding_strategy == 'SHARD_GRAD_OP'\n" + _SHARDED,
+        launch="accelerate",
+        config=_HF,
+    ),
     ("docs/migration/deepspeed.md", "resume"): Glue(
         launch="skip",
         reason="needs a DeepSpeed checkpoint, which DeepSpeed (not in this environment) writes; "
