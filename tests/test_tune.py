@@ -1,7 +1,9 @@
 """`f2.tune`, `fsdp2-strategy tune`, the step-time model and `FSDP2Config(objective="throughput")`.
 
-One 2-rank world runs every distributed check on a tiny model (few candidates, 1-2 steps each);
-the formula tests need no world. No assertion here depends on how fast anything ran.
+One 2-rank world runs every distributed check on a tiny model (few candidates, 1-2 steps each), as
+named scenarios in turn (`SCENARIOS`): each records its result or its traceback under its name, and a
+test reading a scenario that failed names it and why (`world["meta"]`), while the other scenarios'
+tests still pass. The formula tests need no world. No assertion here depends on how fast anything ran.
 """
 
 from __future__ import annotations
@@ -10,12 +12,16 @@ import dataclasses
 import json
 import os
 import time
+import traceback
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _harness import run_agreeing
+from _harness import _first_difference, run_distributed
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.cli.main import main
@@ -64,26 +70,55 @@ FEW = [
 
 
 def _fails_without_block_groups(model, batch):
-    from torch.distributed.fsdp import FSDPModule
-
     if batch.device.type != "meta" and not isinstance(model.blocks[0], FSDPModule):  # one group, when run
         raise torch.OutOfMemoryError("simulated: out of memory in forward")
     return model(batch).square().mean()
 
 
-def _tune_world(cache: str) -> dict:
-    torch.manual_seed(0)
-    model, batch = Tiny(), torch.randn(8, 64)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(batch).sum().backward()
-    opt.step()
+class _World:
+    """What the scenarios share: the trained tiny model, its batch and optimizer, the cache path, and the
+    counting loss functions (`forwards`: one entry per forward; `order`: which candidate each ran)."""
+
+    def __init__(self, cache: str):
+        torch.manual_seed(0)
+        self.model, self.batch = Tiny(), torch.randn(8, 64)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.1)
+        self.model(self.batch).sum().backward()
+        self.opt.step()
+        self.cache = cache
+        self.cfg = f2.FSDP2Config(log_plan=False)
+        self.both = [self.cfg, f2.FSDP2Config(wrap_policy=None, log_plan=False)]
+        self.forwards: list[int] = []
+        self.order: list[str] = []
+
+    def loss(self, m, b):
+        self.forwards.append(1)
+        return m(b).square().mean()
+
+    def in_turn(self, m, b):
+        self.order.append("blocks" if isinstance(m.blocks[0], FSDPModule) else "one")
+        return self.loss(m, b)
+
+
+SCENARIOS: dict[str, Callable[[_World], dict]] = {}
+"""The world's named sub-checks, run in this order on one world (`_tune_world`)."""
+
+
+def _scenario(fn: Callable[[_World], dict]) -> Callable[[_World], dict]:
+    SCENARIOS[fn.__name__.removeprefix("_")] = fn
+    return fn
+
+
+@_scenario
+def _budget(w: _World) -> dict:
+    """Budget between FULL_SHARD's estimate and NO_SHARD's: NO_SHARD is reported, not run. Tuning
+    leaves the model, the optimizer, the gradients and the RNG as they were."""
+    model, batch, opt = w.model, w.batch, w.opt
     grads = [p.grad.clone() for p in model.parameters()]
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt_before = {k: v.clone() for k, v in opt.state[model.head.weight].items()}
     rng = torch.get_rng_state()
     out: dict = {}
-
-    # Budget between FULL_SHARD's estimate and NO_SHARD's: NO_SHARD is reported, not run.
     peaks = {
         c["sharding_strategy"] + str("wrap_policy" in c): f2.estimate_memory(
             model, c, world_size=2, example_batch=batch
@@ -101,111 +136,172 @@ def _tune_world(cache: str) -> dict:
     )
     out["rng_unchanged"] = torch.equal(rng, torch.get_rng_state())
     out["grads_unchanged"] = all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    return out
 
-    # A model built on the meta device: each candidate is materialised on its copy and measured;
-    # the model itself stays on meta.
+
+@_scenario
+def _meta(w: _World) -> dict:
+    """A model built on the meta device: each candidate is materialised on its copy and measured;
+    the model itself stays on meta."""
     with torch.device("meta"):
         on_meta = Tiny()
-    tuned = f2.tune(on_meta, batch, candidates=FEW[:2], steps=1, warmup=0, passes=1)
-    out["meta"] = [(r.label, r.measured is not None and r.measured.peak_bytes > 0) for r in tuned.rows]
-    out["still_meta"] = all(p.is_meta for p in on_meta.parameters())
+    tuned = f2.tune(on_meta, w.batch, candidates=FEW[:2], steps=1, warmup=0, passes=1)
+    return {
+        "meta": [(r.label, r.measured is not None and r.measured.peak_bytes > 0) for r in tuned.rows],
+        "still_meta": all(p.is_meta for p in on_meta.parameters()),
+    }
 
-    # A candidate failing on every rank is skipped with its reason; the tuning goes on.
-    failing = f2.tune(model, batch, candidates=FEW[:2], loss_fn=_fails_without_block_groups, steps=1, warmup=0)
-    out["failing"] = [(r.label, r.measured is not None, r.skipped.split(":")[0]) for r in failing.rows]
-    out["failing_reason"] = failing.rows[1].skipped
 
-    # The probe measures a steady step, as the last of 2 warm-up steps (after the first, which creates
-    # the optimizer state) as after the timed step with 1 warm-up step; in both, no step more than
-    # asked for. Without a probe, nothing is measured.
+@_scenario
+def _failing(w: _World) -> dict:
+    """A candidate failing on every rank is skipped with its reason; the tuning goes on."""
+    failing = f2.tune(w.model, w.batch, candidates=FEW[:2], loss_fn=_fails_without_block_groups, steps=1, warmup=0)
+    return {
+        "failing": [(r.label, r.measured is not None, r.skipped.split(":")[0]) for r in failing.rows],
+        "failing_reason": failing.rows[1].skipped,
+    }
+
+
+@_scenario
+def _probes(w: _World) -> dict:
+    """The probe measures a steady step, as the last of 2 warm-up steps (after the first, which creates
+    the optimizer state) as after the timed step with 1 warm-up step; in both, no step more than
+    asked for. Without a probe, nothing is measured."""
     from fsdp2_strategy.estimate import optimizer_factory
     from fsdp2_strategy.tuning.measure import measure_candidate
 
-    cfg = f2.FSDP2Config(log_plan=False)
-    forwards = []
-
-    def loss(m, b):
-        forwards.append(1)
-        return m(b).square().mean()
-
     probes = {}
     for name, warmup, probe in (("warm-up 2", 2, True), ("warm-up 1", 1, True), ("none", 2, False)):
-        forwards.clear()
+        w.forwards.clear()
         m = measure_candidate(
-            model, cfg, batch, loss, optimizer_factory("adamw"), micro_batches=2, warmup=warmup, steps=1, probe=probe
+            w.model,
+            w.cfg,
+            w.batch,
+            w.loss,
+            optimizer_factory("adamw"),
+            micro_batches=2,
+            warmup=warmup,
+            steps=1,
+            probe=probe,
         )
-        probes[name] = (m.peak_bytes, m.collectives, len(forwards))
-    out["probes"] = probes
-    out["probe_vs_memtracker"] = _probe_and_memtracker_peaks()
+        probes[name] = (m.peak_bytes, m.collectives, len(w.forwards))
+    return {"probes": probes}
 
-    # Two first timed steps over stop_above_s (the slowest rank's) end the timed steps on every
-    # rank, and the second alone times the row; a slow first step followed by one under the limit
-    # does not. Steps made slow by sleeping in the first forwards of a step (k=2: forwards 1-2 are
-    # the first timed step; warmup=0, so the probe step comes after the timed ones).
+
+@_scenario
+def _probe_vs_memtracker(w: _World) -> dict:
+    """The probe's live-bytes peak and MemTracker's for the same steady step."""
+    return {"probe_vs_memtracker": _probe_and_memtracker_peaks()}
+
+
+@_scenario
+def _stops(w: _World) -> dict:
+    """Two first timed steps over stop_above_s (the slowest rank's) end the timed steps on every
+    rank, and the second alone times the row; a slow first step followed by one under the limit
+    does not. Steps made slow by sleeping in the first forwards of a step (k=2: forwards 1-2 are
+    the first timed step; warmup=0, so the probe step comes after the timed ones). The phases are
+    the median step's (each the slowest rank's, scaled to the step's time): they add up to the
+    median step, not more."""
+    from fsdp2_strategy.tuning.measure import measure_candidate
+
     def stopping(limit: float, slow_steps: int):
         """measure_candidate with the first `slow_steps` timed steps sleeping SLOW_STEP_S."""
 
         def loss_fn(m, b):
-            forwards.append(1)
-            if len(forwards) <= 2 * slow_steps and len(forwards) % 2:
+            w.forwards.append(1)
+            if len(w.forwards) <= 2 * slow_steps and len(w.forwards) % 2:
                 time.sleep(SLOW_STEP_S)
             return m(b).square().mean()
 
-        forwards.clear()
-        m = measure_candidate(model, cfg, batch, loss_fn, None, micro_batches=2, warmup=0, steps=3, stop_above_s=limit)
-        return m, (len(m.steps), m.stopped, len(forwards))
+        w.forwards.clear()
+        m = measure_candidate(
+            w.model, w.cfg, w.batch, loss_fn, None, micro_batches=2, warmup=0, steps=3, stop_above_s=limit
+        )
+        return m, (len(m.steps), m.stopped, len(w.forwards))
 
     stops = {name: stopping(*how) for name, how in STOPS.items()}
-    out["stops"] = {name: seen for name, (_, seen) in stops.items()}
-    out["stopped_s"] = stops["second over"][0].step_s
     m = stops["none over"][0]
-    # The phases are the median step's (each the slowest rank's, scaled to the step's time): they
-    # add up to the median step, not more.
-    out["phases_add_up"] = (2 * (m.forward_s + m.backward_s) + m.optimizer_s, m.step_s)
+    return {
+        "stops": {name: seen for name, (_, seen) in stops.items()},
+        "stopped_s": stops["second over"][0].step_s,
+        "phases_add_up": (2 * (m.forward_s + m.backward_s) + m.optimizer_s, m.step_s),
+    }
 
-    # Candidates measured in turn: each built and given its warm-up step, then one step of each per
-    # round, the order reversed every other round.
-    from torch.distributed.fsdp import FSDPModule
 
+@_scenario
+def _in_turn(w: _World) -> dict:
+    """Candidates measured in turn: each built and given its warm-up step, then one step of each per
+    round, the order reversed every other round."""
+    from fsdp2_strategy.estimate import optimizer_factory
     from fsdp2_strategy.tuning.measure import measure_interleaved
 
-    order = []
+    w.order.clear()
+    got = measure_interleaved(
+        w.model, w.both, w.batch, w.in_turn, optimizer_factory("sgd"), micro_batches=1, warmup=1, steps=3
+    )
+    return {"in_turn": (list(w.order), [(len(m.steps), m.peak_bytes, m.collectives, m.interleaved) for m in got])}
 
-    def in_turn(m, b):
-        order.append("blocks" if isinstance(m.blocks[0], FSDPModule) else "one")
-        return loss(m, b)
 
-    both = [cfg, f2.FSDP2Config(wrap_policy=None, log_plan=False)]
-    got = measure_interleaved(model, both, batch, in_turn, optimizer_factory("sgd"), micro_batches=1, warmup=1, steps=3)
-    out["in_turn"] = (list(order), [(len(m.steps), m.peak_bytes, m.collectives, m.interleaved) for m in got])
-    # A close call takes as many rounds again. Within 100x of the fastest both are close; within
-    # 1.0x only the fastest itself, so none takes more (factors that no machine's speed decides:
-    # a 0.1 s sleep against 1.5x of a step of a few ms was close on a loaded CI machine).
-    out["close_calls"] = {}
+@_scenario
+def _close_calls(w: _World) -> dict:
+    """A close call takes as many rounds again. Within 100x of the fastest both are close; within
+    1.0x only the fastest itself, so none takes more (factors that no machine's speed decides:
+    a 0.1 s sleep against 1.5x of a step of a few ms was close on a loaded CI machine)."""
+    from fsdp2_strategy.estimate import optimizer_factory
+    from fsdp2_strategy.tuning.measure import measure_interleaved
+
+    close_calls = {}
     for close in (100.0, 1.0):
-        order.clear()
+        w.order.clear()
         got = measure_interleaved(
-            model, both, batch, in_turn, optimizer_factory("sgd"), micro_batches=1, warmup=0, steps=2, close=close
+            w.model,
+            w.both,
+            w.batch,
+            w.in_turn,
+            optimizer_factory("sgd"),
+            micro_batches=1,
+            warmup=0,
+            steps=2,
+            close=close,
         )
-        out["close_calls"][close] = (list(order), [len(m.steps) for m in got])
+        close_calls[close] = (list(w.order), [len(m.steps) for m in got])
+    return {"close_calls": close_calls}
 
-    # Where the earlier passes disagree with the rounds in turn, both take as many rounds again: one
-    # group sleeps 0.2 s a step, so blocks leads in turn (steps of a few ms); one group's earlier
-    # pass beat blocks' (first_s), or did not.
+
+@_scenario
+def _disagreements(w: _World) -> dict:
+    """Where the earlier passes disagree with the rounds in turn, both take as many rounds again: one
+    group sleeps 0.2 s a step, so blocks leads in turn (steps of a few ms); one group's earlier
+    pass beat blocks' (first_s), or did not."""
+    from fsdp2_strategy.tuning.measure import measure_interleaved
+
     def one_sleeps(m, b):
         if not isinstance(m.blocks[0], FSDPModule):
             time.sleep(0.2)
-        return in_turn(m, b)
+        return w.in_turn(m, b)
 
-    out["disagreements"] = {}
+    disagreements = {}
     for first_s in ((1.0, 0.5), (0.5, 1.0)):
-        order.clear()
+        w.order.clear()
         got = measure_interleaved(
-            model, both, batch, one_sleeps, None, micro_batches=1, warmup=0, steps=2, close=1.05, first_s=list(first_s)
+            w.model,
+            w.both,
+            w.batch,
+            one_sleeps,
+            None,
+            micro_batches=1,
+            warmup=0,
+            steps=2,
+            close=1.05,
+            first_s=list(first_s),
         )
-        out["disagreements"][first_s] = [len(m.steps) for m in got]
+        disagreements[first_s] = [len(m.steps) for m in got]
+    return {"disagreements": disagreements}
 
-    # The pick is among the rows measured in turn, though another's single pass was faster.
+
+@_scenario
+def _pick_in_turn(w: _World) -> dict:
+    """The pick is among the rows measured in turn, though another's single pass was faster."""
     from fsdp2_strategy.tuning import tuner
     from fsdp2_strategy.tuning.candidates import Candidate
     from fsdp2_strategy.tuning.measure import Measurement
@@ -216,73 +312,144 @@ def _tune_world(cache: str) -> dict:
         TuneRow(Candidate(name, {}), measured=Measurement(s, 0, 0, 0, 0, interleaved=turn))
         for name, (s, turn) in timings.items()
     ]
-    out["pick_in_turn"] = tuner._pick(picks).label
+    return {"pick_in_turn": tuner._pick(picks).label}
 
-    # Ranks that disagree get one error each, not a hang.
+
+@_scenario
+def _disagree(w: _World) -> dict:
+    """Ranks that disagree get one error each, not a hang."""
     mine = FEW[:1] if torch.distributed.get_rank() == 0 else FEW[1:2]
     try:
-        f2.tune(model, batch, candidates=mine, steps=1, warmup=0)
+        f2.tune(w.model, w.batch, candidates=mine, steps=1, warmup=0)
     except ValueError as exc:
-        out["disagree"] = str(exc)
+        return {"disagree": str(exc)}
+    raise AssertionError("tune raised no ValueError for candidates that differ between the ranks")
 
-    # compare_strategies(time=True): a predicted column from a sweep and one measured step.
+
+@_scenario
+def _timed(w: _World) -> dict:
+    """compare_strategies(time=True): a predicted column from a sweep and one measured step."""
     timed = f2.compare_strategies(
-        model,
+        w.model,
         world_size=2,
-        example_batch=batch,
+        example_batch=w.batch,
         strategies=("FULL_SHARD", "NO_SHARD"),
         offload=(False,),
         checkpointing=(False,),
         time=True,
     )
-    out["timed_rows"] = [r.predicted is not None and r.predicted.total_s > 0 for r in timed.rows]
-    out["timed_header"] = "predicted s/step" in str(timed)
+    return {
+        "timed_rows": [r.predicted is not None and r.predicted.total_s > 0 for r in timed.rows],
+        "timed_header": "predicted s/step" in str(timed),
+    }
 
-    # objective="throughput": tuned and cached once, reused on the next call without tuning.
-    os.environ["FSDP2_TUNE_CACHE"] = cache
-    cfg = {"sharding_strategy": "auto", "objective": "throughput", "log_plan": False}
-    first = f2.shard_model(Tiny(), cfg, example_batch=batch)
-    with open(cache) as f:
-        (entry,) = json.load(f).values()
-    out["cached"] = sorted(entry)
+
+@_scenario
+def _throughput(w: _World) -> dict:
+    """objective="throughput": tuned and cached once, reused on the next call without tuning."""
     import fsdp2_strategy.tuning.resolve as resolve
+
+    os.environ["FSDP2_TUNE_CACHE"] = w.cache
+    cfg = {"sharding_strategy": "auto", "objective": "throughput", "log_plan": False}
+    first = f2.shard_model(Tiny(), cfg, example_batch=w.batch)
+    with open(w.cache) as f:
+        (entry,) = json.load(f).values()
+    out: dict = {"cached": sorted(entry)}
 
     def no_tuning(*args, **kwargs):
         raise AssertionError("tuned again although the decision was cached")
 
     resolve.tune, original = no_tuning, resolve.tune
     try:
-        second = f2.shard_model(Tiny(), cfg, example_batch=batch)
+        second = f2.shard_model(Tiny(), cfg, example_batch=w.batch)
     finally:
         resolve.tune = original
     out["same_choice"] = str(f2.sharding_plan(first)) == str(f2.sharding_plan(second))
-
-    # The command line, on the same world.
-    out["cli"] = main(
-        [
-            "tune",
-            "test_tune:tiny_with_batch",
-            "--steps",
-            "1",
-            "--warmup",
-            "0",
-            "--candidates",
-            json.dumps(FEW[:2]),
-            "--json",
-            cache + ".cli.json",
-        ]
-    )
     return out
 
 
+@_scenario
+def _cli(w: _World) -> dict:
+    """The command line, on the same world."""
+    args = ["--steps", "1", "--warmup", "0", "--candidates", json.dumps(FEW[:2]), "--json", w.cache + ".cli.json"]
+    return {"cli": main(["tune", "test_tune:tiny_with_batch", *args])}
+
+
+SCENARIO_SKEW_S = 60.0
+"""How long a rank that ended a scenario waits for the others to end it too (they end it within
+moments of each other: each scenario's collectives keep the ranks in step)."""
+
+
+def _tune_world(cache: str) -> dict[str, tuple[str, Any]]:
+    """Every scenario in turn on one world (as PyTorch's `run_subtests`): {name: ("ok", its result)
+    or ("error", its traceback) or ("not run", why)}. A scenario that raises on every rank is
+    recorded and the next one runs; one that raised on some ranks only ends the world's scenarios
+    (the ranks' collectives may no longer match): the others are recorded as not run. Where the
+    ranks that did not raise wait in a collective of that scenario, the ones that raised fail the
+    world after SCENARIO_SKEW_S, with every scenario's traceback so far."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    # The ranks tell each other how each scenario ended on a group of its own, whose collectives
+    # cannot pair with one that a failing scenario left behind on the default group.
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=SCENARIO_SKEW_S))
+    w = _World(cache)
+    results: dict[str, tuple[str, Any]] = {}
+    for name, check in SCENARIOS.items():
+        try:
+            results[name] = ("ok", check(w))
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # DCP's CheckpointException is a BaseException
+            results[name] = ("error", traceback.format_exc())
+        ended = [None] * dist.get_world_size()
+        try:
+            dist.all_gather_object(ended, results[name][0], group=side)
+        except Exception as exc:
+            raised = "".join(f"\nscenario {n} raised:\n{v}" for n, (status, v) in results.items() if status == "error")
+            raise RuntimeError(
+                f"scenario {name}: the other ranks did not end it within {SCENARIO_SKEW_S:.0f}s of this one (a "
+                f"scenario that raised on some ranks only leaves the others waiting in its collectives){raised}"
+            ) from exc
+        if "error" in ended and "ok" in ended:
+            failed = [rank for rank, status in enumerate(ended) if status == "error"]
+            why = f"not run: scenario {name} raised on rank(s) {failed} only"
+            results.update({later: ("not run", why) for later in SCENARIOS if later not in results})
+            break
+    return results
+
+
+class Scenarios:
+    """The world's scenarios as each rank ended them; `world[name]` is a scenario's result (rank 0's),
+    after asserting that it returned on every rank with the same result, naming the scenario and why
+    otherwise."""
+
+    def __init__(self, per_rank: list[dict[str, tuple[str, Any]]], cache: str):
+        self.per_rank, self.cache = per_rank, cache
+
+    def __getitem__(self, name: str) -> dict:
+        ended = [results[name] for results in self.per_rank]
+        problems = [
+            f"rank {rank} raised:\n{value}" if status == "error" else f"rank {rank}: {value}"
+            for rank, (status, value) in enumerate(ended)
+            if status != "ok"
+        ]
+        assert not problems, f"scenario {name} of the tune world failed:\n" + "\n".join(problems)
+        for rank, (_, value) in enumerate(ended[1:], start=1):
+            difference = _first_difference(ended[0][1], value)
+            assert difference is None, f"scenario {name}: rank {rank} disagrees with rank 0: {difference}"
+        return ended[0][1]
+
+
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory) -> Scenarios:
     cache = str(tmp_path_factory.mktemp("tune") / "fsdp2_tune.json")
-    return run_agreeing(_tune_world, 2, cache, timeout=240), cache
+    return Scenarios(run_distributed(_tune_world, 2, cache, timeout=240), cache)
 
 
 def test_candidates_over_the_budget_are_reported_not_run(world):
-    out, _ = world
+    out = world["budget"]
     rows = {label: (fits, ran, why) for label, fits, ran, why in out["rows"]}
     assert rows["NO_SHARD/one group"][:2] == (False, False) and "over the budget" in rows["NO_SHARD/one group"][2]
     assert rows["FULL_SHARD/blocks"][:2] == (True, True) and rows["FULL_SHARD/one group"][:2] == (True, True)
@@ -292,25 +459,25 @@ def test_candidates_over_the_budget_are_reported_not_run(world):
 
 
 def test_tuning_leaves_the_model_the_optimizer_and_the_rng_as_they_were(world):
-    out, _ = world
+    out = world["budget"]
     assert out["unchanged"] and out["rng_unchanged"] and out["grads_unchanged"]
 
 
 def test_a_model_on_the_meta_device_is_materialised_per_candidate_and_stays_on_meta(world):
-    out, _ = world
+    out = world["meta"]
     assert out["meta"] == [("FULL_SHARD/blocks", True), ("FULL_SHARD/one group", True)]
     assert out["still_meta"]
 
 
 def test_a_failing_candidate_is_skipped_with_its_reason_and_disagreeing_ranks_get_an_error(world):
-    out, _ = world
+    out = world["failing"] | world["disagree"]
     assert out["failing"] == [("FULL_SHARD/blocks", True, ""), ("FULL_SHARD/one group", False, "failed")]
     assert "rank 0: OutOfMemoryError" in out["failing_reason"] and "rank 1: OutOfMemoryError" in out["failing_reason"]
     assert out["disagree"].startswith("tune: ranks disagree on candidates: rank 0 has ['FULL_SHARD/blocks'], rank 1")
 
 
 def test_the_probe_measures_a_steady_step_within_the_steps_asked_for(world):
-    out, _ = world
+    out = world["probes"]
     peak, collectives, forwards = out["probes"]["warm-up 2"]
     assert peak > 0 and sum(collectives.values()) > 0
     assert forwards == (2 + 1) * 2  # 2 micro-batches per step: the probe is the second warm-up step
@@ -335,7 +502,7 @@ def _probe_and_memtracker_peaks() -> tuple[int, int]:
 
 
 def test_the_probe_counts_the_live_bytes_memtracker_counts(world):
-    out, _ = world
+    out = world["probe_vs_memtracker"]
     probe, memtracker = out["probe_vs_memtracker"]
     assert probe == pytest.approx(memtracker, rel=1e-3)
 
@@ -362,7 +529,7 @@ def test_live_tensor_bytes_counts_each_storage_once_until_it_dies_or_is_resized(
 
 
 def test_a_candidate_whose_first_two_timed_steps_are_over_the_limit_takes_no_more(world):
-    out, _ = world
+    out = world["stops"]
     # (timed steps kept, stopped, forwards run: 2 per step, the probe step's included)
     assert out["stops"] == {
         "all over": (1, True, 6),  # two timed steps and the probe; the second step kept
@@ -374,7 +541,7 @@ def test_a_candidate_whose_first_two_timed_steps_are_over_the_limit_takes_no_mor
 
 
 def test_a_measurement_s_phases_add_up_to_its_median_step(world):
-    out, _ = world
+    out = world["stops"]
     phases, step = out["phases_add_up"]
     assert phases == pytest.approx(step, rel=1e-9)
 
@@ -390,7 +557,7 @@ def test_the_phases_are_the_median_step_s_scaled_to_its_time():
 
 
 def test_candidates_measured_in_turn_step_alternately_close_calls_twice_and_the_pick_is_among_them(world):
-    out, _ = world
+    out = world["in_turn"] | world["close_calls"] | world["disagreements"] | world["pick_in_turn"]
     order, got = out["in_turn"]
     assert order == ["blocks", "one"] + ["blocks", "one", "one", "blocks", "blocks", "one"]
     assert got == [(3, 0, {}, True), (3, 0, {}, True)]
@@ -413,12 +580,12 @@ def test_the_rounds_in_turn_are_unsettled_for_close_calls_and_where_the_first_pa
 
 
 def test_compare_strategies_time_true_adds_predictions(world):
-    out, _ = world
+    out = world["timed"]
     assert out["timed_rows"] == [True, True] and out["timed_header"]
 
 
 def test_throughput_objective_caches_and_reuses_the_decision(world):
-    out, cache = world
+    out, cache = world["throughput"] | world["cli"], world.cache
     assert out["cached"] == ["changes", "label", "step_s", "table"]
     assert out["same_choice"]
     assert out["cli"] == 0
