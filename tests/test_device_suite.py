@@ -74,7 +74,9 @@ def test_compiled_paths_and_float8_status(dry_run):
     assert all("error" not in row for row in result["rows"])
     rows = {row["path"]: row for row in result["rows"]}  # each against the hand-written loop compiled too
     assert rows["hand+compile"]["vs_hand"] == 1.0
-    assert rows["core+compile"]["vs_hand"] == rows["core+compile"]["tokens_per_s"] / rows["hand+compile"]["tokens_per_s"]
+    assert (
+        rows["core+compile"]["vs_hand"] == rows["core+compile"]["tokens_per_s"] / rows["hand+compile"]["tokens_per_s"]
+    )
     assert result["float8"].startswith("not run:")
 
 
