@@ -108,6 +108,11 @@ class DeepSpeedTranslation:
     mapped: dict[str, str] = field(default_factory=dict)
     unmapped: dict[str, str] = field(default_factory=dict)
 
+    @staticmethod
+    def source_key(name: str) -> str:
+        """The DeepSpeed key a `trainer` setting comes from ("max_grad_norm" -> "gradient_clipping")."""
+        return next(key for key, trainer_name in TRAINER_KEYS.items() if trainer_name == name)
+
     def lightning_trainer(self) -> dict[str, Any]:
         """`trainer` by Lightning `Trainer`'s argument names (batch sizes are the DataLoader's)."""
         return {LIGHTNING_NAMES[k]: v for k, v in self.trainer.items() if k in LIGHTNING_NAMES}

@@ -62,12 +62,8 @@ def _check_deepspeed_agrees(translation: Any, args: Any, world_size: int) -> Non
         "per_device_train_batch_size": args.per_device_train_batch_size,
         "train_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps * world_size,
     }
-    # The DeepSpeed key each setting came from: translation.mapped says "trainer <name>=<value>".
-    keys = {
-        text.split()[1].split("=")[0]: key for key, text in translation.mapped.items() if text.startswith("trainer ")
-    }
     differ = [
-        f"DeepSpeed {keys.get(name, name)}={value} vs TrainingArguments {name}={hf[name]}"
+        f"DeepSpeed {translation.source_key(name)}={value} vs TrainingArguments {name}={hf[name]}"
         for name, value in translation.trainer.items()
         if name in hf and value != hf[name]
     ]
