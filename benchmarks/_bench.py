@@ -5,11 +5,14 @@ Not a public API: the benchmark scripts put this folder on `sys.path` and import
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -219,3 +222,31 @@ fsdp_config:
   fsdp_reshard_after_forward: true
   fsdp_state_dict_type: SHARDED_STATE_DICT
 """
+
+
+def repo_env() -> dict[str, str]:
+    """This process's environment with the repository first on PYTHONPATH (for a worker process)."""
+    root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def world_of_one_env() -> dict[str, str]:
+    """`repo_env()` with torchrun's variables for a world of one rank (on a free port): what a
+    benchmark's single-process worker is started with."""
+    env = repo_env()
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    env.update(MASTER_PORT=str(free_port()))
+    return env
+
+
+def run_for_result(cmd: list[str], env: dict[str, str], timeout: float, marker: str, name: str) -> dict:
+    """Run a worker process and return the JSON object its last `marker` line carries; a timeout, a
+    non-zero exit or no such line gives `{"path": name, "error": ...}` instead."""
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"path": name, "error": f"timed out after {timeout:.0f} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(marker)]
+    if proc.returncode != 0 or not lines:
+        return {"path": name, "error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-3000:]}"}
+    return json.loads(lines[-1][len(marker) :])

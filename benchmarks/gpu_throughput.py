@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +39,6 @@ from pathlib import Path
 
 import _bench  # this folder: on sys.path as the script's directory, or put there by device_suite
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULT = "GPU_THROUGHPUT_RESULT "
 
 SIZES = {
@@ -340,7 +338,6 @@ def launch(path: str, size: str, steps: int, warmup: int, work: Path, timeout: f
 
     script = [__file__, "--worker", path, "--size", size, "--steps", str(steps), "--warmup", str(warmup)]
     script += ["--work", str(work)]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     if path in ACCELERATE_PATHS:
         config = work / "accelerate_fsdp2.yaml"
         cpu = not torch.accelerator.is_available()
@@ -349,19 +346,12 @@ def launch(path: str, size: str, steps: int, warmup: int, work: Path, timeout: f
         )
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
         cmd += ["--main_process_port", str(_bench.free_port()), *script]
+        env = _bench.repo_env()
     else:
-        cmd = [sys.executable, *script]
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        env.update(MASTER_PORT=str(_bench.free_port()))
+        cmd, env = [sys.executable, *script], _bench.world_of_one_env()
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"path": path, "error": f"timed out after {timeout:.0f} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
-    if proc.returncode != 0 or not lines:
-        return {"path": path, "error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-3000:]}"}
-    return {**json.loads(lines[-1][len(RESULT) :]), "process_s": time.perf_counter() - start}
+    result = _bench.run_for_result(cmd, env, timeout, RESULT, path)
+    return result if "error" in result else {**result, "process_s": time.perf_counter() - start}
 
 
 def summarise(path: str, runs: list[dict], size: dict, peak_flops: float, flops_per_token: float) -> dict:

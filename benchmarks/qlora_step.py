@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +25,6 @@ from pathlib import Path
 import _bench  # this folder: on sys.path as the script's directory, or put there by device_suite
 import gpu_throughput
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULT = "QLORA_STEP_RESULT "
 SIZES = {
     # bitsandbytes' CPU matmul needs widths divisible by its block size (64): what the dry run uses.
@@ -46,14 +43,6 @@ SIZES = {
 }
 PATHS = ("unsharded", "sharded")
 CONFIG = {"sharding_strategy": "FULL_SHARD", "mixed_precision": "bf16"}
-
-
-def _device():
-    import torch
-
-    if not torch.accelerator.is_available():
-        return torch.device("cpu")
-    return torch.device(torch.accelerator.current_accelerator().type, 0)
 
 
 def build(size: dict, device):
@@ -93,7 +82,7 @@ def worker(path: str, size_name: str, steps: int, warmup: int) -> None:
 
     import fsdp2_strategy as f2
 
-    size, device = SIZES[size_name], _device()
+    size, device = SIZES[size_name], gpu_throughput._device()
     model = build(size, device)
     if path == "sharded":
         dist.init_process_group(
@@ -162,22 +151,12 @@ def estimate(size: dict, device_type: str) -> dict:
 
 def launch(path: str, size: str, steps: int, warmup: int, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--worker", path, "--size", size, "--steps", str(steps), "--warmup", str(warmup)]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-    env.update(MASTER_PORT=str(_bench.free_port()))
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"path": path, "error": f"timed out after {timeout:.0f} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT)]
-    if proc.returncode != 0 or not lines:
-        return {"path": path, "error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-3000:]}"}
-    return json.loads(lines[-1][len(RESULT) :])
+    return _bench.run_for_result(cmd, _bench.world_of_one_env(), timeout, RESULT, path)
 
 
 def run(size: str, steps: int, warmup: int, timeout: float) -> dict:
     """Both paths (one process each), the planner's estimate, and the ratios."""
-    device = _device()
+    device = gpu_throughput._device()
     runs = {path: launch(path, size, steps, warmup, timeout) for path in PATHS}
     result = {"size": size, "shape": SIZES[size], "device_type": device.type, "runs": runs}
     result["estimate"] = estimate(SIZES[size], device.type)
