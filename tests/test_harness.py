@@ -188,3 +188,36 @@ def test_a_failing_launch_names_the_script_its_exit_code_and_output_and_tests_is
         launch("python", script, cwd=tmp_path, timeout=60)
     proc = launch("python", script, cwd=tmp_path, timeout=60, check=False)
     assert proc.returncode == 3 and "imported _harness" in proc.stdout
+
+
+def test_checks_record_what_differed_and_the_report_names_the_failed_check_and_rank():
+    from _checks import Checks, FlowReports
+
+    reports = []
+    for rank in range(2):
+        entry: dict = {"loss": 1.0}
+        c = Checks(entry)
+        assert c.below("grads equal one process", 1e-6 if rank == 0 else 3e-5, 1e-5) is (rank == 0)
+        assert c.equal("groups", ["<root>", "a"], ["<root>", "a"])
+        assert c.close("losses", [1.0, 2.0], [1.0, 2.0 + 1e-7], 1e-5)
+        assert not c.close("short", [1.0], [1.0, 2.0], 1e-5)
+        message = c.raises("typo named", lambda: {}["x"], KeyError, "'x'")
+        assert message == "'x'"
+        assert not c.raises("no raise", lambda: None, KeyError)
+        with pytest.raises(ValueError, match="recorded twice"):
+            c.that("groups", True)
+        reports.append({"flow": entry})
+    flows = FlowReports(reports)  # the checks differ by rank: left to assert_passed, not the agreement
+    assert flows["flow"]["loss"] == 1.0
+    flows.assert_passed("flow", "groups", "losses", "typo named")
+    with pytest.raises(AssertionError) as failed:
+        flows.assert_passed("flow")
+    text = str(failed.value)
+    assert "grads equal one process: 3e-05 is not below 1e-05 (rank 1)" in text
+    assert "short: 1 values, expected 2" in text and "(ranks 0, 1)" in text
+    assert "no raise: did not raise, expected KeyError (ranks 0, 1)" in text
+    assert "groups" not in text
+    with pytest.raises(AssertionError, match="missing: not run"):
+        flows.assert_passed("flow", "missing")
+    with pytest.raises(AssertionError, match="ran no check of flow 'other'"):
+        flows.assert_passed("other")

@@ -15,8 +15,9 @@ import torch
 
 pytest.importorskip("lightning")
 
+from _checks import FlowReports  # noqa: E402
 from _collect import close_lists, max_rel_diff, rank_path  # noqa: E402
-from _harness import agreed_report, free_port, launch, rank_reports  # noqa: E402
+from _harness import free_port, launch, rank_reports  # noqa: E402
 
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy  # noqa: E402
 
@@ -42,7 +43,7 @@ def runs(tmp_path_factory) -> dict:
     out = {name: json.loads((work / f"{name}.json").read_text()) for name in ("single", "resume")}
     # Every rank's report (a flow that raised on any rank fails here, naming it), equal on every rank.
     out["flow_ranks"] = rank_reports(flows, 2)
-    out["flows"] = agreed_report(out["flow_ranks"], PER_RANK)
+    out["flows"] = FlowReports(out["flow_ranks"], PER_RANK)
     out["work"] = work
     return out
 
@@ -51,22 +52,8 @@ def _close(a: list[float], b: list[float], tol: float = TOL) -> bool:
     return close_lists(a, b, tol)
 
 
-def test_string_strategy_shards_by_policy_before_optimizers(flows):
-    r = flows["one_step_parity"]
-    assert r["strategy"] == "FSDP2Strategy" and r["root_is_fsdp"]
-    assert r["mesh_dims"] == ["data_parallel", "tensor_parallel"] and r["mesh_shape"] == [2, 1]
-    assert r["plan_groups"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
-    assert all(r["optimizer_params_dtensor"])  # the optimizer was built on the shards
-    assert r["disjoint"]  # each rank saw different samples
-
-
-def test_one_step_matches_single_process(flows):
-    assert flows["one_step_parity"]["max_rel_diff"] < TOL
-
-
-def test_unknown_wrap_class_fails_with_close_match(flows):
-    message = flows["one_step_parity"]["typo_error"]
-    assert message is not None and "'ResidualBlok'" in message and "Did you mean 'ResidualBlock'" in message
+def test_one_step_shards_by_policy_and_matches_single_process(flows):
+    flows.assert_passed("one_step_parity")
 
 
 def test_registry_variants_train_like_one_process(flows):

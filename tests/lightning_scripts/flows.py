@@ -21,6 +21,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.distributed.checkpoint as dcp
+from _checks import Checks
 from _collect import full, run_flows
 from _comm import collective_dtypes, count_collectives
 from _models import ResidualBlock
@@ -53,6 +54,7 @@ from fsdp2_strategy import _torch_compat as tc
 from fsdp2_strategy.integrations.lightning import FSDP2MixedPrecision, FSDP2Strategy, FSDP2ThroughputMonitor
 
 BATCH = 4  # per rank
+TOL = 1e-5  # fp32 parity, relative
 
 
 def _all_indices(model: LitMLP, steps: slice = slice(None)) -> list[int]:
@@ -75,23 +77,34 @@ def _rs(counts) -> int:
 
 
 def one_step_parity(out: dict, work: Path) -> None:
+    """One step of `Trainer(strategy="fsdp2")` on 2 ranks against one process on the same global batch."""
+    check = Checks(out)
     model, initial = _fresh()
     fit = trainer(max_steps=1)
     fit.fit(model, loader(BATCH))
     full = full_params(model)
     ref, _ = reference_step(initial, _all_indices(model))
-    out.update(
-        model.seen,
-        max_rel_diff=max_rel_diff(full, ref),
-        root_is_fsdp=isinstance(model, FSDPModule),
-        plan_groups=[g.name for g in f2.sharding_plan(model).groups],
-        disjoint=not set(gather(model.indices[0])[0]) & set(gather(model.indices[0])[1]),
+    seen = model.seen
+    check.equal("strategy is FSDP2Strategy", seen["strategy"], "FSDP2Strategy")
+    check.that("the root module is sharded", isinstance(model, FSDPModule))
+    check.equal("mesh dims", seen["mesh_dims"], ["data_parallel", "tensor_parallel"])
+    check.equal("mesh shape", seen["mesh_shape"], [2, 1])
+    check.equal(
+        "groups by policy",
+        [g.name for g in f2.sharding_plan(model).groups],
+        ["<root>", "blocks.0", "blocks.1", "blocks.2"],
     )
-    try:
-        trainer(FSDP2Strategy(wrap_policy=["ResidualBlok"]), max_steps=1).fit(LitMLP(), loader(BATCH))
-        out["typo_error"] = None
-    except ValueError as exc:
-        out["typo_error"] = str(exc)
+    check.that("optimizer built on the shards", all(seen["optimizer_params_dtensor"]), seen["optimizer_params_dtensor"])
+    first = gather(model.indices[0])
+    check.that("each rank saw different samples", not set(first[0]) & set(first[1]), first)
+    check.below("parameters equal one process's (relative)", max_rel_diff(full, ref), TOL)
+    check.raises(
+        "unknown wrap class named with its close match",
+        lambda: trainer(FSDP2Strategy(wrap_policy=["ResidualBlok"]), max_steps=1).fit(LitMLP(), loader(BATCH)),
+        ValueError,
+        "'ResidualBlok'",
+        "Did you mean 'ResidualBlock'",
+    )
 
 
 def registry_variants(out: dict, work: Path) -> None:
