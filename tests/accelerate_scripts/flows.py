@@ -1,19 +1,22 @@
-"""FSDP2Accelerator flows on 2 ranks in one world; writes what it measured to JSON.
+"""FSDP2Accelerator flows on 2 ranks in one world; each flow checks what it claims (`_checks.Checks`)
+and every rank writes its report (OUT.rankN.json).
 
 Usage (tests/ on the path, as `_harness.launch` puts it), in tests/accelerate_scripts/:
 
-    PYTHONPATH=.. accelerate launch --config_file fsdp2.yaml flows.py OUT.json WORKDIR [FLOW,FLOW...]
+    PYTHONPATH=.. accelerate launch --config_file fsdp2.yaml flows.py OUT.json WORKDIR [FLOW,FLOW... [EARLIER]]
 
 Launched by `accelerate launch` with an ordinary accelerate FSDP config, so the plugin's
-defaults come from the `FSDP_*` variables that config produces. Each flow records its numbers
-under its own key; an exception is recorded as "error" for that flow (the test fails on it)
-and the next flow runs.
+defaults come from the `FSDP_*` variables that config produces. Each flow records its named checks
+(and the numbers they judged) under its own key; tests/test_accelerate.py launches and reports.
+EARLIER: rank 0's report of the fsdp2.yaml launch, for the variant launch's flows that continue it.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import math
 import os
 import shutil
 import signal
@@ -24,9 +27,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _checks import Checks
 from _collect import run_flows
 from _comm import collective_dtypes, count_collectives
-from _precision import policy_grads, tied_names
+from _precision import TIED_TOL, policy_grads, tied_names
 from _slow_staging import copied_by, differing, full_state, slow_staging
 from accelerate import Accelerator
 from accelerate.tracking import GeneralTracker
@@ -50,13 +54,27 @@ from common import (
     train,
     update_rel_diff,
 )
-from resume_flows import resume_from_one, resume_on_two
+from resume_flows import EARLIER, resume_from_one, resume_on_two
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Subset
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin
+from fsdp2_strategy.integrations.accelerate.plugin import STOCK_ACCELERATOR_ERROR
+
+TOL = 1e-5  # fp32 parity, relative
+GROUPS = ["<root>", "blocks.0", "blocks.1", "blocks.2"]  # TinyGPT wrapped per block
+
+
+def _rank0s(value):
+    """Rank 0's `value` on every rank (what rank 0 alone measured, from the files it alone reads)."""
+    return gather(value)[0]
+
+
+def _missing(wanted, present) -> list:
+    """The names of `wanted` not in `present` (checked equal to [] to show what is missing)."""
+    return [name for name in wanted if name not in present]
 
 
 def _plan(model) -> dict:
@@ -68,8 +86,10 @@ def _plan(model) -> dict:
     }
 
 
-def config_from_launch(out: dict, work: Path) -> None:
-    """What `accelerate launch --config_file` handed to FSDP2Plugin() and FSDP2Accelerator()."""
+def _launch_config(out: dict) -> Checks:
+    """What `accelerate launch --config_file` handed to FSDP2Plugin() and FSDP2Accelerator(), recorded in
+    `out`; checks what every config file gives (real FSDP on gloo, where stock Accelerate would run DDP,
+    and the stock Accelerator refusing the plugin) and returns the checks for the file's own values."""
     cfg = FSDP2Plugin().fsdp2_config
     out.update(
         wrap_policy=cfg.wrap_policy,
@@ -88,11 +108,38 @@ def config_from_launch(out: dict, work: Path) -> None:
         is_fsdp2=acc.is_fsdp2,
         backend=dist.get_backend(),
     )
-    try:
-        Accelerator(fsdp_plugin=FSDP2Plugin())
-        out["stock_error"] = None
-    except TypeError as exc:
-        out["stock_error"] = str(exc)
+    check = Checks(out)
+    check.equal("FSDP distributed type", out["distributed_type"], "DistributedType.FSDP")
+    check.that("is_fsdp2", out["is_fsdp2"] is True, out["is_fsdp2"])
+    check.equal("2 processes", out["num_processes"], 2)
+    check.equal("gloo backend", out["backend"], "gloo")
+    out["stock_error"] = check.raises(
+        "the stock Accelerator refuses the plugin by name", lambda: Accelerator(fsdp_plugin=FSDP2Plugin()), TypeError
+    )
+    check.equal("the stock refusal is the documented message", out["stock_error"], STOCK_ACCELERATOR_ERROR)
+    return check
+
+
+def config_from_launch(out: dict, work: Path) -> None:
+    """fsdp2.yaml's keys reach the core: Block wrapping, reshard, no offload, checkpointing or precision."""
+    check = _launch_config(out)
+    check.equal("wrap policy Block", out["wrap_policy"], ["Block"])
+    check.that("reshard_after_forward True", out["reshard_after_forward"] is True, out["reshard_after_forward"])
+    check.that("no cpu offload", out["cpu_offload"] is False, out["cpu_offload"])
+    check.equal("no activation checkpointing", out["activation_checkpointing"], None)
+    check.equal("no mixed precision", out["mixed_precision"], None)
+    check.equal("accelerator precision no", out["accelerator_precision"], "no")
+
+
+def config_from_variant_launch(out: dict, work: Path) -> None:
+    """fsdp2_variant.yaml's keys reach the core: size-based wrap, no reshard, offload, checkpointing, bf16."""
+    check = _launch_config(out)
+    check.equal("size-based wrap 10000", out["wrap_policy"], 10000)
+    check.that("reshard_after_forward False", out["reshard_after_forward"] is False, out["reshard_after_forward"])
+    check.that("cpu offload", out["cpu_offload"] is True, out["cpu_offload"])
+    check.equal("activation checkpointing auto", out["activation_checkpointing"], "auto")
+    check.equal("mixed precision bf16", out["mixed_precision"], "bf16")
+    check.equal("accelerator precision bf16", out["accelerator_precision"], "bf16")
 
 
 def parity(out: dict, work: Path) -> None:
@@ -124,6 +171,14 @@ def parity(out: dict, work: Path) -> None:
     opt2.step()
     ref2, _, _ = reference(initial2, [all_indices(idx)])
     out["after_prepare_param_rel"] = max_rel_diff(full_params(model2), ref2)
+    check = Checks(out)
+    check.that("the root is an FSDP module", out["root_is_fsdp"])
+    check.equal("groups by the config file's policy", out["groups"], GROUPS)
+    check.that("the optimizer built before prepare holds the shards", out["optimizer_params_dtensor"])
+    check.equal("the prepared DataLoader splits the batch", out["indices"], [[0, 1, 2, 3], [4, 5, 6, 7]])
+    check.below("gradients equal one process's (relative)", out["grad_rel"], TOL)
+    check.below("parameters equal one process's (relative)", out["param_rel"], TOL)
+    check.below("optimizer built after prepare: parameters equal one process's", out["after_prepare_param_rel"], TOL)
 
 
 def variants(out: dict, work: Path) -> None:
@@ -139,6 +194,9 @@ def variants(out: dict, work: Path) -> None:
     opt.step()
     ref, _, _ = reference(initial, [all_indices(idx)])
     out.update(_plan(model), param_rel=max_rel_diff(full_params(model), ref))
+    check = Checks(out)
+    check.equal("every group offloaded", out["offload"], [True])
+    check.below("parameters equal one process's (relative)", out["param_rel"], TOL)
 
 
 def accumulation(out: dict, work: Path) -> None:
@@ -176,6 +234,18 @@ def accumulation(out: dict, work: Path) -> None:
         param_rel=max_rel_diff(params, ref),
         micro_batches=len(micro),
     )
+    check = Checks(out)
+    check.equal("2 micro-batches", out["micro_batches"], 2)
+    check.equal("sync_gradients on the last micro-batch only", out["sync_gradients"], [False, True])
+    check.equal(
+        "one reduce-scatter per group, on the last micro-batch only",
+        out["reduce_scatters_after_each_backward"],
+        [0, groups],
+    )
+    check.equal(
+        "two plain backwards reduce-scatter every group twice", out["reduce_scatters_two_plain_backwards"], 2 * groups
+    )
+    check.below("parameters equal one process's (relative)", out["param_rel"], TOL)
 
 
 def accumulation_modes(out: dict, work: Path) -> None:
@@ -214,16 +284,47 @@ def accumulation_modes(out: dict, work: Path) -> None:
             all_gathers=sum(v for k, v in counts.items() if k.startswith("all_gather")),
             param_rel=max_rel_diff(full_params(model), ref),
         )
-    out["scalar_sync_each"] = _scalars_under_sync_each_batch()
-    try:
-        _ = FSDP2Accelerator(
-            fsdp_plugin=FSDP2Plugin(accumulation="keep_gathered"),
-            mixed_precision="no",
-            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True),
-        ).fsdp2_config
-        out["conflict_error"] = None
-    except ValueError as exc:
-        out["conflict_error"] = str(exc)
+    out["scalar_sync_each"] = scalars = _scalars_under_sync_each_batch()
+    check = Checks(out)
+    kept, each = out["keep_gathered"], out["sync_each_batch"]
+    check.equal("keep_gathered: the plan's mode", kept["mode"], "keep_gathered")
+    # Every FSDP group reduce-scattered once and all-gathered once per optimizer step, plus the one-time
+    # gather of every group before the first unsynchronised backward.
+    check.that("keep_gathered: reduce-scatters ran", kept["reduce_scatters"] > 0, kept["reduce_scatters"])
+    check.equal(
+        "keep_gathered: twice as many all-gathers as reduce-scatters", kept["all_gathers"], 2 * kept["reduce_scatters"]
+    )
+    check.equal("sync_each_batch=True is the sync_each mode", each["mode"], "sync_each")
+    check.equal(
+        "sync_each: a reduce-scatter per group on both micro-batches",
+        each["reduce_scatters"],
+        2 * kept["reduce_scatters"],
+    )
+    check.that(
+        "sync_each all-gathers more than keep_gathered",
+        each["all_gathers"] > kept["all_gathers"],
+        (each["all_gathers"], kept["all_gathers"]),
+    )
+    check.below("keep_gathered: parameters equal one process's", kept["param_rel"], TOL)
+    check.below("sync_each: parameters equal one process's", each["param_rel"], TOL)
+    out["conflict_error"] = check.raises(
+        "sync_each_batch with keep_gathered is refused naming both",
+        lambda: (
+            FSDP2Accelerator(
+                fsdp_plugin=FSDP2Plugin(accumulation="keep_gathered"),
+                mixed_precision="no",
+                gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2, sync_each_batch=True),
+            ).fsdp2_config
+        ),
+        ValueError,
+        "sync_each_batch=True",
+        "accumulation='keep_gathered'",
+    )
+    # Accelerate's RegressionModel scalars (replicated by the core) follow sync_each too: averaged on the
+    # first micro-batch already, equal on every rank and to one process (its test_sync.py checks this).
+    check.that("scalars: the first micro-batch is not a sync step", not scalars["sync_step"], scalars["sync_step"])
+    check.equal("scalars: gradients equal on both ranks", scalars["grads"][0], scalars["grads"][1])
+    check.close("scalars: gradients averaged as one process's", scalars["grads"][0], scalars["ref"], 1e-6)
     FSDP2Accelerator(mixed_precision="no", gradient_accumulation_steps=1)  # sync_each_batch back off for later flows
 
 
@@ -283,6 +384,11 @@ def clipping(out: dict, work: Path) -> None:
         param_rel=max_rel_diff(full_params(model), ref),
         unclipped_rel=max_rel_diff(unclipped, ref),
     )
+    check = Checks(out)
+    check.that("the norm is a plain tensor", out["norm_is_plain"])
+    check.close("the norm is the global norm", out["norm"], out["ref_norm"], TOL)
+    check.below("parameters equal one process's clipped step", out["param_rel"], TOL)
+    check.that("clipping changed the step", out["unclipped_rel"] > 1, out["unclipped_rel"])
 
 
 def _policy_step(initial, idx: list[int], dtype: torch.dtype, scale: float = 1.0, clip: float | None = None) -> tuple:
@@ -335,6 +441,18 @@ def bf16(out: dict, work: Path) -> None:
         update_diff=update_diff,
         tied_update_diff=tied_diff,
     )
+    check = Checks(out)
+    check.equal("bf16/fp32 policy", out["precision"], ["bf16/fp32"])
+    check.equal("accelerator precision bf16", out["accelerator_precision"], "bf16")
+    check.equal("bf16 output", out["out_dtype"], "torch.bfloat16")
+    check.equal("fp32 parameters stored", out["stored_dtypes"], ["torch.float32"])
+    check.equal("fp32 gradients", out["grad_dtypes"], ["torch.float32"])
+    # One SGD step against the policy written out without the engine (tests/_precision.py: bf16 copy under
+    # autocast, fp32 gradients averaged, fp32 update): untied weights up to fp32 summation order (measured
+    # 3.9e-08), the tied embedding within one bf16 rounding of its gradient (4.4e-06); reductions in fp32.
+    check.below("untied weights equal the policy's step", update_diff, TOL)
+    check.below("the tied embedding within one bf16 rounding", tied_diff, TIED_TOL)
+    check.equal("gradients reduced in fp32", sorted({d for _, d in out["reductions"]}), ["float32"])
 
 
 def fp16(out: dict, work: Path) -> None:
@@ -369,6 +487,30 @@ def fp16(out: dict, work: Path) -> None:
             expected, entry["ref_norm"] = _policy_step(initial, idx, torch.float16, scale=1024.0, clip=1.0)
             entry["update_diff"], entry["tied_update_diff"] = _untied_and_tied(got, expected, initial)
         out[name] = entry
+    check = Checks(out)
+    default, small = out["default"], out["init_1024"]
+    for name, entry in out.items():
+        if name != "checks":
+            check.equal(f"{name}: the sharded grad scaler", entry["scaler"], "ShardedGradScaler")
+            check.equal(f"{name}: fp16 output", entry["out_dtype"], "torch.float16")
+    # 65536 x a loss of ~26 overflows fp16: every rank skips the step, the scale halves.
+    check.equal("default scale: every rank skips the step", default["skipped"], [True, True])
+    check.that("default scale: the weights are unchanged", default["unchanged"])
+    check.equal("default scale: the scale halves", default["scale"], 32768.0)
+    check.that("default scale: the norm is infinite", math.isinf(default["norm"]), default["norm"])
+    # GradScalerKwargs(init_scale=1024) is honoured: no step skipped, unscaled before clipping (the global
+    # norm equals the policy's, measured 1e-7 relative), and the step equals the policy written out with
+    # the loss scaled by 1024 (measured 7.6e-08); reductions in fp32.
+    check.equal("init_scale=1024: no step skipped", small["skipped"], [False, False])
+    check.equal("init_scale=1024: the scale stays", small["scale"], 1024.0)
+    check.below(
+        "init_scale=1024: the norm is the policy's global norm (relative)",
+        abs(small["norm"] - small["ref_norm"]) / small["ref_norm"],
+        TOL,
+    )
+    check.below("init_scale=1024: untied weights equal the policy's step", small["update_diff"], TOL)
+    check.below("init_scale=1024: the tied embedding within TIED_TOL", small["tied_update_diff"], TIED_TOL)
+    check.equal("init_scale=1024: gradients reduced in fp32", sorted({d for _, d in small["reductions"]}), ["float32"])
 
 
 def multi_model(out: dict, work: Path) -> None:
@@ -389,6 +531,11 @@ def multi_model(out: dict, work: Path) -> None:
         a_rel=max_rel_diff(full_params(a), ref_a),
         b_rel=max_rel_diff(full_params(b), ref_b),
     )
+    check = Checks(out)
+    check.equal("two models prepared", out["models"], 2)
+    check.that("both are FSDP modules", out["both_fsdp"])
+    check.below("the first model equals one process's", out["a_rel"], TOL)
+    check.below("the second model equals one process's", out["b_rel"], TOL)
 
 
 def evaluation(out: dict, work: Path) -> None:
@@ -409,6 +556,12 @@ def evaluation(out: dict, work: Path) -> None:
         gathered_after_forward=gathered,
         plain_after_save=[n for n, p in model.named_parameters() if not isinstance(p, DTensor)],
     )
+    check = Checks(out)
+    check.that("the root is an FSDP module", out["root_is_fsdp"])
+    check.below("the output equals the unsharded model's (relative)", out["rel"], 1e-6)
+    # The forward left the root gathered; save_state resharded it: only shards remain.
+    check.that("the forward left the root gathered", bool(gathered), gathered)
+    check.equal("save_state resharded: only shards remain", out["plain_after_save"], [])
 
 
 def checkpoints(out: dict, work: Path) -> None:
@@ -433,6 +586,7 @@ def checkpoints(out: dict, work: Path) -> None:
 
         exported = load_file(str(path / "model.safetensors"))
         out["export_diff"] = max((exported[k].float() - v).abs().max().item() for k, v in saved_params.items())
+    out["export_diff"] = _rank0s(out.get("export_diff"))
     # A fresh model, optimizer and scheduler (different init) resumed from the directory.
     acc2, model2, opt2, sched2 = setup_resumable(99)
     acc2.load_state(path)
@@ -454,12 +608,20 @@ def checkpoints(out: dict, work: Path) -> None:
             f.seek(100)
             f.write(bytes([byte[0] ^ 0xFF]))
     dist.barrier()
-    for name in ("partial", "damaged"):
-        try:
-            acc2.load_state(work / name)
-            out[f"{name}_error"] = None
-        except (FileNotFoundError, ValueError) as exc:
-            out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+    check = Checks(out)
+    out["partial_error"] = check.raises(
+        "a directory that never committed is refused",
+        lambda: acc2.load_state(work / "partial"),
+        FileNotFoundError,
+        "not a committed",
+    )
+    out["damaged_error"] = check.raises(
+        "a damaged shard is refused naming the file and the checksum",
+        lambda: acc2.load_state(work / "damaged"),
+        ValueError,
+        "__1_0.distcp",
+        "checksum",
+    )
     # Automatic naming with keep_last: only the newest committed checkpoints stay.
     from accelerate.utils import ProjectConfiguration
 
@@ -497,6 +659,29 @@ def checkpoints(out: dict, work: Path) -> None:
         )
         out["merged_keys_match"] = sorted(merged) == sorted(exported)
         out["merged_equal"] = all(torch.equal(merged[k], exported[k]) for k in exported)
+    out["merged_keys_match"], out["merged_equal"] = _rank0s([out.get("merged_keys_match"), out.get("merged_equal")])
+    # save_state then load_state resume exactly.
+    check.close("the resumed losses are the continued run's", out["resumed"], out["continued"], TOL)
+    check.equal("the resumed learning rate is the continued run's", out["lr_resumed"], out["lr_continued"])
+    files = [".metadata", "checksums.json", "__0_0.distcp", "__1_0.distcp", "scheduler.bin"]
+    files += ["random_states_0.pkl", "random_states_1.pkl", "model.safetensors"]
+    check.equal("save_state wrote every file", _missing(files, out["listing"]), [])
+    check.equal("state_dict_type full: the consolidated weights equal the model's", out["export_diff"], 0.0)
+    leftovers = [p for p in out["parent"] + out["parent_after_resave"] if p.startswith(".tmp")]
+    check.equal("no .tmp directory left, also after saving over", leftovers, [])
+    # A save before the first step changes nothing: the same seed-9 run without that save.
+    check.equal("a save before the first step holds no optimizer state", out["early_state_entries"], 0)
+    uninterrupted = out["first"] + out["continued"]
+    check.close("a save before the first step changes no loss", out["early_trained"], uninterrupted, TOL)
+    check.equal("resuming that save loads no optimizer state", out["early_state_after_load"], 0)
+    check.close("resuming that save trains as a fresh run", out["early_resumed"], uninterrupted, TOL)
+    # Accelerate's merge_fsdp_weights reads the model view.
+    check.equal("the model view pytorch_model_fsdp_0 is saved", _missing(["pytorch_model_fsdp_0"], out["listing"]), [])
+    check.that("merge_fsdp_weights gives the exported keys", out["merged_keys_match"] is True, out["merged_keys_match"])
+    check.that("merge_fsdp_weights gives the exported values", out["merged_equal"] is True, out["merged_equal"])
+    # Automatic naming keeps the newest, and a resumed run numbers its next save after them.
+    check.equal("keep_last=2 keeps the newest two", out["auto_listing"], ["checkpoint_1", "checkpoint_2"])
+    check.equal("the next save after a resume is numbered after the newest", out["auto_after_resume"], "checkpoint_3")
 
 
 def overlap_save(out: dict, work: Path) -> None:
@@ -523,6 +708,14 @@ def overlap_save(out: dict, work: Path) -> None:
     acc2.load_state(path)
     out["differs"] = differing(full_state(model2, opt2), at_save)
     out["resumed"], out["continued"] = train(acc2, model2, opt2, sched2, range(2, 4)), continued
+    check = Checks(out)
+    check.that("save_state returned before the copy ended", not out["copied_before_return"])
+    check.within("the next step waited for the copy (seconds)", out["waited"], 0.45, math.inf)
+    check.that("the next step changed every saved tensor", out["changed_by_next_step"])
+    check.that("not committed before the wait", not out["committed_before_end"])
+    check.that("committed after wait_for_checkpoint", out["committed_after_wait"])
+    check.equal("the directory holds the state of the save (tensors that differ)", out["differs"], [])
+    check.equal("training from it continues exactly", out["resumed"], out["continued"])
 
 
 def preemption(out: dict, work: Path) -> None:
@@ -540,6 +733,9 @@ def preemption(out: dict, work: Path) -> None:
             break
     acc._preemption.close()  # the flows after this one run in the same processes
     out.update(triggers=gather(triggers), committed=(work / "preempted" / ".metadata").is_file())
+    check = Checks(out)
+    check.equal("both ranks stop after step 3", out["triggers"], [[False, False, True]] * 2)
+    check.that("the preemption save committed", out["committed"])
 
 
 def hf_export(out: dict, work: Path) -> None:
@@ -575,6 +771,15 @@ def hf_export(out: dict, work: Path) -> None:
             ref = loaded(input_ids=x).logits
         out["logits_rel"] = ((ref - logits).norm() / ref.norm()).item()
         out["state_diff"] = max((state[k] - got[k]).abs().max().item() for k in got)
+    for key in ("weight_diff", "logits_rel", "state_diff"):
+        out[key] = _rank0s(out.get(key))
+    check = Checks(out)
+    check.equal('"auto" wraps GPT2Block', out["groups"], ["<root>", "transformer.h.0", "transformer.h.1"])
+    check.equal("save_model wrote config and weights", _missing(["config.json", "model.safetensors"], out["files"]), [])
+    check.equal("from_pretrained loads the trained weights (max abs diff)", out["weight_diff"], 0.0)
+    check.below("the loaded model's logits equal the live model's (relative)", out["logits_rel"], 1e-6)
+    check.equal("get_state_dict: full on rank 0, empty elsewhere", out["state_sizes"], [out["state_keys"], 0])
+    check.equal("get_state_dict holds the trained weights (max abs diff)", out["state_diff"], 0.0)
 
 
 def peft_lora(out: dict, work: Path) -> None:
@@ -630,6 +835,16 @@ def peft_lora(out: dict, work: Path) -> None:
                 out[f"{name}_rel"] = max_rel_diff({"l": loaded(input_ids=x).logits}, {"l": logits})
             merged = GPT2LMHeadModel.from_pretrained(work / "peft_merged").eval()
             out["merged_rel"] = max_rel_diff({"l": merged(input_ids=x).logits}, {"l": logits})
+    for key in ("peft_recipe_rel", "peft_save_model_rel", "merged_rel"):
+        out[key] = _rank0s(out.get(key))
+    check = Checks(out)
+    keys = out["saved_model_keys"]
+    check.that("save_state holds the adapter only", bool(keys) and all("lora_" in k for k in keys), keys)
+    check.that("save_state holds the frozen base's fingerprint", out["fingerprint"])
+    check.equal("load_state of the adapter-only directory restores the logits", out["reloaded_rel"], 0.0)
+    check.below("Accelerate's adapter recipe loads with the live logits", out["peft_recipe_rel"], TOL)
+    check.below("save_model's adapter loads with the live logits", out["peft_save_model_rel"], TOL)
+    check.below("f2.save_merged loads with the live logits", out["merged_rel"], TOL)
 
 
 def rank0_loading(out: dict, work: Path) -> None:
@@ -648,7 +863,11 @@ def rank0_loading(out: dict, work: Path) -> None:
     if dist.get_rank() == 0:
         ref = dict(initial.named_parameters())
         out["diff"] = max((params[k] - ref[k]).abs().max().item() for k in ref)
+    out["diff"] = _rank0s(out.get("diff"))
     out["meta_after"] = gather(any(p.is_meta for p in model.parameters()))
+    check = Checks(out)
+    check.equal("every shard holds rank 0's weights (max abs diff)", out["diff"], 0.0)
+    check.equal("no parameter left on meta", out["meta_after"], [False, False])
 
 
 def launch_variant(out: dict, work: Path) -> None:
@@ -686,6 +905,19 @@ def launch_variant(out: dict, work: Path) -> None:
         out["update_rel"] = update_rel_diff(dict(initial.named_parameters()), params, ref)
         _, xs, ys = dataset().tensors
         out["fp32_loss"] = lm_loss(initial, xs[global_idx], ys[global_idx]).item()
+    out["update_rel"], out["fp32_loss"] = _rank0s([out.get("update_rel"), out.get("fp32_loss")])
+    check = Checks(out)
+    check.equal("SIZE_BASED_WRAP 10000 wraps each block", out["groups"], GROUPS)
+    check.equal("every group offloaded", out["offload"], [True])
+    check.equal("no reshard after forward", out["reshard"], ["False"])
+    check.equal("bf16/fp32 policy", out["precision"], ["bf16/fp32"])
+    check.equal("activation checkpointing recomputes the block in backward", out["mlp_forward_calls"], 2)
+    check.equal("FULL_STATE_DICT writes model.safetensors", _missing(["model.safetensors"], out["listing"]), [])
+    # Rank 0's real weights reached every shard (rank 1 built on meta): bf16 step close to fp32.
+    check.below(
+        "the bf16 loss is close to fp32 (relative)", abs(out["loss"] - out["fp32_loss"]) / out["fp32_loss"], 1e-2
+    )
+    check.below("the bf16 update is close to fp32 (relative)", out["update_rel"], 2e-2)
 
 
 def auto_strategy(out: dict, work: Path) -> None:
@@ -728,15 +960,37 @@ def auto_strategy(out: dict, work: Path) -> None:
     acc = FSDP2Accelerator(
         fsdp_plugin=FSDP2Plugin(sharding_strategy="auto", memory_budget=est["FULL_SHARD"] // 2), mixed_precision="no"
     )
-    try:
-        acc.prepare(fresh(21, **layers)[0])
-        out["too_small_error"] = None
-    except ValueError as exc:
-        out["too_small_error"] = str(exc)
-    _throughput(out, work)
+    check = Checks(out)
+    out["too_small_error"] = check.raises(
+        "a budget below every estimate fails in prepare naming memory_budget",
+        lambda: acc.prepare(fresh(21, **layers)[0]),
+        ValueError,
+        "sharding_strategy='auto'",
+        "smallest peak",
+        "memory_budget",
+    )
+    check.that(
+        "estimates: FULL_SHARD < SHARD_GRAD_OP < NO_SHARD",
+        est["FULL_SHARD"] < est["SHARD_GRAD_OP"] < est["NO_SHARD"],
+        est,
+    )
+    full, zero2 = out["FULL_SHARD"], out["SHARD_GRAD_OP"]
+    check.equal("the FULL_SHARD budget picks FULL_SHARD", full["strategies"], ["FULL_SHARD"])
+    check.equal("FULL_SHARD on a (2,) mesh", full["mesh_shapes"], ["(2,)"])
+    check.equal(
+        "FULL_SHARD reshards every block but the last",
+        [full["reshard"].get(f"blocks.{i}") for i in range(8)],
+        [True] * 7 + [False],
+    )
+    check.equal("the SHARD_GRAD_OP budget picks SHARD_GRAD_OP", zero2["strategies"], ["SHARD_GRAD_OP"])
+    check.equal("SHARD_GRAD_OP reshards no group", sorted(set(zero2["reshard"].values())), [False])
+    check.equal("the plugin's reshard is unknown until prepare picks", out["FULL_SHARD_plugin_reshard"], None)
+    check.below("FULL_SHARD: parameters equal one process's", full["param_rel"], TOL)
+    check.below("SHARD_GRAD_OP: parameters equal one process's", zero2["param_rel"], TOL)
+    _throughput(out, work, check)
 
 
-def _throughput(out: dict, work: Path) -> None:
+def _throughput(out: dict, work: Path, check: Checks) -> None:
     """objective="throughput": prepare(model, optimizer, loader) tunes on the loader's first batch,
     caches the pick and shards with it on both ranks (one SGD step against one process);
     prepare(model) alone names the loader it needs."""
@@ -767,13 +1021,31 @@ def _throughput(out: dict, work: Path) -> None:
             rows=[r["label"] for r in entry["table"]["rows"]],
             param_rel=max_rel_diff(full_params(model), ref),
         )
-        try:
-            acc.prepare(fresh(21, layers=4)[0])
-            out["throughput"]["no_loader_error"] = None
-        except ValueError as exc:
-            out["throughput"]["no_loader_error"] = str(exc)
+        t = out["throughput"]
+        t["no_loader_error"] = check.raises(
+            "throughput: prepare(model) alone names the loader it needs",
+            lambda: acc.prepare(fresh(21, layers=4)[0]),
+            ValueError,
+            "prepare(model, optimizer, train_dataloader)",
+        )
     finally:
         del os.environ["FSDP2_TUNE_CACHE"]
+    check.equal(
+        "throughput: the default candidates measured first",
+        t["rows"][:2],
+        ["FULL_SHARD/blocks", "FULL_SHARD/one group"],
+    )
+    picked = t["entry"]["changes"]
+    check.equal(
+        "throughput: the cached pick's strategy shards the model", t["strategies"], [picked.get("sharding_strategy")]
+    )
+    check.equal(
+        "throughput: one group exactly when the pick has no wrap policy",
+        t["groups"] == ["<root>"],
+        "wrap_policy" in picked and picked["wrap_policy"] is None,
+    )
+    check.equal("throughput: both ranks shard alike", t["every_rank"][0], t["every_rank"][1])
+    check.below("throughput: parameters equal one process's", t["param_rel"], TOL)
 
 
 class _MemoryTracker(GeneralTracker):
@@ -812,6 +1084,21 @@ def throughput_logging(out: dict, work: Path) -> None:
     out["pending_after_eval"] = acc.throughput.meter._pending
     out["last_step"] = acc.throughput.meter.last.step
     acc.throughput.remove()
+    check = Checks(out)
+    main, other = out["rows"]
+    check.equal("Accelerator.log: nothing on the other process", other, [])
+    # 5 optimizer steps: the first starts the clock, then a report every 2 (optimizer steps 3 and 5).
+    check.equal("reports at optimizer steps 3 and 5", [step for step, _ in main], [3, 5])
+    check.equal("the meter's last step is 5", out["last_step"], 5)
+    names = ["throughput/mfu", "throughput/peak_memory_gib", "throughput/step_time_s", "throughput/tokens_per_s"]
+    for step, m in main:
+        check.equal(f"step {step}: the four throughput metrics", sorted(m), names)
+        # 4 sequences of 16 tokens a step on this rank, counted by the model's forward.
+        tokens = m.get("throughput/tokens_per_s", math.nan) * m.get("throughput/step_time_s", math.nan)
+        check.close(f"step {step}: tokens_per_s x step_time_s = 64 tokens", tokens, 64, 1e-6)
+        mfu = m.get("throughput/mfu", math.nan)
+        check.that(f"step {step}: 0 < mfu < 1 (against the CPU's measured peak)", 0 < mfu < 1, mfu)
+    check.equal("a forward under no_grad counts no training tokens", out["pending_after_eval"], 0)
 
 
 def deepspeed_launch(out: dict, work: Path) -> None:
@@ -836,6 +1123,12 @@ def deepspeed_launch(out: dict, work: Path) -> None:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+    check = Checks(out)
+    check.equal("ZeRO-2 is SHARD_GRAD_OP", out["strategies"], ["SHARD_GRAD_OP"])
+    check.below("parameters equal one process's", out["param_rel"], TOL)
+    check.equal(
+        "ACCELERATE_USE_DEEPSPEED hidden only while the accelerator was built", out["use_deepspeed_after"], "true"
+    )
 
 
 FLOWS = [
@@ -861,7 +1154,7 @@ FLOWS = [
     deepspeed_launch,
 ]
 """Run under fsdp2.yaml (the default when no flow names are given)."""
-VARIANT_FLOWS = [config_from_launch, launch_variant, resume_from_one]
+VARIANT_FLOWS = [config_from_variant_launch, launch_variant, resume_from_one]
 """Run under fsdp2_variant.yaml."""
 
 
@@ -869,6 +1162,8 @@ def main() -> None:
     out_path, work = sys.argv[1], Path(sys.argv[2])
     by_name = {f.__name__: f for f in FLOWS + VARIANT_FLOWS}
     flows = [by_name[n] for n in sys.argv[3].split(",")] if len(sys.argv) > 3 else FLOWS
+    if len(sys.argv) > 4:  # the earlier launch's report, which resume_from_one continues
+        EARLIER.update(json.loads(Path(sys.argv[4]).read_text()))
     # The first accelerator starts the process group: a timeout, so a stuck rank fails the run.
     FSDP2Accelerator(mixed_precision="no", kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=90))])
     run_flows(flows, out_path, work)  # every rank writes its report (OUT.rankN.json)

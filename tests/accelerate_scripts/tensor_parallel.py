@@ -2,7 +2,8 @@
 `FSDP2Accelerator` equals one process, given as an object and as the environment `accelerate
 launch` sets from a config file; unsupported sizes are refused with the field named.
 
-Every rank writes its JSON report (`_collect.run_flows`); the assertions live in tests/test_accelerate_tp.py.
+Each flow checks what it claims on every rank (`_checks.Checks`) and every rank writes its report
+(`_collect.run_flows`); tests/test_accelerate_tp.py launches and reports.
 
     PYTHONPATH=tests torchrun --nproc_per_node=4 tests/accelerate_scripts/tensor_parallel.py OUT.json
 """
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _checks import Checks
 from _collect import full_params, gather, max_rel_diff, run_flows
 from _models import TP_PLAN as PLAN  # the 2-D tests' small GPT (separate q/k/v)
 from _models import TPGPT as GPT
@@ -27,6 +29,7 @@ import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin
 
 VOCAB, SEQ, N_SAMPLES, PER_RANK, STEPS, LR = 64, 12, 16, 4, 2, 0.1
+TOL = 1e-5  # fp32 parity, relative
 ENV = {
     "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
     "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
@@ -79,14 +82,6 @@ def train(parallelism_config) -> dict:
     }
 
 
-def refused(parallelism_config) -> str:
-    try:
-        FSDP2Accelerator(parallelism_config=parallelism_config)
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
 def flow_env() -> dict:
     os.environ.update(ENV)
     try:
@@ -96,8 +91,21 @@ def flow_env() -> dict:
             os.environ.pop(name)
 
 
+def check_dp2_tp2(entry: dict) -> None:
+    """dp_shard 2 x tp 2 equals one process, and the sizes became the config and the mesh."""
+    check = Checks(entry)
+    check.equal("2 data-parallel ranks x 4: global batches of 8", entry["global_batch_sizes"], [8, 8])
+    check.that("both ranks of a TP group get one batch", entry["tp_group_same_rows"])
+    check.below("parameters equal one process's (relative)", entry["max_rel_diff"], TOL)
+    check.equal("config: tp 2, mesh (2,), FULL_SHARD", entry["config"], [2, [2], "FULL_SHARD"])
+    check.equal("mesh dp_shard x tp = 2 x 2", entry["mesh"], [["dp_shard", "tp"], [2, 2]])
+    check.equal("q is a 2-D DTensor", entry["q_mesh_ndim"], 2)
+    check.that("the plan has colwise and rowwise layers", "colwise" in entry["plan"] and "rowwise" in entry["plan"])
+
+
 def as_object(entry: dict, work: Path) -> None:
     entry.update(train(ParallelismConfig(dp_shard_size=2, tp_size=2)))
+    check_dp2_tp2(entry)
 
 
 as_object.__name__ = "object"  # the flow's name in the report
@@ -105,11 +113,26 @@ as_object.__name__ = "object"  # the flow's name in the report
 
 def env(entry: dict, work: Path) -> None:
     entry.update(flow_env())
+    check_dp2_tp2(entry)
 
 
 def errors(entry: dict, work: Path) -> None:
-    entry["cp"] = refused(ParallelismConfig(dp_shard_size=2, cp_size=2))
-    entry["product"] = refused(ParallelismConfig(dp_shard_size=1, tp_size=2))
+    check = Checks(entry)
+    entry["cp"] = check.raises(
+        "cp is refused naming cp_size",
+        lambda: FSDP2Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2)),
+        ValueError,
+        "cp_size=2",
+        "cp_size=1",
+    )
+    entry["product"] = check.raises(
+        "a wrong product is refused naming the sizes and processes",
+        lambda: FSDP2Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=1, tp_size=2)),
+        ValueError,
+        "dp_shard_size=1",
+        "tp_size=2",
+        "4 processes",
+    )
 
 
 def main(out: str) -> None:
