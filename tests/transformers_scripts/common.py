@@ -18,6 +18,17 @@ from torch.utils.data import Dataset
 import fsdp2_strategy as f2
 
 VOCAB, SEQ, LABELS = 100, 8, 3
+TOL = 1e-5  # fp32 parity, relative
+
+
+def rank0s(value):
+    """Rank 0's `value` on every rank (what rank 0 alone measured, from the files it alone reads)."""
+    return gather(value)[0]
+
+
+def missing(wanted, present) -> list:
+    """The names of `wanted` not in `present` (checked equal to [] to show what is missing)."""
+    return [name for name in wanted if name not in present]
 
 
 def bert(seed: int = 0) -> transformers.BertForSequenceClassification:
@@ -133,7 +144,8 @@ def vector_rel_diff(got: dict, want: dict, start: dict | None = None) -> float:
 
 def main(flows: list) -> None:
     """`python SCRIPT OUT.json WORKDIR [FLOW,FLOW...]` under accelerate launch: run the named flows (default:
-    all); every rank writes its report (OUT.rankN.json, `_collect.run_flows`)."""
+    all), each checking what it claims (`_checks.Checks`); every rank writes its report (OUT.rankN.json,
+    `_collect.run_flows`)."""
     out_path, work = sys.argv[1], Path(sys.argv[2])
     by_name = {f.__name__: f for f in flows}
     chosen = [by_name[n] for n in sys.argv[3].split(",")] if len(sys.argv) > 3 else flows

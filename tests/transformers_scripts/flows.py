@@ -2,12 +2,14 @@
 
 Usage: accelerate launch --config_file CONFIG flows.py OUT.json WORK_DIR [flow,flow,...]
 
-Each flow measures and records numbers in OUT.json (rank 0); tests/test_transformers.py asserts on them.
+Each flow checks what it claims on every rank (`_checks.Checks`) and every rank writes its report
+(OUT.rankN.json); tests/test_transformers.py launches and reports.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 import signal
 from pathlib import Path
@@ -16,7 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
+from _checks import Checks
 from common import (
+    TOL,
     Snapshots,
     Tokens,
     args,
@@ -26,7 +30,9 @@ from common import (
     full_params,
     gather,
     main,
+    missing,
     policy_grads,
+    rank0s,
     reference_sgd,
     vector_rel_diff,
 )
@@ -104,6 +110,41 @@ def parity(entry: dict, work: Path) -> None:
         loaded = transformers.BertForSequenceClassification.from_pretrained(out)
         entry["saved_files"] = sorted(p.name for p in out.iterdir())
         entry["saved_rel_diff"] = vector_rel_diff({n: p.detach() for n, p in loaded.named_parameters()}, got)
+    entry["saved_files"], entry["saved_rel_diff"] = rank0s([entry.get("saved_files"), entry.get("saved_rel_diff")])
+    check = Checks(entry)
+    check.equal("2 processes", entry["num_processes"], 2)
+    check.equal("world size 2", entry["world_size"], 2)
+    check.equal("FSDP distributed type", entry["distributed_type"], "DistributedType.FSDP")
+    # Training moved the weights: the comparison is not vacuous.
+    check.that("training moved the weights (relative update > 1e-4)", entry["update_size"] > 1e-4, entry["update_size"])
+    check.below("parameters equal one process's (relative)", entry["param_rel_diff"], TOL)
+    check.below("the update equals one process's (relative)", entry["update_rel_diff"], TOL)
+    # max_grad_norm: the global norm before clipping is the one-process norm, and clipping happened.
+    check.that("clipping happened on every step (norms > 0.05)", all(n > 0.05 for n in norms), norms)
+    check.equal("3 logged gradient norms", len(entry["grad_norms"]), 3)
+    check.close("the norms before clipping are one process's", entry["grad_norms"], norms, TOL)
+    # evaluate() sees every sample once.
+    check.close(
+        "evaluate before train equals the initial model's loss",
+        entry["eval_before_train"],
+        entry["ref_eval_before_train"],
+        TOL,
+    )
+    # Saving after evaluate() prepared the model first (the Trainer's free_memory() forgets it).
+    check.equal("the checkpoint after evaluate() is saved", entry["checkpoints"], ["checkpoint-3"])
+    check.equal("evaluate sees the 11 samples once (the padded duplicate dropped)", seen, list(range(11)))
+    check.close("evaluate's loss is one process's", entry["eval"]["eval_ce"], entry["ref_eval"]["ce"], TOL)
+    check.within(
+        "evaluate's accuracy is one process's (abs diff)",
+        abs(entry["eval"]["eval_acc"] - entry["ref_eval"]["acc"]),
+        0,
+        1e-7,
+    )
+    # save_model() reads back with from_pretrained.
+    check.equal(
+        "save_model wrote config and weights", missing(["config.json", "model.safetensors"], entry["saved_files"]), []
+    )
+    check.below("from_pretrained loads the trained weights (relative)", entry["saved_rel_diff"], 1e-7)
 
 
 def checkpoints(entry: dict, work: Path) -> None:
@@ -149,14 +190,29 @@ def checkpoints(entry: dict, work: Path) -> None:
     entry["latest_run2"] = Path(latest_checkpoint(run2)).name
     snaps2 = Snapshots((6,))
     resumed = FSDP2Trainer(model=bert(123), args=checkpoint_args(run2), train_dataset=Tokens(48, 3), callbacks=[snaps2])
-    try:
-        resumed.train(resume_from_checkpoint=str(run2 / "checkpoint-6"))
-    except FileNotFoundError as exc:
-        entry["partial_error"] = str(exc)
+    check = Checks(entry)
+    entry["partial_error"] = check.raises(
+        "resuming a partial checkpoint is refused",
+        lambda: resumed.train(resume_from_checkpoint=str(run2 / "checkpoint-6")),
+        FileNotFoundError,
+        "not a committed FSDP2Trainer checkpoint",
+    )
     resumed.train(resume_from_checkpoint=True)
     entry["resume_rel_diff"] = vector_rel_diff(snaps2.params[6], snaps.params[6])
     entry["resume_global_step"] = resumed.state.global_step
     entry["committed_run2"] = sorted(committed_checkpoints(run2))
+    # Checkpoints rotate among the committed ones and keep the best.
+    check.equal("save_total_limit=2 keeps the newest and the best (step 2)", entry["committed_run1"], [2, 6])
+    check.equal("the best checkpoint is step 2's", entry["best"], "checkpoint-2")
+    check.equal("the best is loaded at the end (relative diff)", entry["best_loaded_rel_diff"], 0.0)
+    check.that("loading the best changed the weights", entry["step6_vs_step2"] > 1e-3, entry["step6_vs_step2"])
+    files = [".metadata", "checksums.json", "trainer_state.json", "scheduler.pt", "rng_state_1.pth"]
+    check.equal("a checkpoint holds every file", missing(files, entry["files"]), [])
+    # A resume skips the partial checkpoint and continues exactly.
+    check.equal("the newest committed is checkpoint-4 (checkpoint-6 is partial)", entry["latest_run2"], "checkpoint-4")
+    check.equal("the resumed run ends at step 6", entry["resume_global_step"], 6)
+    check.below("the resumed run ends where the uninterrupted one did (relative)", entry["resume_rel_diff"], TOL)
+    check.equal("the partial checkpoint-6 was replaced by a committed one", entry["committed_run2"], [4, 6])
 
 
 BF16_LR = 1.0  # large enough that the second step's loss shows the first step's update
@@ -199,6 +255,17 @@ def bf16(entry: dict, work: Path) -> None:
             for name, p in ref.named_parameters():
                 p -= BF16_LR * grads[name]
     entry["ref_losses"] = ref_losses
+    check = Checks(entry)
+    check.equal("accelerator precision bf16", entry["accelerator_precision"], "bf16")
+    check.equal("the bf16 policy", entry["policy"], "bf16")
+    check.equal("bf16 compute", entry["compute_dtypes"], ["torch.bfloat16"])
+    check.equal("fp32 parameters", entry["param_dtypes"], ["torch.float32"])
+    # Each step's loss (the mean over the ranks) is the policy's, written out in one process on the samples
+    # each rank saw, up to one bf16 rounding (measured: equal); the second step shows the first's update
+    # (without it, or with the gradients twice or half as large, the second loss moves by 0.06 or more).
+    check.equal("2 logged losses", len(entry["losses"]), 2)
+    check.close("each step's loss is the policy's, within one bf16 rounding", entry["losses"], ref_losses, 2**-7)
+    check.close("the train loss is the mean of the policy's", entry["train_loss"], sum(ref_losses) / 2, 2**-7)
 
 
 class _SignalRank1(transformers.TrainerCallback):
@@ -220,6 +287,10 @@ def preemption(entry: dict, work: Path) -> None:
     trainer.accelerator._preemption.close()  # the flows after this one run in the same processes
     entry["global_step"], entry["preempted"] = gather(trainer.state.global_step), gather(trainer.preempted)
     entry["committed"] = sorted(committed_checkpoints(work / "preempt"))
+    check = Checks(entry)
+    check.equal("every rank stops at step 3", entry["global_step"], [3, 3])
+    check.equal("every rank is preempted", entry["preempted"], [True, True])
+    check.equal("checkpoint-3 committed", entry["committed"], [3])
 
 
 def throughput(entry: dict, work: Path) -> None:
@@ -232,6 +303,19 @@ def throughput(entry: dict, work: Path) -> None:
     plain = FSDP2Trainer(model=bert(0), args=args(work / "plain", max_steps=1), train_dataset=Tokens(4, 6))
     plain.train()
     entry["off_by_default"] = plain.accelerator.throughput is None and "mfu" not in plain.state.log_history[0]
+    check = Checks(entry)
+    check.that("off by default", entry["off_by_default"])
+    for rank, logs in enumerate(entry["logs"]):  # each rank's log history
+        check.equal(f"rank {rank}: a log row per step", [row["step"] for row in logs], [1, 2, 3, 4])
+        # The first step starts the clock: nothing to report yet.
+        check.that(f"rank {rank}: no mfu at the first step", "mfu" not in logs[0], logs[0])
+        for row in logs[1:]:
+            at = f"rank {rank}, step {row['step']}"
+            # 2 sequences of 8 tokens a step on each rank, counted by the model's forward.
+            tokens = row.get("tokens_per_s", math.nan) * row.get("step_time_s", math.nan)
+            check.close(f"{at}: tokens_per_s x step_time_s = 16 tokens", tokens, 16, 1e-6)
+            check.that(f"{at}: 0 < mfu < 1", 0 < row.get("mfu", math.nan) < 1, row.get("mfu"))
+            check.that(f"{at}: peak memory > 0", row.get("peak_memory_gib", 0) > 0, row.get("peak_memory_gib"))
 
 
 FLOWS = [parity, checkpoints, bf16, preemption, throughput]

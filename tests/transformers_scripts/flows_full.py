@@ -1,5 +1,6 @@
 """Flows of `FSDP2Trainer` under `accelerate launch --config_file fsdp2_full.yaml` (2 CPU processes):
-FULL_STATE_DICT checkpoints and save_model, a PEFT (LoRA) model, and TRL's SFTTrainer.
+FULL_STATE_DICT checkpoints and save_model, a PEFT (LoRA) model, and TRL's SFTTrainer; each flow checks
+what it claims on every rank (`_checks.Checks`), tests/test_transformers.py launches and reports.
 
 Usage: accelerate launch --config_file fsdp2_full.yaml flows_full.py OUT.json WORK_DIR [flow,flow,...]
 """
@@ -12,7 +13,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
+from _checks import Checks
 from common import (
+    TOL,
     Snapshots,
     Tokens,
     args,
@@ -22,7 +25,9 @@ from common import (
     full_params,
     gather,
     main,
+    missing,
     policy_grads,
+    rank0s,
     reference_sgd,
     tiny_llama,
     vector_rel_diff,
@@ -67,6 +72,21 @@ def full_state_dict(entry: dict, work: Path) -> None:
         saved = transformers.BertForSequenceClassification.from_pretrained(work / "full_saved")
         entry["saved_files"] = sorted(p.name for p in (work / "full_saved").iterdir())
         entry["saved_rel_diff"] = vector_rel_diff(_loaded(saved), got)
+    for key in ("checkpoint_files", "checkpoint_rel_diff", "saved_files", "saved_rel_diff"):
+        entry[key] = rank0s(entry.get(key))
+    check = Checks(entry)
+    check.equal("world size 2", entry["world_size"], 2)
+    check.equal("2 processes", entry["num_processes"], 2)
+    if not torch.cuda.is_available():  # launched without ACCELERATE_USE_CPU, as a user's launch without GPU
+        check.equal("TrainingArguments alone saw one process", entry["args_world_size_before"], 1)
+    check.equal("FULL_STATE_DICT", entry["state_dict_type"], "FULL_STATE_DICT")
+    files = [".metadata", "checksums.json", "model.safetensors", "config.json"]
+    check.equal("the checkpoint holds the shards and the full weights", missing(files, entry["checkpoint_files"]), [])
+    check.below("the checkpoint loads with from_pretrained (relative)", entry["checkpoint_rel_diff"], 1e-7)
+    check.below("save_model loads with from_pretrained (relative)", entry["saved_rel_diff"], 1e-7)
+    check.equal(
+        "save_model wrote config and weights", missing(["config.json", "model.safetensors"], entry["saved_files"]), []
+    )
 
 
 def peft_lora(entry: dict, work: Path) -> None:
@@ -101,6 +121,25 @@ def peft_lora(entry: dict, work: Path) -> None:
         trained = {n: after[n] for n, _ in loaded.named_parameters() if "lora_" in n}
         entry["adapter_rel_diff"] = vector_rel_diff(_loaded(loaded), trained)
         entry["adapter_tensors"] = len(trained)
+    for key in ("saved_files", "adapter_rel_diff", "adapter_tensors"):
+        entry[key] = rank0s(entry.get(key))
+    check = Checks(entry)
+    # The adapters (LoRA A and B of query and value in both layers) and the classifier copy after 3 steps:
+    # SGD in one process on the same global batches (measured 1.8e-07 of the update, which moved 10 %).
+    check.equal("8 LoRA tensors trained", sum("lora_" in n for n in entry["trained"]), 8)
+    check.that("the classifier copy trained", any("modules_to_save" in n for n in entry["trained"]), entry["trained"])
+    check.below("the update equals one process's (relative)", entry["update_rel_diff"], TOL)
+    check.that(
+        "training moved the adapters (relative update > 0.01)", entry["update_size"] > 0.01, entry["update_size"]
+    )
+    check.equal("the base weights stayed frozen (max abs diff)", entry["frozen_unchanged"], 0.0)
+    adapter = ["adapter_config.json", "adapter_model.safetensors"]
+    check.equal("save_model wrote the adapter", missing(adapter, entry["saved_files"]), [])
+    check.that(
+        "save_model wrote no full weights", "model.safetensors" not in entry["saved_files"], entry["saved_files"]
+    )
+    check.equal("PeftModel loads 8 adapter tensors", entry["adapter_tensors"], 8)
+    check.below("the loaded adapter equals the trained one (relative)", entry["adapter_rel_diff"], 1e-7)
 
 
 SFT_LR = 0.5
@@ -183,6 +222,19 @@ def sft(entry: dict, work: Path) -> None:
     trainer.save_model(str(out))
     if _rank0():
         entry["reloads"] = type(transformers.AutoModelForCausalLM.from_pretrained(out)).__name__
+    entry["reloads"] = rank0s(entry.get("reloads"))
+    check = Checks(entry)
+    check.equal("fsdp2_trainer builds FSDP2SFTTrainer", entry["class"], "FSDP2SFTTrainer")
+    check.equal("on FSDP2Accelerator", entry["accelerator"], "FSDP2Accelerator")
+    # Every step's loss and the trained weights are those of the same 8 SGD steps written out in one process
+    # on the batches each rank's model received (bf16 policy, token mean over the global batch): measured
+    # equal, the weights bitwise. The loss falls (2.83 to 1.50) and the weights moved 34 %.
+    check.equal("8 logged losses", len(entry["losses"]), 8)
+    check.close("every step's loss is one process's", entry["losses"], entry["ref_losses"], TOL)
+    check.below("the update equals one process's (relative)", entry["update_rel_diff"], TOL)
+    check.that("training moved the weights (relative update > 0.1)", entry["update_size"] > 0.1, entry["update_size"])
+    check.that("the loss falls", entry["losses"][-1] < entry["losses"][0], entry["losses"])
+    check.equal("save_model reloads as LlamaForCausalLM", entry["reloads"], "LlamaForCausalLM")
 
 
 def resume_after_kill(entry: dict, work: Path) -> None:
@@ -205,6 +257,22 @@ def resume_after_kill(entry: dict, work: Path) -> None:
     entry["resume_rel_diff"] = vector_rel_diff(resumed.params[6], whole.params[6])
     entry["committed_after"] = sorted(committed_checkpoints(killed))
     entry["left_after"] = sorted(p.name for p in killed.iterdir() if p.name.startswith("."))
+    died = sorted(p.name for p in work.glob(f"{killed.name}.died_in_save.rank*"))
+    check = Checks(entry)
+    check.equal(
+        "both processes died inside the save of checkpoint-6",
+        died,
+        [f"{killed.name}.died_in_save.rank{r}" for r in (0, 1)],
+    )
+    check.equal(
+        "left: two committed checkpoints and the unfinished one",
+        entry["left"],
+        [".tmp-checkpoint-6", "checkpoint-2", "checkpoint-4"],
+    )
+    check.equal("the newest committed is checkpoint-4", entry["latest"], "checkpoint-4")
+    check.below("the resumed run ends where the uninterrupted one did (relative)", entry["resume_rel_diff"], TOL)
+    check.equal("checkpoint-6 committed after the resume", entry["committed_after"], [2, 4, 6])
+    check.equal("nothing unfinished left", entry["left_after"], [])
 
 
 FLOWS = [full_state_dict, peft_lora, sft, resume_after_kill]

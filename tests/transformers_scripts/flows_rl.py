@@ -5,7 +5,8 @@ from the policy's path) and DPOTrainer (a reference model given as an object).
 Each flow records, on every rank, the inputs and the loss of the first `compute_loss` and recomputes
 that loss with TRL's own `compute_loss` on unsharded copies of the initial models (the same completions
 and preference pairs: the sharded forward against the one-process forward); the collectives every
-`generate` call ran; the reference model's groups, trainability and values before and after training.
+`generate` call ran; the reference model's groups, trainability and values before and after training;
+and checks on every rank what it claims (`_checks.Checks`): tests/test_trl_rl.py launches and reports.
 
 Usage: accelerate launch --config_file fsdp2_sharded.yaml flows_rl.py OUT.json WORK_DIR [flow,flow,...]
 """
@@ -18,14 +19,32 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
+from _checks import Checks
 from _comm import count_collectives
-from common import main, tiny_llama, word_tokenizer
+from common import TOL, main, tiny_llama, word_tokenizer
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.transformers import fsdp2_trainer
 
 PROMPTS = ["the cat", "a dog", "the big", "a small"]
 DPO_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")  # what DPOTrainer asks its fused LM head for
+# TOL: fp32, the sharded forward against the unsharded one (measured equal to the last digit).
+
+
+def _check_reference_and_loss(check: Checks, entry: dict) -> None:
+    """The reference model sharded per block for forward only and unchanged by training; the second step's
+    loss equals TRL's own on unsharded models (at the first, GRPO's loss is 0 and DPO's log 2 whatever the
+    models compute)."""
+    # 3 decoder layers + the root, as the policy (TRL's own preparation: 1 group, the root).
+    check.equal("the reference model is sharded per block (groups)", entry["ref_groups"], 4)
+    check.equal("the reference model has no trainable parameter", entry["ref_trainable"], 0)
+    check.that("the reference model is unchanged by training", entry["ref_unchanged"])
+    loss, ref = entry["loss"], entry["ref_loss"]
+    check.that(
+        "the second step's loss equals TRL's on unsharded models (relative TOL)",
+        abs(loss - ref) <= TOL * abs(ref),
+        {"loss": loss, "ref_loss": ref},
+    )
 
 
 def _policy_folder(work: Path) -> Path:
@@ -152,6 +171,16 @@ def grpo(entry: dict, work: Path) -> None:
     resumed.train(resume_from_checkpoint=True)
     entry["resumed_step"] = resumed.state.global_step
     entry["resumed_ref_groups"] = _reference_report(resumed.ref_model)["groups"]
+    check = Checks(entry)
+    check.equal("generate on the gathering backend", entry["backend"], "GatheringBackend")
+    # Two steps, one generate each, 6 new tokens: the groups were gathered before generate began (TRL's
+    # summon_full_params is f2.gathered here) and no all-gather ran while decoding.
+    check.equal("no all-gather while generating 6 tokens, twice", calls, [{"gathers": 0, "tokens": 6}] * 2)
+    check.equal("the policy is sharded per block (groups)", entry["groups"], 4)
+    _check_reference_and_loss(check, entry)
+    check.that("the second step's loss is not 0", entry["loss"] != 0.0, entry["loss"])
+    check.equal("the Trainer's resume: checkpoint-2 restored, then one more step", entry["resumed_step"], 3)
+    check.equal("the resumed reference model is sharded per block", entry["resumed_ref_groups"], 4)
 
 
 def dpo(entry: dict, work: Path) -> None:
@@ -200,6 +229,13 @@ def dpo(entry: dict, work: Path) -> None:
     trainer.__dict__["_f2_ref_model"] = initial_ref.eval()
     entry["loss"], entry["ref_loss"] = second["loss"], second["again"](initial)
     trainer.__dict__["_f2_ref_model"] = sharded_ref
+    check = Checks(entry)
+    _check_reference_and_loss(check, entry)
+    check.that(
+        "the second step's loss is not log 2 (abs diff > 1e-6)",
+        abs(entry["loss"] - 0.6931471805599453) > 1e-6,
+        entry["loss"],
+    )
 
 
 FLOWS = [grpo, dpo]
