@@ -2,6 +2,9 @@
 
 Usage: torchrun --nproc_per_node=2 preempt.py preempt WORKDIR   (rank 1 receives SIGTERM in step 4; exits 143)
        torchrun --nproc_per_node=2 preempt.py resume OUT.json WORKDIR   (uninterrupted run vs resumed from "hpc")
+
+The resume checks on every rank what the preemption saved and what the resume did (`_checks.Checks`),
+and writes each rank's report (OUT.rank0.json, ...: `_collect.run_flows`).
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from common import LitMLP, full_params, loader, max_rel_diff, trainer, write_json
+from _checks import Checks
+from _collect import run_flows
+from common import LitMLP, full_params, loader, max_rel_diff, trainer
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy
 
 BATCH = 4  # per rank: 4 steps per epoch on 2 ranks
+TOL = 1e-5  # fp32 parity, relative
 
 
 class SignalledMLP(LitMLP):
@@ -44,19 +50,29 @@ def preempt(work: Path) -> None:
     raise SystemExit("fit returned: the preemption was not handled")
 
 
-def resume(out_path: str, work: Path) -> None:
+def resume_from_hpc(out: dict, work: Path) -> None:
+    """What the preemption saved (hpc_ckpt_1.ckpt after step 4), and fit(ckpt_path="hpc") from it
+    continuing from step 4 to the parameters of the uninterrupted run."""
+    check = Checks(out)
+    saved = work / "hpc_ckpt_1.ckpt"
+    check.that("the preemption saved hpc_ckpt_1.ckpt, committed", (saved / ".metadata").is_file())
+    meta = saved / "meta.pt"
+    out["saved_step"] = torch.load(meta, weights_only=False)["global_step"] if meta.is_file() else None
+    check.equal("the saved checkpoint is after step 4", out["saved_step"], 4)
     ref = fresh()
     trainer(max_epochs=2).fit(ref, loader(BATCH, shuffle=False))
     resumed, start = fresh(), StartStep()
     trainer(max_epochs=2, default_root_dir=work, callbacks=[start]).fit(
         resumed, loader(BATCH, shuffle=False), ckpt_path="hpc"
     )
-    write_json(out_path, {"start_step": start.step, "diff": max_rel_diff(full_params(resumed), full_params(ref))})
-    f2.shutdown()
+    out.update(start_step=start.step, diff=max_rel_diff(full_params(resumed), full_params(ref)))
+    check.equal("the resume starts at step 4", out["start_step"], 4)
+    check.below("the resumed run ends at the uninterrupted run's parameters (relative)", out["diff"], TOL)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "preempt":
         preempt(Path(sys.argv[2]))
     else:
-        resume(sys.argv[2], Path(sys.argv[3]))
+        run_flows([resume_from_hpc], sys.argv[2], Path(sys.argv[3]))
+        f2.shutdown()

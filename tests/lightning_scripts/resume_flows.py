@@ -9,6 +9,10 @@ batch is `GLOBAL` samples for any world size. Without `ckpt` it also saves a che
 `EVERY` steps under `work/<name>/`; `checkpoint(work, name)` is the mid-epoch one a resume starts from.
 With `resumable=False` the data loader is a plain `DataLoader` (what Lightning cannot resume
 mid-epoch: it warns and starts the epoch's data again).
+
+`one_and_two_agree` and `check_resumed` are the named checks comparing such records; each launch
+checks the runs it made against those of the launches before it (single.py train -> flows.py ->
+single.py resume).
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from common import LitMLP, dataset, full_params, gather
+from _checks import Checks
+from common import LitMLP, dataset, full_params, gather, max_rel_diff
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+TOL = 1e-5  # fp32 parity, relative
 GLOBAL = 8  # samples per optimizer step, on any number of processes
 STEPS_PER_EPOCH = 4  # 32 samples
 STEPS = 2 * STEPS_PER_EPOCH
@@ -121,18 +127,56 @@ def record(work: Path, name: str, devices: int, ckpt: Path | None = None, resuma
     }
 
 
-def one_process_runs(work: Path) -> dict:
+def state_rel(a: dict, b: dict) -> float:
+    """Largest relative difference of parameters and momentum between two `record`s."""
+    return max(
+        max_rel_diff({k: torch.tensor(v) for k, v in a[part].items()}, {k: torch.tensor(v) for k, v in b[part].items()})
+        for part in ("params", "momentum")
+    )
+
+
+def one_and_two_agree(check: Checks, one: dict, two: dict) -> None:
+    """The uninterrupted runs on 1 process and on 2 ranks saw the same global batches and learning rates."""
+    check.equal("1 process and 2 ranks: the same global batches", one["samples"], two["samples"])
+    check.equal("1 process and 2 ranks: the same learning rates", one["lrs"], two["lrs"])
+    check.equal("8 different global batches over the 2 epochs", len({tuple(s) for s in one["samples"]}), 8)
+
+
+def check_resumed(check: Checks, label: str, resumed: dict, uninterrupted: dict) -> None:
+    """`resumed` (from the mid-epoch checkpoint at step `RESUME_AT`) continued as `uninterrupted` did."""
+    check.equal(f"{label}: resumed at global steps 6, 7", resumed["global_steps"], [6, 7])
+    check.equal(
+        f"{label}: the uninterrupted run's steps after 6 are 6, 7", uninterrupted["global_steps"][RESUME_AT:], [6, 7]
+    )
+    # StepLR(gamma=0.8), stepped every optimizer step.
+    check.equal(f"{label}: the uninterrupted run's learning rates", resumed["lrs"], uninterrupted["lrs"][RESUME_AT:])
+    check.equal(f"{label}: the uninterrupted run's samples", resumed["samples"], uninterrupted["samples"][RESUME_AT:])
+    check.equal(f"{label}: final global step 8", resumed["final_global_step"], 8)
+    check.equal(f"{label}: the uninterrupted run's final global step is 8", uninterrupted["final_global_step"], 8)
+    check.below(
+        f"{label}: the uninterrupted run's parameters and momentum (relative)", state_rel(resumed, uninterrupted), TOL
+    )
+
+
+def other_world_sizes(out: dict, work: Path) -> None:
     """single.py train (before the 2-rank flows): the uninterrupted 1-process run that saves the
-    checkpoint flows.py resumes on 2, and a plain-loader run resumed mid-epoch (data position lost)."""
-    return {
-        "one": record(work, "lit_one", 1),
-        "plain": record(work, "lit_plain", 1, resumable=False),
-        "plain_resumed": record(work, "", 1, checkpoint(work, "lit_plain"), resumable=False),
-    }
+    checkpoint flows.py resumes on 2 (flows.py compares the two)."""
+    out["one"] = record(work, "lit_one", 1)
 
 
-def resume_other_world_sizes(out: dict, work: Path) -> None:
-    """flows.py (2 ranks): the uninterrupted 2-rank run (single.py resume continues its checkpoint on
-    1 process), and the 1-process checkpoint continued on 2 ranks."""
-    out["two"] = record(work, "lit_two", 2)
-    out["from_one"] = record(work, "", 2, checkpoint(work, "lit_one"))
+def plain_loader_resume(out: dict, work: Path) -> None:
+    """single.py train: a plain-loader run resumed mid-epoch. What the docs warn about: a plain
+    DataLoader has no position to restore, so Lightning (with a warning) starts epoch 1's data again:
+    global step and learning rate are right, the samples are those of the epoch's first batches, and
+    its last two batches are never seen."""
+    check = Checks(out)
+    out["plain"] = plain = record(work, "lit_plain", 1, resumable=False)
+    out["plain_resumed"] = resumed = record(work, "", 1, checkpoint(work, "lit_plain"), resumable=False)
+    check.equal("resumed at global steps 6, 7", resumed["global_steps"], [6, 7])
+    check.equal("the uninterrupted run's learning rates", resumed["lrs"], plain["lrs"][RESUME_AT:])
+    check.equal("the samples of epoch 1's first two batches", resumed["samples"], plain["samples"][4:6])
+    check.that(
+        "epoch 1's first two batches are not its last two",
+        plain["samples"][4:6] != plain["samples"][6:],
+        plain["samples"][4:],
+    )

@@ -1,6 +1,6 @@
 """Trainer(strategy="fsdp2_spawn"): ranks are spawned; the parent gets the trained full weights back.
 
-Usage: python spawn.py OUT.json
+Usage: python spawn.py OUT.json   (the parent's checks: OUT.rank0.json, `_collect.run_flows`)
 """
 
 from __future__ import annotations
@@ -12,8 +12,12 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from common import LitMLP, full_params, gather, loader, max_rel_diff, reference_step, trainer, write_json
+from _checks import Checks
+from _collect import run_flows
+from common import LitMLP, full_params, gather, loader, max_rel_diff, reference_step, trainer
 from torch.distributed.tensor import DTensor
+
+TOL = 1e-5  # fp32 parity, relative
 
 
 class ReportFromRanks(pl.Callback):
@@ -28,7 +32,9 @@ class ReportFromRanks(pl.Callback):
             torch.save((params, [i for rank in indices for batch in rank for i in batch]), self.path)
 
 
-def main(out_path: str) -> None:
+def spawn(out: dict, work: Path) -> None:
+    """The parent: no process group of its own, plain full weights back, equal to the ranks' and to one process."""
+    check = Checks(out)
     torch.manual_seed(0)
     model = LitMLP()
     initial = copy.deepcopy(model)
@@ -37,16 +43,17 @@ def main(out_path: str) -> None:
         trainer("fsdp2_spawn", max_steps=1, callbacks=[ReportFromRanks(report)]).fit(model, loader(4))
         rank_params, indices = torch.load(report)
     ref, _ = reference_step(initial, indices)
-    write_json(
-        out_path,
-        {
-            "parent_has_process_group": torch.distributed.is_initialized(),
-            "plain_tensors": not any(isinstance(p, DTensor) for p in model.parameters()),
-            "ranks_vs_single_process": max_rel_diff(rank_params, ref),
-            "parent_vs_ranks": max_rel_diff(full_params(model), rank_params),
-        },
+    out.update(
+        parent_has_process_group=torch.distributed.is_initialized(),
+        plain_tensors=not any(isinstance(p, DTensor) for p in model.parameters()),
+        ranks_vs_single_process=max_rel_diff(rank_params, ref),
+        parent_vs_ranks=max_rel_diff(full_params(model), rank_params),
     )
+    check.that("the parent has no process group", not out["parent_has_process_group"])
+    check.that("the parent's parameters are plain tensors", out["plain_tensors"])
+    check.below("the ranks' weights equal one process's (relative)", out["ranks_vs_single_process"], TOL)
+    check.equal("the parent's weights are the ranks' (exactly)", out["parent_vs_ranks"], 0.0)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    run_flows([spawn], sys.argv[1], Path(sys.argv[1]).parent)
