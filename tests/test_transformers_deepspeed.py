@@ -1,11 +1,13 @@
 """`FSDP2Trainer(deepspeed=...)`: the DeepSpeed config a run gave `TrainingArguments(deepspeed=...)`
 becomes the FSDP2 settings (ZeRO stage, offload, precision), its trainer values are checked against
 `TrainingArguments` as the stock DeepSpeed integration checks them, and the run equals one given the
-equivalent FSDP2 settings directly."""
+equivalent FSDP2 settings directly. The 2-rank world checks what it claims on every rank (`_checks.Checks`);
+the test runs it and reports its checks."""
 
 from __future__ import annotations
 
 import pytest
+from _checks import Checks, FlowReports
 from _harness import run_distributed
 
 DS = {
@@ -48,7 +50,7 @@ def _world(out_dir: str) -> dict:
             refused[name] = "no error"
         except ValueError as exc:
             refused[name] = str(exc)
-    return {
+    r = {
         "strategy": config.sharding_strategy,
         "cpu_offload": config.cpu_offload,
         "sharded": sum(type(p).__name__ == "DTensor" for p in trainer.model.parameters()),
@@ -57,21 +59,37 @@ def _world(out_dir: str) -> dict:
         "explicit_loss": explicit.state.log_history[-1]["train_loss"],
         "refused": refused,
     }
+    check = Checks(r)
+    check.equal("ZeRO-3 is FULL_SHARD", r["strategy"], "FULL_SHARD")
+    check.that("offload_optimizer is cpu offload", r["cpu_offload"] is True, r["cpu_offload"])
+    check.equal("2 steps", r["steps"], 2)
+    check.that("the parameters are sharded", r["sharded"] > 0, r["sharded"])
+    # The same run as with the equivalent settings written out (same seed, data and order).
+    check.equal("the loss equals the equivalent FSDP2 settings'", r["train_loss"], r["explicit_loss"])
+    check.that("the loss is positive", r["train_loss"] > 0, r["train_loss"])
+    mismatch = refused["mismatch"]
+    check.that(
+        "a micro batch mismatch is named with both values",
+        "DeepSpeed train_micro_batch_size_per_gpu=2 vs TrainingArguments per_device_train_batch_size=4" in mismatch,
+        mismatch,
+    )
+    check.that(
+        "a clipping mismatch is named with both values",
+        "DeepSpeed gradient_clipping=1.0 vs TrainingArguments max_grad_norm=0.5" in mismatch,
+        mismatch,
+    )
+    check.that('the mismatch error says to set "auto"', 'Set those DeepSpeed values to "auto"' in mismatch, mismatch)
+    check.that("deepspeed= with fsdp_plugin= is refused: give one", "give one" in refused["both"], refused["both"])
+    return {"deepspeed_config": r}
+
+
+PER_RANK = ["deepspeed_config.train_loss", "deepspeed_config.explicit_loss"]
+"""Each rank's own logged train_loss (of its own batches), in both runs."""
 
 
 def test_a_deepspeed_config_becomes_the_fsdp2_settings_and_trains(tmp_path):
     results = run_distributed(_world, 2, str(tmp_path), timeout=240)
-    for r in results:
-        assert (r["strategy"], r["cpu_offload"], r["steps"]) == ("FULL_SHARD", True, 2) and r["sharded"] > 0
-        # The same run as with the equivalent settings written out (same seed, data and order).
-        assert r["train_loss"] == r["explicit_loss"] and r["train_loss"] > 0
-        mismatch = r["refused"]["mismatch"]
-        assert (
-            "DeepSpeed train_micro_batch_size_per_gpu=2 vs TrainingArguments per_device_train_batch_size=4" in mismatch
-        )
-        assert "DeepSpeed gradient_clipping=1.0 vs TrainingArguments max_grad_norm=0.5" in mismatch
-        assert 'Set those DeepSpeed values to "auto"' in mismatch
-        assert "give one" in r["refused"]["both"]
+    FlowReports(results, PER_RANK).assert_passed("deepspeed_config")
 
 
 def test_training_arguments_deepspeed_is_refused_with_the_move(monkeypatch):
