@@ -1085,13 +1085,13 @@ def throughput_logging(out: dict, work: Path) -> None:
     out["last_step"] = acc.throughput.meter.last.step
     acc.throughput.remove()
     check = Checks(out)
-    main, other = out["rows"]
+    main_rows, other = out["rows"]
     check.equal("Accelerator.log: nothing on the other process", other, [])
     # 5 optimizer steps: the first starts the clock, then a report every 2 (optimizer steps 3 and 5).
-    check.equal("reports at optimizer steps 3 and 5", [step for step, _ in main], [3, 5])
+    check.equal("reports at optimizer steps 3 and 5", [step for step, _ in main_rows], [3, 5])
     check.equal("the meter's last step is 5", out["last_step"], 5)
     names = ["throughput/mfu", "throughput/peak_memory_gib", "throughput/step_time_s", "throughput/tokens_per_s"]
-    for step, m in main:
+    for step, m in main_rows:
         check.equal(f"step {step}: the four throughput metrics", sorted(m), names)
         # 4 sequences of 16 tokens a step on this rank, counted by the model's forward.
         tokens = m.get("throughput/tokens_per_s", math.nan) * m.get("throughput/step_time_s", math.nan)
