@@ -1,12 +1,13 @@
-"""Fabric flows on 2 ranks in one world (launched by `fabric run`); writes what it measured to JSON.
+"""Fabric flows on 2 ranks in one world (launched by `fabric run`); each flow checks what it claims.
 
 Usage (tests/ on the path, as `_harness.launch` puts it; default: every flow):
 
     PYTHONPATH=tests fabric run --accelerator cpu --devices 2 tests/fabric_scripts/flows.py OUT.json WORKDIR [FLOW ...]
 
-Each flow records its numbers under its own key. Every rank writes its own report (OUT.rank0.json,
-OUT.rank1.json) after each flow; an exception is recorded as "error" for that flow and ends that rank
-(`_collect.run_flows`): the test fails naming the flow and the rank.
+Each flow records its named checks (`_checks.Checks`, on every rank) and the raw numbers under its own
+key. Every rank writes its own report (OUT.rank0.json, OUT.rank1.json) after each flow; an exception
+is recorded as "error" for that flow and ends that rank (`_collect.run_flows`): the test fails naming
+the flow and the rank. The test file only launches and calls `assert_passed` per flow.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from _checks import Checks
 from _collect import run_flows
 from _comm import collective_dtypes, count_collectives
 from _precision import policy_grads, true_precision_update
@@ -46,6 +48,7 @@ from fsdp2_strategy.integrations.fabric import FSDP2FabricMixedPrecision, FSDP2F
 
 BATCHES = [slice(0, 8), slice(8, 16)]  # two global batches of 8 (4 per rank)
 DELAY = 0.5  # seconds an "overlap" save's copy is held back
+TOL = 1e-5  # fp32 parity, relative
 
 
 def _train(fabric: Fabric, model, optimizer, batches=BATCHES, clip: tuple | None = None) -> list[float]:
@@ -80,6 +83,16 @@ def parity(out: dict, work: Path) -> None:
         mesh_shape=list(fabric.strategy.device_mesh.shape),
         max_rel_diff=max_rel_diff(full_params(raw), params(ref)),
     )
+    check = Checks(out)
+    check.equal("the strategy is FSDP2FabricStrategy", out["strategy"], "FSDP2FabricStrategy")
+    check.that("the root module is sharded", out["root_is_fsdp"])
+    check.equal("groups by policy", out["plan_groups"], ["<root>", "blocks.0", "blocks.1", "blocks.2"])
+    check.equal("mesh dims", out["mesh_dims"], ["data_parallel", "tensor_parallel"])
+    check.equal("mesh shape", out["mesh_shape"], [2, 1])
+    # Built before setup, pointed at the shards.
+    dtensors = out["optimizer_params_dtensor"]
+    check.that("the optimizer rebound to the shards", all(dtensors), dtensors)
+    check.below("two steps equal one process's (relative)", out["max_rel_diff"], TOL)
 
 
 def accumulation(out: dict, work: Path) -> None:
@@ -107,10 +120,18 @@ def accumulation(out: dict, work: Path) -> None:
         reduce_scatters_plain=rs(plain),
         max_rel_diff=max_rel_diff(full_params(raw), params(ref)),
     )
+    check = Checks(out)
+    groups = out["groups"]
+    check.equal("four FSDP groups", groups, 4)
+    # Without no_backward_sync: one per group per micro-batch.
+    check.equal("one reduce-scatter per group per optimizer step", out["reduce_scatters"], groups)
+    check.equal("without no_backward_sync: one per group per micro-batch", out["reduce_scatters_plain"], 2 * groups)
+    check.below("two accumulated micro-batches equal one step on the whole batch (relative)", out["max_rel_diff"], TOL)
 
 
 def clipping(out: dict, work: Path) -> None:
     """`fabric.clip_gradients` by norm (the global norm is returned) and by value, vs one process."""
+    check = Checks(out)
     for algorithm, value in (("norm", 0.05), ("value", 0.01)):
         fabric = Fabric(strategy="fsdp2")
         raw, ref = fresh(2)
@@ -126,6 +147,13 @@ def clipping(out: dict, work: Path) -> None:
             norms=norms if algorithm == "norm" else None,
             ref_norms=ref_norms if algorithm == "norm" else None,
         )
+        r = out[algorithm]
+        check.below(f"{algorithm}: parameters equal one clipping process's (relative)", r["max_rel_diff"], TOL)
+        unclipped = r["unclipped_diff"]
+        check.that(f"{algorithm}: the clip was active (> 0.1 from unclipped)", unclipped > 0.1, unclipped)
+        if algorithm == "norm":  # fabric.clip_gradients returns the global norm
+            check.close("norm: clip_gradients returns one process's norm, each step (relative)", norms, ref_norms, TOL)
+            check.equal("norm: one norm per step", len(norms), 2)
 
 
 def _expected_update(initial: MLP, name: str, scale: float) -> dict:
@@ -161,6 +189,7 @@ def precision(out: dict, work: Path) -> None:
     """Precision strings -> FSDP2 policies: compute dtype inside a block, stored dtype, the reductions'
     dtype, and one step against the policy written out. "16-mixed" starts at a loss scale of 2**10,
     which does not overflow, so the step is not skipped."""
+    check = Checks(out)
     for name in ("bf16-mixed", "16-mixed", "bf16-true", "32-true"):
         scale = 2.0**10 if name == "16-mixed" else 1.0
         if name == "16-mixed":
@@ -187,6 +216,33 @@ def precision(out: dict, work: Path) -> None:
             reductions=sorted(reductions),
             update_diff=max_rel_diff(full_params(raw), _expected_update(initial, name, scale)),
         )
+    p = out
+    check.equal("bf16-mixed: every group bf16/fp32", p["bf16-mixed"]["plan_precision"], ["bf16/fp32"])
+    check.equal("bf16-mixed: compute in bf16", p["bf16-mixed"]["compute_dtype"], "torch.bfloat16")
+    check.equal("bf16-mixed: parameters stored fp32", p["bf16-mixed"]["stored_dtypes"], ["torch.float32"])
+    check.that("16-mixed: the scaler is a ShardedGradScaler", p["16-mixed"]["sharded_scaler"])
+    check.equal("16-mixed: compute in fp16", p["16-mixed"]["compute_dtype"], "torch.float16")
+    check.equal("16-mixed: parameters stored fp32", p["16-mixed"]["stored_dtypes"], ["torch.float32"])
+    # A skipped step would have halved the scale.
+    check.equal("16-mixed: the scale is unchanged (the step ran)", p["16-mixed"]["scale"], 2.0**10)
+    check.equal("bf16-true: parameters stored bf16", p["bf16-true"]["stored_dtypes"], ["torch.bfloat16"])
+    check.equal("bf16-true: compute in bf16", p["bf16-true"]["compute_dtype"], "torch.bfloat16")
+    check.equal("32-true: compute in fp32", p["32-true"]["compute_dtype"], "torch.float32")
+    check.equal("32-true: the plan keeps the parameters' dtype", p["32-true"]["plan_precision"], ["param"])
+    check.equal("bf16-mixed: the plugin", p["bf16-mixed"]["plugin"], "FSDP2FabricMixedPrecision")
+    check.equal("32-true: the plugin", p["32-true"]["plugin"], "FSDP2FabricPrecision")
+    # One step against the policy written out without the engine (tests/_precision.py; "-true": one
+    # bf16 process; "32-true": one fp32 process): the same arithmetic up to fp32 summation order
+    # (measured <= 2.2e-08; bf16-true 0). Gradients reduce-scattered in the policy's reduce dtype.
+    for name, reduce_dtype in (
+        ("bf16-mixed", "float32"),
+        ("16-mixed", "float32"),
+        ("bf16-true", "bfloat16"),
+        ("32-true", "float32"),
+    ):
+        check.below(f"{name}: the update is the policy's (relative)", p[name]["update_diff"], TOL)
+        scatters = sorted({d for n, d in p[name]["reductions"] if n.startswith("reduce_scatter")})
+        check.equal(f"{name}: gradients reduce-scattered in {reduce_dtype}", scatters, [reduce_dtype])
 
 
 def meta_init(out: dict, work: Path) -> None:
@@ -212,6 +268,13 @@ def meta_init(out: dict, work: Path) -> None:
         init_diff=max_rel_diff(start, params(own)),
         max_rel_diff=max_rel_diff(full_params(raw), params(own_start)),
     )
+    check = Checks(out)
+    check.that("init_module(empty_init=True) builds on meta", out["meta_before"])
+    check.that("no meta parameter left after setup", not out["meta_after"])
+    # The modules' own reset_parameters() draws, as in one process (shards of one draw, not each
+    # rank's own), and one step from them matches one process.
+    check.equal("materialised weights are one process's draws (exactly)", out["init_diff"], 0.0)
+    check.below("one step from them equals one process's (relative)", out["max_rel_diff"], TOL)
 
 
 class Counter:
@@ -237,6 +300,7 @@ def _expect_error(fn) -> str | None:
 
 def checkpoints(out: dict, work: Path) -> None:
     """save -> continue vs load -> continue (exact); damaged, partial, filtered, missing key; load_raw."""
+    check = Checks(out)
     fabric = Fabric(strategy="fsdp2")
     ck = work / "fabric_ckpt"
     raw, _ = fresh(5)
@@ -271,6 +335,19 @@ def checkpoints(out: dict, work: Path) -> None:
         gathered_before_save=gathered,
         plain_after_save=plain_after_save,
     )
+    check.equal(
+        "a checkpoint directory's files",
+        files,
+        [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", "meta.pt"],
+    )
+    check.equal("load restores the step", state["step"], 1)
+    check.equal("load restores a stateful object", counter.n, 7)
+    check.equal("load returns what state did not ask for", remainder, {"note": "hello"})
+    check.equal("the resumed model is the continuing one (exactly)", out["resume_diff"], 0.0)
+    check.equal("the resumed losses are the continuing run's", resumed_losses, continued_losses)
+    # fabric.save after an evaluation forward: the root was gathered, the save left only shards.
+    check.that("an evaluation forward left the root gathered", "inp.weight" in gathered, gathered)
+    check.equal("the save left only shards", plain_after_save, [])
 
     # Damaged (one byte of rank 0's shard file flipped) and partial (.metadata gone) copies.
     bad, partial = work / "damaged_ckpt", work / "partial_ckpt"
@@ -286,14 +363,47 @@ def checkpoints(out: dict, work: Path) -> None:
     raw3, _ = fresh(7)
     model3, optimizer3 = fabric.setup(raw3, torch.optim.Adam(raw3.parameters(), lr=0.01))
     before = full_params(raw3)
-    out["damaged_error"] = _expect_error(lambda: fabric.load(bad, {"model": model3, "optimizer": optimizer3}))
-    out["partial_error"] = _expect_error(lambda: fabric.load(partial, {"model": model3}))
-    out["unchanged_after_refusals"] = max_rel_diff(full_params(raw3), before)
-    out["missing_key_error"] = _expect_error(lambda: fabric.load(ck, {"model": model3, "absent": 0}))
-    out["filter_error"] = _expect_error(
-        lambda: fabric.save(work / "filtered", {"model": model3}, filter={"model": lambda k, v: "bias" not in k})
+    out["damaged_error"] = damaged = check.raises(
+        "a damaged checkpoint refused, naming the damaged file",
+        lambda: fabric.load(bad, {"model": model3, "optimizer": optimizer3}),
+        Exception,
+        "damaged and was not loaded",
+        "__0_0.distcp",
     )
-    out["no_model_error"] = _expect_error(lambda: fabric.save(work / "nomodel", {"step": 1}))
+    # What to load instead: the committed checkpoint beside it (not the partial copy), and how.
+    hint = (damaged or "").partition("Committed checkpoints beside it")[2]
+    check.that(
+        "the refusal names the committed checkpoint beside it (not the partial copy) and how to load it",
+        "fabric_ckpt" in hint and "partial_ckpt" not in hint and "the same load call with its path" in hint,
+        damaged,
+    )
+    out["partial_error"] = check.raises(
+        "a partial checkpoint refused",
+        lambda: fabric.load(partial, {"model": model3}),
+        Exception,
+        "not a committed fsdp2 checkpoint",
+    )
+    out["unchanged_after_refusals"] = max_rel_diff(full_params(raw3), before)
+    check.equal("the refusals left the model unchanged (exactly)", out["unchanged_after_refusals"], 0.0)
+    out["missing_key_error"] = missing = _expect_error(lambda: fabric.load(ck, {"model": model3, "absent": 0}))
+    check.that(
+        "a key the checkpoint lacks raises KeyError naming it",
+        missing is not None and missing.startswith("KeyError") and "'absent'" in missing,
+        missing,
+    )
+    out["filter_error"] = check.raises(
+        "save(filter=) refused for sharded checkpoints",
+        lambda: fabric.save(work / "filtered", {"model": model3}, filter={"model": lambda k, v: "bias" not in k}),
+        Exception,
+        "filter=",
+        "not supported with strategy='fsdp2'",
+    )
+    out["no_model_error"] = check.raises(
+        "a save without a model refused",
+        lambda: fabric.save(work / "nomodel", {"step": 1}),
+        Exception,
+        "needs the model in `state`",
+    )
 
     # load_raw: a plain torch file of full weights into a sharded model.
     source, _ = fresh(8)
@@ -304,6 +414,7 @@ def checkpoints(out: dict, work: Path) -> None:
     model4 = fabric.setup_module(raw4)
     fabric.load_raw(work / "full.pt", model4)
     out["load_raw_diff"] = max_rel_diff(full_params(raw4), params(source))
+    check.equal("load_raw loads full weights into the shards (exactly)", out["load_raw_diff"], 0.0)
 
 
 def _half_frozen(base_seed: int, head_seed: int) -> MLP:
@@ -320,6 +431,7 @@ def trainable_only(out: dict, work: Path) -> None:
     """FSDP2FabricStrategy(checkpoint_trainable_only=True) on a model with frozen layers (no PEFT):
     fabric.save stores the trainable part and the base's fingerprint; load continues exactly on the
     same base and refuses another."""
+    check = Checks(out)
     fabric = Fabric(strategy=FSDP2FabricStrategy(checkpoint_trainable_only=True))
     ck = work / "fabric_trainable"
 
@@ -338,13 +450,26 @@ def trainable_only(out: dict, work: Path) -> None:
     out["resume_diff"] = max_rel_diff(full_params(raw2), full_params(raw))
     names = f2.inspect_checkpoint(ck)
     out["saved_model_keys"] = sorted(k for k in names.tensors if k.startswith("model."))
+    check.equal(
+        "the checkpoint's model entries are the trainable head's",
+        out["saved_model_keys"],
+        ["model.out.bias", "model.out.weight"],
+    )
+    check.below("resumed on the same base: the uninterrupted run (relative)", out["resume_diff"], 1e-6)
     other = _half_frozen(14, 12)
-    out["other_base_error"] = _expect_error(lambda: fabric.load(ck, {"model": setup(other)[0]}))
+    out["other_base_error"] = check.raises(
+        "another base refused, naming a differing parameter",
+        lambda: fabric.load(ck, {"model": setup(other)[0]}),
+        Exception,
+        "another frozen base",
+        "inp.weight",
+    )
 
 
 def overlap_save(out: dict, work: Path) -> None:
     """checkpoint_async_save="overlap": fabric.save returns before the (held back) copy, the next step
     waits for it, the checkpoint holds the state of the save bit for bit, and fabric.load commits it."""
+    check = Checks(out)
     fabric = Fabric(strategy=FSDP2FabricStrategy(checkpoint_async_save="overlap"))
     ck = work / "fabric_overlap"
 
@@ -369,6 +494,13 @@ def overlap_save(out: dict, work: Path) -> None:
     state = {"model": model2, "optimizer": optimizer2, "step": 0}
     fabric.load(ck, state)
     out.update(differs=differing(full_state(model2, optimizer2), at_save), keys=len(at_save), step=state["step"])
+    check.that("save returned before its held-back copy", not out["copied_before_return"], out["returned"])
+    # "waited" is this rank's own time (PER_RANK in the test): judged on each rank.
+    check.that("the next step waited for the copy (>= 0.45 s from the save)", out["waited"] >= 0.45, out["waited"])
+    check.equal("the next step changed every entry of the state", out["changed_by_next_step"], out["keys"])
+    check.that("not committed before load", not out["committed_before_load"])
+    check.equal("load committed and read the state of the save, bit for bit", out["differs"], [])
+    check.equal("load restores the step", out["step"], 1)
 
 
 class _FeedForward(nn.Module):
@@ -400,6 +532,7 @@ def model_parallel(out: dict, work: Path) -> None:
     """ModelParallelStrategy's constructor: a parallelize_fn's TP under tensor_parallel_size="auto",
     the engine sharding the rest; save_distributed_checkpoint=False (one file, filter=) loaded into a
     sharded model, and a one-process checkpoint likewise (fabric.load of full single files)."""
+    check = Checks(out)
     fabric = Fabric(strategy=FSDP2FabricStrategy(_tensor_parallel_ff, tensor_parallel_size="auto"))
     torch.manual_seed(3)
     raw = _FeedForward()
@@ -418,6 +551,16 @@ def model_parallel(out: dict, work: Path) -> None:
         root_is_fsdp=isinstance(raw, FSDPModule),
         max_rel_diff=max_rel_diff(full_params(raw), params(ref)),
     )
+    tp = out["tp"]
+    check.equal('tensor_parallel_size="auto": the node\'s 2 devices in TP', tp["mesh_shape"], [1, 2])
+    # The function's column-/row-wise TP, kept as it left it (16 x 8 weight: 8 rows and 8 columns per rank).
+    tp_dim = {"dims": ["tensor_parallel"], "local_shape": [8, 8]}
+    check.equal("w1 column-wise as the function left it", tp["w1"], {"placements": ["Shard(0)"], **tp_dim})
+    check.equal("w2 row-wise as the function left it", tp["w2"], {"placements": ["Shard(1)"], **tp_dim})
+    # What it left, sharded by the engine on the data-parallel dim (one rank here).
+    check.that("the engine sharded the root", tp["root_is_fsdp"])
+    check.equal("the head sharded on the data-parallel dim", tp["head"]["dims"], ["data_parallel"])
+    check.below("two SGD steps equal one process's (relative)", tp["max_rel_diff"], TOL)
 
     # save_distributed_checkpoint=False: one file of full state on rank 0 ...
     fabric = Fabric(strategy=FSDP2FabricStrategy(save_distributed_checkpoint=False))
@@ -450,6 +593,21 @@ def model_parallel(out: dict, work: Path) -> None:
         resumed_losses=resumed_losses,
         continued_losses=continued_losses,
     )
+    f = out["full_file"]
+    # save_distributed_checkpoint=False: Lightning's single file, filter= applied.
+    check.that("save_distributed_checkpoint=False writes one file", f["is_file"])
+    check.equal("the file's keys", f["keys"], ["model", "optimizer", "step"])
+    check.equal(
+        "filter= kept the biases only",
+        f["filtered_keys"],
+        [f"{n}.bias" for n in ("blocks.0.fc", "blocks.1.fc", "blocks.2.fc", "inp", "out")],
+    )
+    # fabric.load of it into a sharded model: the saved weights exactly, then Adam continues exactly.
+    check.equal("full file: load restores the step", f["step"], 1)
+    check.equal("full file: nothing left over", f["remainder"], {})
+    check.equal("full file: the saved weights in the shards (exactly)", f["loaded_diff"], 0.0)
+    check.below("full file: Adam continues as the saving run (relative)", f["resume_diff"], TOL)
+    check.close("full file: the saving run's losses (relative)", f["resumed_losses"], f["continued_losses"], TOL)
 
     # A one-process checkpoint (what a one-device Fabric writes: plain state dicts) into the shards.
     single, _ = fresh(33)
@@ -465,6 +623,11 @@ def model_parallel(out: dict, work: Path) -> None:
     fabric.load(work / "one.pt", state3)
     _train(fabric, model3, optimizer3, batches=BATCHES[1:])
     out["one_process"] = dict(step=state3["step"], resume_diff=max_rel_diff(full_params(raw3), params(single)))
+    # A one-process checkpoint (plain state dicts, optimizer keyed by index) continues like that process.
+    check.equal("one-process checkpoint: load restores the step", out["one_process"]["step"], 5)
+    check.below(
+        "one-process checkpoint: continues like that process (relative)", out["one_process"]["resume_diff"], TOL
+    )
 
 
 FLOWS = [

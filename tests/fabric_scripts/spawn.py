@@ -1,4 +1,5 @@
-"""`Fabric(strategy="fsdp2_spawn").launch(fn)`: ranks are spawned; rank 0's result comes back.
+"""`Fabric(strategy="fsdp2_spawn").launch(fn)`: ranks are spawned; rank 0's result comes back, and the
+parent checks it (`_checks.Checks`), writing OUT.rank0.json (`_collect.run_flows`).
 
 Usage (tests/ on the path, as `_harness.launch` puts it): PYTHONPATH=tests python tests/fabric_scripts/spawn.py OUT.json WORKDIR
 """
@@ -9,9 +10,10 @@ import sys
 from pathlib import Path
 
 import torch
-from _collect import write_json
+from _checks import Checks
+from _collect import run_flows
 from common import LR, fresh, full_params, max_rel_diff, params, reference_steps
-from flows import BATCHES, _train
+from flows import BATCHES, TOL, _train
 from lightning.fabric import Fabric
 
 
@@ -30,22 +32,26 @@ def train(fabric: Fabric, work: str) -> dict:
     }
 
 
-def main(out_path: str, work: str) -> None:
+def spawn(out: dict, work: Path) -> None:
+    """The parent: 2 spawned ranks trained like one process and committed their save; no process group here."""
+    check = Checks(out)
     fabric = Fabric(strategy="fsdp2_spawn", accelerator="cpu", devices=2)
-    result = fabric.launch(train, work)
+    result = fabric.launch(train, str(work))
     _, ref = fresh(0)
     reference_steps(ref, torch.optim.SGD(ref.parameters(), lr=LR), BATCHES)
-    write_json(
-        out_path,
-        dict(
-            world=result["world"],
-            strategy=result["strategy"],
-            parent_has_process_group=torch.distributed.is_initialized(),
-            max_rel_diff=max_rel_diff({n: torch.tensor(v) for n, v in result["params"].items()}, params(ref)),
-            committed=(Path(work) / "spawn_ckpt" / ".metadata").is_file(),
-        ),
+    out.update(
+        world=result["world"],
+        strategy=result["strategy"],
+        parent_has_process_group=torch.distributed.is_initialized(),
+        max_rel_diff=max_rel_diff({n: torch.tensor(v) for n, v in result["params"].items()}, params(ref)),
+        committed=(work / "spawn_ckpt" / ".metadata").is_file(),
     )
+    check.equal("a world of 2", out["world"], 2)
+    check.equal("the strategy is FSDP2FabricStrategy", out["strategy"], "FSDP2FabricStrategy")
+    check.that("the parent has no process group", not out["parent_has_process_group"])
+    check.below("the ranks' weights equal one process's (relative)", out["max_rel_diff"], TOL)
+    check.that("the workers' save committed", out["committed"])
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    run_flows([spawn], sys.argv[1], Path(sys.argv[2]))

@@ -1,6 +1,7 @@
 """Fabric 2 dp x 2 tp on 4 CPU ranks (`fabric run --devices 4`): a plain GPT given
 `tensor_parallel_plan`, trained with SGD, against one process on the same global batches.
-Every rank writes its JSON report (`_collect.run_flows`); tests/test_fabric.py asserts.
+Every rank checks it (`_checks.Checks`) and writes its report (`_collect.run_flows`); tests/test_fabric.py
+reports the failed checks.
 
     PYTHONPATH=tests fabric run --accelerator cpu --devices 4 tests/fabric_scripts/tensor_parallel.py OUT.json
 """
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _checks import Checks
 from _collect import run_flows
 from _models import TP_PLAN, lm_data, lm_loss, sgd_reference  # (tests/ is on the path via `common`)
 from _models import TPGPT as GPT
@@ -22,6 +24,7 @@ import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.fabric import FSDP2FabricStrategy
 
 VOCAB, SEQ, N_SAMPLES, BATCH, STEPS, LR = 64, 12, 16, 4, 2, 0.1  # BATCH per data-parallel rank
+TOL = 1e-5  # fp32 parity, relative
 
 
 def plan_flow() -> dict:
@@ -55,7 +58,19 @@ def plan_flow() -> dict:
 
 
 def plan(entry: dict, work: Path) -> None:
+    """2 dp x 2 tp from `tensor_parallel_plan` equals one process; 2-D mesh and weights; the plan's styles."""
+    check = Checks(entry)
     entry.update(plan_flow())
+    check.that("the same parameter names as one process", entry["same_names"])
+    check.below("parameters equal one process's (relative)", entry["max_rel_diff"], TOL)
+    check.equal("mesh dims", entry["mesh_dims"], ["data_parallel", "tensor_parallel"])
+    check.equal("mesh shape", entry["mesh_shape"], [2, 2])
+    check.that("column-wise q: TP over tensor_parallel, FSDP over data_parallel (2-D DTensor)", entry["q_2d_dtensor"])
+    check.that(
+        "the sharding plan shows 'colwise' and 'rowwise'",
+        "colwise" in entry["plan"] and "rowwise" in entry["plan"],
+        entry["plan"],
+    )
 
 
 def main(out: str) -> None:
