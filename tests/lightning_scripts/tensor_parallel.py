@@ -2,9 +2,10 @@
 `ModelParallelStrategy`'s tensor parallelism run with `FSDP2Strategy` instead, and the same
 model with no hand-written TP but `tensor_parallel_plan`; both against one process.
 
-Every rank writes its JSON report (`_collect.run_flows`): per flow the max relative difference of the parameters after the steps
-to a one-process run on the same global batches, what the mesh and parameters look like, and
-whether the sharding plan shows the TP styles. The assertions live in tests/test_lightning_tp.py.
+Each flow checks on every rank (`_checks.Checks`) that the parameters after the steps equal a
+one-process run on the same global batches, what the mesh and parameters look like, and that the
+sharding plan shows the TP styles; every rank writes its report (`_collect.run_flows`), and
+tests/test_lightning_tp.py reports the failed checks.
 
     PYTHONPATH=tests torchrun --nproc_per_node=4 tests/lightning_scripts/tensor_parallel.py OUT.json
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from _checks import Checks
 from _collect import run_flows
 from _models import (
     TP_PLAN,
@@ -35,6 +37,7 @@ import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy
 
 VOCAB, SEQ, N_SAMPLES, BATCH, STEPS, LR = 64, 12, 16, 4, 2, 0.1  # BATCH per data-parallel rank
+TOL = 1e-5  # fp32 parity, relative
 PLAN = {f"model.{glob}": style for glob, style in TP_PLAN.items()}
 """Module-name globs relative to the LightningModule (the GPT is its `model`)."""
 
@@ -99,27 +102,42 @@ def global_batches(module: LitGPT) -> list[list[int]]:
     return [sorted({r for rank in per_rank for r in rank[s]}) for s in range(len(module.rows))]
 
 
-def run(module: LitGPT, strategy: FSDP2Strategy, initial: GPT) -> dict:
+def run(module: LitGPT, strategy: FSDP2Strategy, initial: GPT, styles: tuple[str, ...], out: dict) -> None:
+    """Fit `module` 2 x 2 and check it against one process; the plan must show each of `styles`."""
+    check = Checks(out)
     t = trainer(strategy=strategy, devices=4, max_steps=STEPS)
     t.fit(module, DataLoader(data(), batch_size=BATCH, shuffle=True))
     got = full_params(module)  # collective: every rank
     steps = global_batches(module)
     expected = sgd_reference(initial, data(), steps, LR, prefix="model.")
     params = list(module.parameters())
-    return {
-        **module.seen,
-        "max_rel_diff": max_rel_diff(got, expected),
-        "global_batch_sizes": [len(rows) for rows in steps],
-        "same_names": sorted(got) == sorted(expected),
-        "tp_weights_2d": all(
-            isinstance(m.weight, DTensor) and m.weight.device_mesh.ndim == 2
-            for b in module.model.blocks
-            for m in (b.attn.q, b.attn.k, b.attn.v, b.attn.proj, b.mlp[0], b.mlp[2])
-        ),
-        "params_dtensor": all(isinstance(p, DTensor) for p in params),
-        "plan": str(f2.sharding_plan(module)),
-        "dp_size": strategy.distributed_sampler_kwargs["num_replicas"],
-    }
+    out.update(
+        {
+            **module.seen,
+            "max_rel_diff": max_rel_diff(got, expected),
+            "global_batch_sizes": [len(rows) for rows in steps],
+            "same_names": sorted(got) == sorted(expected),
+            "tp_weights_2d": all(
+                isinstance(m.weight, DTensor) and m.weight.device_mesh.ndim == 2
+                for b in module.model.blocks
+                for m in (b.attn.q, b.attn.k, b.attn.v, b.attn.proj, b.mlp[0], b.mlp[2])
+            ),
+            "params_dtensor": all(isinstance(p, DTensor) for p in params),
+            "plan": str(f2.sharding_plan(module)),
+            "dp_size": strategy.distributed_sampler_kwargs["num_replicas"],
+        }
+    )
+    check.that("the same parameter names as one process", out["same_names"])
+    check.equal("2 dp ranks x 4 samples, 2 steps", out["global_batch_sizes"], [8, 8])
+    check.below("parameters equal one process's (relative)", out["max_rel_diff"], TOL)
+    check.equal("Lightning's mesh dims", out["mesh_dims"], ["data_parallel", "tensor_parallel"])
+    check.equal("Lightning's mesh shape", out["mesh_shape"], [2, 2])
+    check.equal("the sampler splits data over the data-parallel dim only", out["dp_size"], 2)
+    check.that("every parameter a DTensor", out["params_dtensor"])
+    check.that("TP weights on the 2-D mesh (FSDP over dp on top of TP)", out["tp_weights_2d"])
+    check.that("column-wise q: dim 0 split over tp, then again over dp", out["q_dim0_over_dp_and_tp"])
+    for style in styles:
+        check.that(f"the sharding plan shows {style!r}", style in out["plan"], out["plan"])
 
 
 def main(out: str) -> None:
@@ -127,10 +145,13 @@ def main(out: str) -> None:
     initial = GPT()
 
     def hand_tp(entry: dict, work: Path) -> None:
-        entry.update(run(LitGPTHandTP(initial), FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=2), initial))
+        """The module's own TP, left as it was: the plan shows it as the user's."""
+        strategy = FSDP2Strategy(data_parallel_size=2, tensor_parallel_size=2)
+        run(LitGPTHandTP(initial), strategy, initial, ("user",), entry)
 
     def plan(entry: dict, work: Path) -> None:
-        entry.update(run(LitGPT(initial), FSDP2Strategy(tensor_parallel_size=2, tensor_parallel_plan=PLAN), initial))
+        strategy = FSDP2Strategy(tensor_parallel_size=2, tensor_parallel_plan=PLAN)
+        run(LitGPT(initial), strategy, initial, ("colwise", "rowwise"), entry)
 
     run_flows([hand_tp, plan], out, Path(out).parent)  # every rank writes its report (OUT.rankN.json)
     f2.shutdown()
