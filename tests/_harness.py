@@ -244,12 +244,6 @@ def _first_difference(a: Any, b: Any, path: str = "result") -> str | None:
     return None if a == b else f"{path}: {a!r} != {b!r}"
 
 
-def assert_no_flow_failed(results: dict) -> None:
-    """A flow script records a flow that raised as `{"error": traceback}`: fail with every traceback."""
-    errors = {flow: entry["error"] for flow, entry in results.items() if isinstance(entry, dict) and "error" in entry}
-    assert not errors, "\n".join(f"{flow}:\n{tb}" for flow, tb in errors.items())
-
-
 def rank_reports(path: str | os.PathLike, world_size: int) -> list[dict]:
     """Every rank's report of a flow script (`_collect.run_flows`: OUT.rank0.json, ...), in rank order.
 
