@@ -36,7 +36,7 @@ import fsdp2_strategy as f2  # noqa: E402
 
 # The tests' collective hook (torch's functions and the rings), as collectives_2d.py borrows the tests' models.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from _comm import observe_collectives  # noqa: E402
+from helpers.comm import observe_collectives  # noqa: E402
 
 # name -> (position, keyword) of the payload argument, whose bytes are counted
 PAYLOAD = {

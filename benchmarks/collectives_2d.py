@@ -29,7 +29,7 @@ import fsdp2_strategy as f2
 
 # The tests' tensor-parallel GPT and its plan (as memory_accuracy.py borrows the tests' models).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _models import TP_PLAN, TPGPT  # noqa: E402
+from helpers.models import TP_PLAN, TPGPT  # noqa: E402
 
 VOCAB, SEQ = 256, 64
 

@@ -5,7 +5,7 @@
 
 Parts (`--parts`, in the order given; the default is the order below):
 
-- `tests`: `pytest tests/test_device.py` (core, Lightning, Accelerate, meta + offload, the tuner
+- `tests`: `pytest tests/project/test_device.py` (core, Lightning, Accelerate, meta + offload, the tuner
   and its offload terms): each test's outcome, the summary, the log (`tests.log`, with the tuner's
   tables);
 - `throughput`: `gpu_throughput.py`'s eight paths on the 1 B Llama-shaped model, interleaved rounds:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/_comm.py counts collectives
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/helpers/comm.py counts collectives
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
     import transformers
-    from _comm import count_collectives
+    from helpers.comm import count_collectives
 
     import fsdp2_strategy as f2
 

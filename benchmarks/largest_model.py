@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
-from _models import TinyGPT  # noqa: E402
+from helpers.models import TinyGPT  # noqa: E402
 
 import fsdp2_strategy as f2  # noqa: E402
 from fsdp2_strategy.config_checks import parse_bytes  # noqa: E402

@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
-from _harness import run_distributed  # noqa: E402
-from _memtrack import estimate_peak, measure_peak  # noqa: E402
+from helpers.harness import run_distributed  # noqa: E402
+from helpers.memtrack import estimate_peak, measure_peak  # noqa: E402
 
 FS = {"sharding_strategy": "FULL_SHARD"}
 SETTINGS = {

@@ -27,8 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
-from _harness import run_distributed  # noqa: E402
-from _models import tiny_llama  # noqa: E402
+from helpers.harness import run_distributed  # noqa: E402
+from helpers.models import tiny_llama  # noqa: E402
 
 import fsdp2_strategy as f2  # noqa: E402
 

@@ -15,7 +15,7 @@ For each model x world size x micro-batch count, one spawned gloo world:
     OMP_NUM_THREADS=1 python benchmarks/tune.py --models mlp8 gpt minilm --worlds 2 --ks 1 4
 
 Models: `mlp8` the 8-block benchmark model (dim 512, batch 16, `_bench.Net`), `gpt` TinyGPT and
-`minilm` all-MiniLM-L6-v2 (batch 8, as `tests/_memtrack.py` builds them).
+`minilm` all-MiniLM-L6-v2 (batch 8, as `tests/helpers/memtrack.py` builds them).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks"), str(ROOT)]
 
-from _harness import run_distributed  # noqa: E402
+from helpers.harness import run_distributed  # noqa: E402
 
 
 def _model(name: str):
@@ -42,7 +42,7 @@ def _model(name: str):
 
         x, y = _bench.batches(1, 16)[0]
         return _bench.make_net(512, 8), (x, y), lambda m, b: F.mse_loss(m(b[0]), b[1])
-    from _memtrack import MODELS
+    from helpers.memtrack import MODELS
 
     make_model, make_batch, loss_fn = MODELS[name]
     torch.manual_seed(0)

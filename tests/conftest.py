@@ -1,7 +1,8 @@
 """What the test files share: the markers, and the fixtures several files defined alike.
 
-The subprocess launcher (`launch`) and the in-process worlds (`run_distributed`) live in
-`_harness.py`, which tests and scripts import by name (pytest and `launch` put tests/ on the path).
+Being at the top of tests/, this file puts tests/ on the path of every test (pytest's default import
+mode adds a root conftest's folder): tests import `helpers.<module>`, and the processes
+`helpers.harness.launch` starts get tests/ on PYTHONPATH. The layout is in CONTRIBUTING.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What a checkpoint was saved as and what loads it: layouts named in load errors, and the optimizer's
 parameter groups checked against the saved ones.
 
-DCP reshards any checkpoint onto any mesh (`tests/test_resume_matrix.py`: six saved layouts, each
+DCP reshards any checkpoint onto any mesh (`tests/core/checkpoint/test_resume_matrix.py`: six saved layouts, each
 loaded on five and trained on exactly), so a load that fails has another cause: a different model,
 optimizer or damaged files. Someone who moved a checkpoint between meshes suspects the move, so
 every load error names both layouts (`layouts_note`): how many ranks saved it and how its tensors

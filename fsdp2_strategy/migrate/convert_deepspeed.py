@@ -10,7 +10,7 @@ engine's counters and the caller's `client_state`. It is written once, from one 
 Memory: the state dict handed to DCP holds meta tensors; each real tensor is assembled from the
 memory-mapped rank files when DCP's writer asks for it (`stream_write.StreamingWriter`), written into a file of
 its own, and dropped. The peak is about one parameter (its slices and the assembled copy), whatever
-the model's size; `tests/test_convert_deepspeed.py` measures it.
+the model's size; `tests/core/migrate/test_convert_deepspeed.py` measures it.
 """
 
 from __future__ import annotations

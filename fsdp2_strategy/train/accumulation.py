@@ -67,7 +67,7 @@ def _gather_each_group_once(model: nn.Module) -> None:
     '_unsharded_param'"), e.g. a block first used on the last micro-batch. One unshard/reshard
     per group creates what that code path expects; it costs one all-gather of the model, once
     per model. "sync_each" never switches sync off, so it does not need it; "sync_last" and
-    "keep_gathered" do (tests/test_accumulation.py: a block first used on a later micro-batch).
+    "keep_gathered" do (tests/core/train/test_accumulation.py: a block first used on a later micro-batch).
     """
     state = engine_state(model)
     if state.gathered_once:

@@ -2,7 +2,7 @@
 (`CountCollectives`) and, on CPU, the peak of live tensor bytes (`LiveTensorBytes`).
 
 `LiveTensorBytes` counts what torch's `MemTracker` counts (the reference the memory planner is
-checked against, `tests/_memtrack.py`), and keeps only the running total and its peak: MemTracker
+checked against, `tests/helpers/memtrack.py`), and keeps only the running total and its peak: MemTracker
 also hooks every module, every parameter's gradient and the optimizer step to attribute the bytes
 to modules and kinds, which the tuner never reads. A probe step under this mode is therefore
 closer to a plain step's time than one under MemTracker, with the same peaks.

@@ -13,7 +13,7 @@ class ShutdownAfterWorker:
 
     A spawned worker otherwise leaves through interpreter finalisation with the gloo process
     group alive (Lightning never destroys it), which aborted "terminate called without an active
-    exception" in 1 of 6 runs after a DCP save (tests/lightning_scripts/spawn.py). The user cannot
+    exception" in 1 of 6 runs after a DCP save (tests/integrations/lightning/scripts/spawn.py). The user cannot
     add the call: the worker runs only Lightning's function, so the launcher does.
     """
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from _models import tiny_llama  # noqa: F401  (the snippets' set-up imports it from here)
+from helpers.models import tiny_llama  # noqa: F401  (the snippets' set-up imports it from here)
 from torch import nn
 
 
@@ -181,8 +181,8 @@ train_step = train_step_fn()
 """
 # accelerate configs (paths under tests/): the suite's own, and one with bf16 for the README's snippet
 _BF16_BLOCK = "docs_snippets/fsdp2_bf16.yaml"
-_BLOCK = "accelerate_scripts/fsdp2.yaml"  # fp32, one group per Block
-_HF = "transformers_scripts/fsdp2_sharded.yaml"  # fp32, groups from the model's _no_split_modules
+_BLOCK = "integrations/accelerate/scripts/fsdp2.yaml"  # fp32, one group per Block
+_HF = "integrations/transformers/scripts/fsdp2_sharded.yaml"  # fp32, groups from the model's _no_split_modules
 _LIGHTNING = """
 from docs_snippets.glue import lightning_module, loader as _loader
 model, loader = lightning_module(), _loader()
@@ -219,7 +219,7 @@ GLUE: dict[tuple[str, str], Glue] = {
         config=_HF,
     ),
     ("README.md", "trl"): Glue(
-        setup="from _models import word_tokenizer\nfrom docs_snippets.glue import tiny_llama, text_dataset\n"
+        setup="from helpers.models import word_tokenizer\nfrom docs_snippets.glue import tiny_llama, text_dataset\n"
         "tokenizer = word_tokenizer()\nmodel, text_dataset = tiny_llama(len(tokenizer)), text_dataset()",
         check="assert trainer.state.global_step == 3\n" + _SHARDED,
         launch="accelerate",
@@ -363,7 +363,7 @@ GLUE: dict[tuple[str, str], Glue] = {
     ("docs/migration/deepspeed.md", "resume"): Glue(
         launch="skip",
         reason="needs a DeepSpeed checkpoint, which DeepSpeed (not in this environment) writes; "
-        "tests/test_convert_deepspeed.py runs these lines on DeepSpeed's own ZeRO-1/2/3 saves",
+        "tests/core/migrate/test_convert_deepspeed.py runs these lines on DeepSpeed's own ZeRO-1/2/3 saves",
     ),
     ("docs/concepts/fsdp2.md", "sharding-plan"): Glue(setup=_UNLABELLED, check=_SHARDED),
     ("docs/concepts/memory-model.md", "estimate-fields"): Glue(

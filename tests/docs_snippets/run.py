@@ -1,7 +1,7 @@
 """Run named snippets of one page in this process, each inside its glue: `run.py PAGE NAME [NAME...]`.
 
 Launched once per rank (torchrun, `accelerate launch`, or plain python for one process) by
-`tests/test_docs.py` through `_harness.launch`, which puts tests/ on PYTHONPATH (by hand:
+`tests/project/test_docs.py` through `helpers.harness.launch`, which puts tests/ on PYTHONPATH (by hand:
 `PYTHONPATH=tests python tests/docs_snippets/run.py PAGE NAME`), in a scratch working directory.
 Each snippet gets a fresh namespace: the glue's set-up (what a user has before the snippet), the
 snippet as the page shows it, then the glue's checks. A line `SNIPPET OK <page>:<name> rank <r>` per snippet tells the test it ran.
