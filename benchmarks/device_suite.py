@@ -106,7 +106,7 @@ def _python(*args: str, timeout: float, env: dict | None = None) -> subprocess.C
 
 # --------------------------------------------------------------------------- the parts
 def part_tests(ctx: dict) -> dict:
-    args = ["-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_device.py")]
+    args = ["-m", "pytest", "-v", "-rA", "-p", "no:cacheprovider", str(ROOT / "tests" / "project" / "test_device.py")]
     args += ["-k", ctx["tests_k"]] if ctx["tests_k"] else []
     try:
         proc = _python(*args, timeout=ctx["limit"])

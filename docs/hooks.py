@@ -4,7 +4,7 @@ A page holding `<!-- generated: cli -->` gets the command line's reference, read
 parser `fsdp2-strategy` runs (`fsdp2_strategy.cli.main.build_parser`): every subcommand and option
 with its help text and default. A page holding `<!-- generated: errors -->` gets the catalogue of
 error messages, read (with `ast`, nothing imported) from the bad-input tables the test suite
-asserts: `tests/test_bad_inputs*.py`, one row per bad input, with the call, the exception and the
+asserts: `tests/core/test_bad_inputs*.py` and `tests/core/cli/test_bad_inputs_cli.py`, one row per bad input, with the call, the exception and the
 phrases its message must hold. A page holding `<!-- generated: accelerate-keys -->` gets the table
 of accelerate config keys the Accelerate adapter reads (`integrations/accelerate/keys.py`).
 """
@@ -16,7 +16,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ERROR_TABLES = ("test_bad_inputs.py", "test_bad_inputs_world.py", "test_bad_inputs_cli.py")
+ERROR_TABLES = ("core/test_bad_inputs.py", "core/test_bad_inputs_world.py", "core/cli/test_bad_inputs_cli.py")
 TABLE_TITLES = {
     "CONFIG_ROWS": "FSDP2Config",
     "SHARDING_ROWS": "shard_model and fully_shard",
