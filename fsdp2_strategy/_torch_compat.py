@@ -26,7 +26,7 @@ reads FSDP2's private state, and a few other private torch helpers; only through
   tuner's live-bytes probe), `torch._foreach_mul_` (clipping), `nn.Module._parameters` /
   `._buffers` (moving a model to meta without untying shared weights), DCP's
   `DefaultStager._stage` / `._state_dict_stager` (keeping its host buffers between saves on torch
-  2.11-2.12).
+  2.11-2.12) and `._staging_executor` (holding an "overlap" save's copy until `save()` returns).
 
 `check_private_api()` runs when this module is imported (so at `import fsdp2_strategy`) and raises
 ImportError naming every name that moved and the torch releases known to work
@@ -38,6 +38,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import threading
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -131,6 +133,7 @@ _ATTRIBUTES = (
     (nn.Module, "_buffers"),
     (DefaultStager, "_stage"),
     (DefaultStager, "_state_dict_stager"),
+    (DefaultStager, "_staging_executor"),
 )
 
 
@@ -256,6 +259,20 @@ def reusable_stager(options: StagingOptions) -> DefaultStager:
     """DCP's stager with `options`, reusing its host buffers from one save to the next on every
     supported torch (torch 2.11-2.12's own empties them after each stage: `_torch_backports`)."""
     return StagerKeepingBuffers(options) if _BEFORE_2_13 else DefaultStager(options)
+
+
+def hold_staging(stager: DefaultStager) -> Callable[[], None]:
+    """Queue a wait in front of `stager`'s next background copy and return what ends it: the stager
+    runs its copies on a one-worker executor, in order, so the copy `stage()` submits next starts
+    only once the returned function is called (call it in a `finally`). A stager that copies in the
+    caller's thread has nothing to hold."""
+    release = threading.Event().set
+    executor = stager._staging_executor
+    if executor is not None:
+        gate = threading.Event()
+        executor.submit(gate.wait)
+        release = gate.set
+    return release
 
 
 def offloaded_params(model: nn.Module) -> list[Any]:

@@ -90,6 +90,18 @@ class AsyncSaver:
             self._group = dist.new_group(backend="gloo")
         if self._stager is None:
             self._stager = self._make_stager()
+        # "overlap": the copy waits until this returns. Started at once in DCP's stager thread, its
+        # Python loop would hold the GIL while this thread still starts DCP's upload thread, each
+        # hand-over costing up to the interpreter's 5 ms switch interval: save() blocked 65 ms
+        # instead of 8.5 (Llama, 8 layers, CPU; benchmarks/results/design_measurements.md).
+        release_copy = tc.hold_staging(self._stager)
+        try:
+            self._start(state, tmp, commit, writer)
+        finally:
+            release_copy()
+
+    def _start(self, state: dict[str, Any], tmp: Path, commit: Callable[[], None], writer: FileSystemWriter | None):
+        """`dcp.async_save` into `tmp`; the copy's completion and the write are kept for `wait()`."""
         try:
             response = dcp.async_save(
                 state,

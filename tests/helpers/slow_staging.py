@@ -22,10 +22,13 @@ from fsdp2_strategy.checkpoint import async_save
 
 class SlowStager(DefaultStager):
     delay = 0.6
+    copies_started: list[float] = []
+    """`time.perf_counter()` as each copy starts (before it is held back), in this process."""
     copies_done: list[float] = []
     """`time.perf_counter()` at the end of each held-back copy, in this process."""
 
     def _stage(self, state_dict, **kwargs):
+        SlowStager.copies_started.append(time.perf_counter())
         time.sleep(self.delay)
         staged = super()._stage(state_dict, **kwargs)
         SlowStager.copies_done.append(time.perf_counter())
@@ -48,6 +51,7 @@ def slow(stager: DefaultStager, delay: float) -> DefaultStager:
 def slow_staging(delay: float) -> Iterator[None]:
     original = async_save.default_stager
     SlowStager.copies_done.clear()
+    SlowStager.copies_started.clear()
     async_save.default_stager = lambda mode: slow(original(mode), delay)
     try:
         yield

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 from helpers.harness import launch, run_distributed
-from helpers.slow_staging import differing, full_state, slow
+from helpers.slow_staging import SlowStager, differing, full_state, slow
 from torch import nn
 
 import fsdp2_strategy as f2
@@ -53,7 +53,8 @@ def _overlap_world(root: str) -> dict:
     committed: list = []
     start = time.perf_counter()
     ckpt.save(1, model=model, optimizer=opt, on_commit=committed.append)
-    returned = time.perf_counter() - start
+    returned_at = time.perf_counter()
+    returned = returned_at - start
     committed_at_return = list(committed)
     in_flight = ckpt._saver._staging is not None and not ckpt._saver._staging.done()
     _step(model, opt, 1)  # forward (BatchNorm statistics change), backward, then a step that must wait
@@ -68,6 +69,7 @@ def _overlap_world(root: str) -> dict:
     loaded = full_state(fresh, fresh_opt)
     return {
         "returned": returned,
+        "copy_started_after_return": [t >= returned_at for t in SlowStager.copies_started],
         "waited": waited,
         "in_flight": in_flight,
         "on_commit": (committed_at_return, committed_after_wait),
@@ -82,6 +84,9 @@ def test_overlap_save_returns_at_once_and_holds_the_state_of_the_call(tmp_path):
         # save() did not wait for the copy: it was still running when save() returned (a statement
         # about order, not a timing that a loaded machine could break).
         assert r["in_flight"], r
+        # ... and the copy started only then: started at once in DCP's stager thread, it would hold
+        # the GIL while save() still starts DCP's upload thread (tens of milliseconds more blocking).
+        assert r["copy_started_after_return"] == [True], r
         assert r["waited"] >= DELAY * 0.9, r  # the optimizer step waited for it
         assert r["differs"] == []  # bit for bit the state at save()
         assert r["on_commit"] == ([], ["step-000001"])  # on_commit ran in wait(), with the committed directory
