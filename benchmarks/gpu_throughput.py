@@ -59,8 +59,9 @@ PATHS = (
 )
 COMPILED = ("hand+compile", "core+compile")
 FLOAT8 = ("hand+compile+float8", "core+compile+float8")
-"""torchao's float8 training (`convert_to_float8_training`, float8 all-gather; the output layer
-kept in bf16, as torchtitan does), compiled: needs torchao and float8 tensor cores."""
+"""torchao's float8 training (`convert_to_float8_training`, float8 all-gather with the scales
+precomputed after each optimizer step; the output layer kept in bf16, as torchtitan does), compiled:
+needs torchao and float8 tensor cores."""
 ACCELERATE_PATHS = ("fsdp2_accelerator", "stock_accelerator", "hf_trainer_fsdp2", "hf_trainer_stock")
 
 
@@ -128,17 +129,29 @@ def _device():
     return torch.device(torch.accelerator.current_accelerator().type, int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def _plain_loop(model, data, clock: Clock) -> None:
+def _plain_loop(model, data, clock: Clock, extras: frozenset = frozenset()) -> None:
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    after_step = _float8_scales if "float8" in extras else None
     for ids in data:
         ids = ids.to(clock.device)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if after_step is not None:
+            after_step(model)
         clock.tick(loss)
+
+
+def _float8_scales(model) -> None:
+    """The float8 weights' scales for the next all-gather in one pass over every weight (one
+    all-reduce of their amaxes), after each optimizer step, as torchtitan and torchao advise with
+    float8 all-gather; without it each weight computes its own in its group's all-gather."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def to_float8(model) -> None:
@@ -166,7 +179,7 @@ def run_hand(size: dict, data, clock: Clock, extras: frozenset = frozenset()):
             layer.compile()
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    _plain_loop(model, data, clock)
+    _plain_loop(model, data, clock, extras)
     return model
 
 
@@ -178,7 +191,7 @@ def run_core(size: dict, data, clock: Clock, extras: frozenset = frozenset()):
     if "float8" in extras:
         to_float8(model)
     f2.shard_model(model, mixed_precision="bf16", compile="compile" in extras, log_plan=False)
-    _plain_loop(model, data, clock)
+    _plain_loop(model, data, clock, extras)
     return model
 
 
