@@ -98,12 +98,16 @@ def pin_to_core(rank: int) -> int | None:
 
 
 def timed_steps(step: Callable[[int], None], steps: int) -> list[float]:
-    """Seconds per call of `step(i)`, each call started on all ranks together."""
+    """Seconds per call of `step(i)`, each call started on all ranks together (on an accelerator,
+    until the device finished the step's work)."""
     times = []
+    sync = torch.accelerator.synchronize if torch.accelerator.is_available() else lambda: None
     for i in range(steps):
         dist.barrier()
+        sync()
         start = time.perf_counter()
         step(i)
+        sync()
         times.append(time.perf_counter() - start)
     return times
 

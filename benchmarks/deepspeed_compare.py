@@ -1,9 +1,17 @@
 """This engine against DeepSpeed ZeRO on the same model, batch and ranks: ZeRO-2 vs SHARD_GRAD_OP and
-ZeRO-3 vs FULL_SHARD, fp32, torch AdamW in both.
+ZeRO-3 vs FULL_SHARD, torch AdamW in both, fp32 or bf16 (`--precision`).
 
     DS_ACCELERATOR=cpu PYTHONPATH=<deepspeed install> torchrun --standalone --nproc_per_node=2 \\
         benchmarks/deepspeed_compare.py [--part time memory] [--dim 512 --layers 8 --batch 16]
     python benchmarks/deepspeed_compare.py --memory-runs 3     # memory: launches the worlds itself
+    PYTHONPATH=<deepspeed install> torchrun --standalone --nproc_per_node=1 \\
+        benchmarks/deepspeed_compare.py --dim 4096 --layers 8 --batch 64 --precision bf16   # one GPU
+
+On an accelerator the ranks use it (nccl), the steps are timed to the device's completion and the
+memory part reports the device's peak allocation; on CPU gloo, each rank pinned to a core, and the
+process's peak resident memory. bf16: our `mixed_precision="bf16"` (fp32 parameters, bf16 compute)
+against DeepSpeed's `"bf16": {"enabled": true}` (bf16 parameters, fp32 master weights in the
+optimizer): the usual setting of each, not the same arithmetic.
 
 `--model blocks` (default): the benchmark model (`_bench.Net`: input layer, `--layers` pre-norm MLP
 blocks of `--dim`, head; a regression loss); `--model minilm`: all-MiniLM-L6-v2 (the embedded
@@ -40,7 +48,16 @@ PAIRS = {"SHARD_GRAD_OP": 2, "FULL_SHARD": 3}  # our strategy -> the ZeRO stage 
 LR = 1e-3
 
 
-def _rss_mib() -> float:
+def _device() -> torch.device:
+    if not torch.accelerator.is_available():
+        return torch.device("cpu")
+    return torch.device(torch.accelerator.current_accelerator().type, int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def _peak_mib(device: torch.device) -> float:
+    """The device's peak allocation on an accelerator, the process's peak resident memory on CPU."""
+    if device.type != "cpu":
+        return torch.accelerator.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -52,21 +69,21 @@ def make_model(args: argparse.Namespace) -> torch.nn.Module:
         from reviews import pretrained_dir  # examples/reviews.py: the embedded all-MiniLM-L6-v2
 
         torch.manual_seed(0)
-        return AutoModel.from_pretrained(pretrained_dir())
-    return _bench.make_net(args.dim, args.layers)
+        return AutoModel.from_pretrained(pretrained_dir()).to(args.device)
+    return _bench.make_net(args.dim, args.layers).to(args.device)
 
 
 def make_data(args: argparse.Namespace) -> list:
     if args.model == "minilm":
         g = torch.Generator().manual_seed(_bench.BATCH_SEED + dist.get_rank())
-        return [(torch.randint(0, 30000, (args.batch, 64), generator=g), None) for _ in range(8)]
-    return _bench.batches(8, args.batch)
+        return [(torch.randint(0, 30000, (args.batch, 64), generator=g).to(args.device), None) for _ in range(8)]
+    return [(x.to(args.device), y.to(args.device)) for x, y in _bench.batches(8, args.batch)]
 
 
 def loss_of(model, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
     if y is None:  # MiniLM
         return model(input_ids=x).last_hidden_state.pow(2).mean()
-    return F.mse_loss(model(x), y)
+    return F.mse_loss(model(x).float(), y)
 
 
 def deepspeed_engine(args: argparse.Namespace, stage: int):
@@ -78,12 +95,15 @@ def deepspeed_engine(args: argparse.Namespace, stage: int):
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**9,
+        "bf16": {"enabled": args.precision == "bf16"},
     }
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     def step(i: int) -> None:
         x, y = args.data[i % len(args.data)]
+        if args.precision == "bf16" and x.is_floating_point():  # DeepSpeed's bf16 model takes bf16 inputs
+            x = x.to(torch.bfloat16)
         engine.backward(loss_of(engine, x, y))
         engine.step()
 
@@ -91,7 +111,8 @@ def deepspeed_engine(args: argparse.Namespace, stage: int):
 
 
 def our_engine(args: argparse.Namespace, strategy: str):
-    model = f2.shard_model(make_model(args), sharding_strategy=strategy, log_plan=False)
+    precision = "bf16" if args.precision == "bf16" else None
+    model = f2.shard_model(make_model(args), sharding_strategy=strategy, mixed_precision=precision, log_plan=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def step(i: int) -> None:
@@ -118,7 +139,8 @@ def time_part(args: argparse.Namespace) -> None:
     )
     if dist.get_rank() == 0:
         what = "all-MiniLM-L6-v2, 64 tokens" if args.model == "minilm" else f"{args.layers} blocks of {args.dim}"
-        print(f"model: {what}, batch {args.batch} per rank, fp32, AdamW, 2 ranks")
+        where = f"{dist.get_world_size()} {args.device.type} rank(s)"
+        print(f"model: {what}, batch {args.batch} per rank, {args.precision}, AdamW, {where}")
         print(f"{'engine':<16} {'median s/step':>14} {'p25-p75':>15} {'vs ZeRO':>8} {'n':>4}")
         for ours, stage in PAIRS.items():
             base = statistics.median(results[f"ZeRO-{stage}"])
@@ -130,12 +152,12 @@ def time_part(args: argparse.Namespace) -> None:
 
 def memory_world(args: argparse.Namespace) -> None:
     """One engine (`--engine`) alone: this rank's peak resident memory after its steps, as JSON."""
-    start = _rss_mib()
+    start = _peak_mib(args.device)
     step = engine_for(args, args.engine)
     for i in range(args.steps):
         step(i)
     peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, {"start": start, "peak": _rss_mib()})
+    dist.all_gather_object(peaks, {"start": start, "peak": _peak_mib(args.device)})
     if dist.get_rank() == 0:
         print("MEMORY " + json.dumps(peaks), flush=True)
 
@@ -145,14 +167,16 @@ def memory_part(args: argparse.Namespace) -> None:
     rows: dict[str, list[dict]] = {name: [] for name in names()}
     for run in range(args.memory_runs):
         for name in names() if run % 2 == 0 else names()[::-1]:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
-            cmd += ["--part", "memory-world", "--engine", name, "--dim", str(args.dim), "--layers", str(args.layers)]
-            cmd += ["--batch", str(args.batch), "--steps", str(args.steps), "--model", args.model]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+            cmd += [__file__, "--part", "memory-world", "--engine", name, "--dim", str(args.dim)]
+            cmd += ["--layers", str(args.layers), "--batch", str(args.batch), "--steps", str(args.steps)]
+            cmd += ["--model", args.model, "--precision", args.precision]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             peaks = json.loads(next(line for line in out.splitlines() if line.startswith("MEMORY "))[7:])
             top = max(peaks, key=lambda p: p["peak"])
             rows[name].append({"peak": top["peak"], "rise": top["peak"] - top["start"]})
-    print(f"{'engine':<16} {'peak RSS MiB':>13} {'rise MiB':>9} {'rise vs ZeRO':>13} {'launches':>9}")
+    what = "peak RSS MiB" if _device().type == "cpu" else "peak dev MiB"
+    print(f"{'engine':<16} {what:>13} {'rise MiB':>9} {'rise vs ZeRO':>13} {'launches':>9}")
     for ours, stage in PAIRS.items():
         base = statistics.median(r["rise"] for r in rows[f"ZeRO-{stage}"])
         for name in (f"ZeRO-{stage}", ours):
@@ -172,14 +196,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per engine and round")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (plus one untimed)")
     parser.add_argument("--memory-runs", type=int, default=3, help="memory: launches per engine")
+    parser.add_argument("--nproc", type=int, default=2, help="memory: ranks per launched world")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     args = parser.parse_args()
     if args.part == "memory":
         memory_part(args)
         return
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    _bench.pin_to_core(dist.get_rank())
+    args.device = _device()
+    if args.device.type == "cpu":
+        deepspeed.init_distributed(dist_backend="gloo")
+        _bench.pin_to_core(dist.get_rank())
+    else:
+        torch.accelerator.set_device_index(args.device.index)
+        deepspeed.init_distributed(dist_backend="nccl")
     args.data = make_data(args)
     time_part(args) if args.part == "time" else memory_world(args)
     f2.shutdown()
