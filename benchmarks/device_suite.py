@@ -17,7 +17,11 @@ Parts (`--parts`, in the order given; the default is the order below):
 - `planner`: `gpu_memory.py planner`: the estimate against the allocator's peak, six settings;
 - `largest`: `gpu_memory.py largest`: the largest model per setting, predicted, then run;
 - `qlora`: `qlora_step.py` on a 3 B Llama shape in NF4 + LoRA (bitsandbytes' kernels): step time
-  and peak memory unsharded against `f2.shard_model`, the planner against the allocator's peak.
+  and peak memory unsharded against `f2.shard_model`, the planner against the allocator's peak;
+- `deepspeed`: `deepspeed_compare.py` in bf16 (8 MLP blocks of 2048, 268 M parameters, 8192 rows a
+  step): ZeRO-2 against SHARD_GRAD_OP and ZeRO-3 against FULL_SHARD, interleaved, then each engine's
+  peak device memory in a world of its own; where DeepSpeed is importable (carry it and put it on
+  PYTHONPATH).
 
 Each part runs in its own processes with a time limit; a part that fails or times out is recorded
 with its error and the suite goes on. `--budget` seconds bound the whole run: a part that would
@@ -49,7 +53,7 @@ sys.path[:0] = [str(BENCH), str(ROOT)]
 import gpu_throughput  # noqa: E402
 import qlora_step  # noqa: E402
 
-PARTS = ("tests", "throughput", "compile", "checkpoint", "planner", "largest", "qlora")
+PARTS = ("tests", "throughput", "compile", "checkpoint", "planner", "largest", "qlora", "deepspeed")
 VERSIONED = ("torch", "transformers", "accelerate", "lightning", "peft", "torchao")
 
 
@@ -195,6 +199,49 @@ def part_qlora(ctx: dict) -> dict:
     return qlora_step.run(size, steps, warmup, timeout=ctx["limit"] / 2.2)
 
 
+def part_deepspeed(ctx: dict) -> dict:
+    if not _has("deepspeed"):
+        return {"not_run": "DeepSpeed is not importable (carry it and put it on PYTHONPATH)"}
+    tiny, gpu = ["--dim", "32", "--layers", "2", "--batch", "4"], ["--dim", "2048", "--layers", "8", "--batch", "8192"]
+    size = tiny if ctx["dry_run"] else gpu
+    bench = [str(BENCH / "deepspeed_compare.py"), *size, "--precision", "bf16"]
+    env = {"DS_ACCELERATOR": "cpu"} if ctx["dry_run"] else None
+    time_args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", *bench]
+    time_args += ["--steps", "1", "--rounds", "1"] if ctx["dry_run"] else ["--steps", "5", "--rounds", "3"]
+    timed = _python(*time_args, timeout=ctx["limit"] / 2, env=env)
+    memory = _python(
+        *bench,
+        "--part",
+        "memory",
+        "--nproc",
+        "1",
+        "--memory-runs",
+        "1",
+        "--steps",
+        "2",
+        timeout=ctx["limit"] / 2,
+        env=env,
+    )
+    for what, proc in (("time", timed), ("memory", memory)):
+        if proc.returncode != 0:
+            raise RuntimeError(f"deepspeed_compare.py {what} exit {proc.returncode}: {proc.stderr[-3000:]}")
+    return {
+        "time": _table_rows(timed.stdout),
+        "memory": _table_rows(memory.stdout),
+        "table": timed.stdout + memory.stdout,
+    }
+
+
+def _table_rows(text: str) -> dict[str, list[str]]:
+    """deepspeed_compare.py's rows, engine -> its columns."""
+    engines = ("ZeRO-2", "SHARD_GRAD_OP", "ZeRO-3", "FULL_SHARD")
+    return {
+        line.split()[0]: line.split()[1:]
+        for line in text.splitlines()
+        if line.split()[:1] and line.split()[0] in engines
+    }
+
+
 RUNNERS = {
     "tests": part_tests,
     "throughput": part_throughput,
@@ -203,6 +250,7 @@ RUNNERS = {
     "planner": part_planner,
     "largest": part_largest,
     "qlora": part_qlora,
+    "deepspeed": part_deepspeed,
 }
 LIMITS = {
     "tests": 240,
@@ -212,9 +260,19 @@ LIMITS = {
     "planner": 150,
     "largest": 240,
     "qlora": 200,
+    "deepspeed": 240,
 }
 """Seconds each part may take on the device (a dry run takes a fraction)."""
-MIN_START = {"tests": 60, "throughput": 60, "compile": 60, "checkpoint": 30, "planner": 30, "largest": 60, "qlora": 60}
+MIN_START = {
+    "tests": 60,
+    "throughput": 60,
+    "compile": 60,
+    "checkpoint": 30,
+    "planner": 30,
+    "largest": 60,
+    "qlora": 60,
+    "deepspeed": 60,
+}
 """A part starts only with this many seconds of the budget left."""
 
 
@@ -242,8 +300,8 @@ def _part_text(name: str, result) -> str:
         head = f"model {result['size']} {result['shape']}; peak {peak['flops'] / 1e12:.0f} TFLOP/s ({peak['source']})"
         float8 = "\nfloat8: " + result["float8"] if result.get("float8", "run") != "run" else ""
         return head + "\n" + gpu_throughput.table(result) + float8
-    if name == "checkpoint":
-        return result["table"]
+    if name in ("checkpoint", "deepspeed"):
+        return result.get("not_run") or result["table"]
     if name == "planner":
         rows = [f"{'setting':<20} {'estimate GiB':>12} {'measured GiB':>12} {'error':>7}"]
         for r in result:

@@ -22,7 +22,16 @@ def dry_run(tmp_path_factory) -> tuple[dict, Path]:
 
 def test_every_part_ran_and_left_its_files(dry_run):
     results, out = dry_run
-    assert list(results["parts"]) == ["tests", "throughput", "compile", "checkpoint", "planner", "largest", "qlora"]
+    assert list(results["parts"]) == [
+        "tests",
+        "throughput",
+        "compile",
+        "checkpoint",
+        "planner",
+        "largest",
+        "qlora",
+        "deepspeed",
+    ]
     failed = {name: part.get("error") or part.get("not_run") for name, part in results["parts"].items()}
     assert all("result" in part for part in results["parts"].values()), failed
     env = results["environment"]
@@ -126,3 +135,11 @@ def test_qlora_unsharded_and_sharded_train_the_same_4bit_model(dry_run):
     # One seed, one batch: the first loss agrees (bf16 compute on both paths).
     assert sharded["losses"][0] == pytest.approx(unsharded["losses"][0], rel=1e-2)
     assert result["estimate"]["peak_bytes"] > 0 and result["step_ratio"] > 0
+
+
+def test_the_deepspeed_part_names_what_to_carry_where_deepspeed_is_absent(dry_run):
+    """The project's environment has no DeepSpeed (it would change how Accelerate and transformers
+    behave); the part says how to bring it. Where it is importable, tests/core/migrate runs the part."""
+    assert dry_run[0]["parts"]["deepspeed"]["result"] == {
+        "not_run": "DeepSpeed is not importable (carry it and put it on PYTHONPATH)"
+    }

@@ -15,6 +15,7 @@ rank, 1.8e-7 on 3, and 0 on 2 (DeepSpeed's own split); 2e-6 is asserted. The con
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -222,22 +223,27 @@ def test_refusals_name_the_file_and_the_fix(deepspeed_run, tmp_path):
     assert main(["convert-deepspeed", str(untagged), str(tmp_path / "cli")]) == 2  # a message, no traceback
 
 
-def test_the_deepspeed_comparison_benchmark_runs(deepspeed_path):
-    """benchmarks/deepspeed_compare.py at a tiny size, so it cannot rot: four engines interleaved,
-    each with a ratio to its ZeRO stage (the measured table is in benchmarks/results)."""
-    root = ROOT
-    proc = launch(
-        "torchrun",
-        "benchmarks/deepspeed_compare.py",
-        *["--part", "time", "--dim", "32", "--layers", "2", "--batch", "4", "--steps", "1", "--rounds", "1"],
-        cwd=root,
+def test_the_deepspeed_comparison_runs_as_the_device_suite_runs_it(deepspeed_path, tmp_path):
+    """benchmarks/deepspeed_compare.py at a tiny size, as `device_suite.py --parts deepspeed` runs it on a
+    GPU (bf16, one rank), so it cannot rot: the four engines interleaved, each with a ratio to its ZeRO
+    stage, then each engine's peak memory in a world of its own (the measured tables are in
+    benchmarks/results)."""
+    launch(
+        "python",
+        "benchmarks/device_suite.py",
+        *["--dry-run", "--parts", "deepspeed", "--out", tmp_path],
+        cwd=ROOT,
         pythonpath=[deepspeed_path],
-        env={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"},
-        timeout=240,
+        env={"PYTHONWARNINGS": "ignore"},
+        timeout=300,
     )
-    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.split()[:1]}
-    assert {"ZeRO-2", "SHARD_GRAD_OP", "ZeRO-3", "FULL_SHARD"} <= set(rows), proc.stdout
-    assert rows["ZeRO-2"][-2] == rows["ZeRO-3"][-2] == "1.000" and float(rows["FULL_SHARD"][-2]) > 0
+    part = json.loads((tmp_path / "device_suite.json").read_text())["parts"]["deepspeed"]
+    assert "result" in part, part
+    timed, memory = part["result"]["time"], part["result"]["memory"]
+    engines = {"ZeRO-2", "SHARD_GRAD_OP", "ZeRO-3", "FULL_SHARD"}
+    assert set(timed) == set(memory) == engines, part["result"]["table"]
+    assert timed["ZeRO-2"][-2] == timed["ZeRO-3"][-2] == "1.000" and float(timed["FULL_SHARD"][-2]) > 0
+    assert memory["ZeRO-3"][-2] == "1.000" and all(float(memory[e][1]) > 0 for e in engines)  # rise MiB
 
 
 # ---------------------------------------------------------------------- resumed by the trainers
