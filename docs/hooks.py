@@ -4,8 +4,8 @@ A page holding `<!-- generated: cli -->` gets the command line's reference, read
 parser `fsdp2-strategy` runs (`fsdp2_strategy.cli.main.build_parser`): every subcommand and option
 with its help text and default. A page holding `<!-- generated: errors -->` gets the catalogue of
 error messages, read (with `ast`, nothing imported) from the bad-input tables the test suite
-asserts: `tests/core/test_bad_inputs*.py` and `tests/core/cli/test_bad_inputs_cli.py`, one row per bad input, with the call, the exception and the
-phrases its message must hold. A page holding `<!-- generated: accelerate-keys -->` gets the table
+asserts: `tests/core/test_bad_inputs*.py` and `tests/core/cli/test_bad_inputs_cli.py`, one row per
+bad input, with the call, the exception and the phrases its message must hold. A page holding `<!-- generated: accelerate-keys -->` gets the table
 of accelerate config keys the Accelerate adapter reads (`integrations/accelerate/keys.py`).
 """
 

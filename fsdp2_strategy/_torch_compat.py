@@ -266,13 +266,12 @@ def hold_staging(stager: DefaultStager) -> Callable[[], None]:
     runs its copies on a one-worker executor, in order, so the copy `stage()` submits next starts
     only once the returned function is called (call it in a `finally`). A stager that copies in the
     caller's thread has nothing to hold."""
-    release = threading.Event().set
     executor = stager._staging_executor
-    if executor is not None:
-        gate = threading.Event()
-        executor.submit(gate.wait)
-        release = gate.set
-    return release
+    if executor is None:
+        return lambda: None
+    gate = threading.Event()
+    executor.submit(gate.wait)
+    return gate.set
 
 
 def offloaded_params(model: nn.Module) -> list[Any]:
