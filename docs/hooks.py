@@ -5,8 +5,9 @@ parser `fsdp2-strategy` runs (`fsdp2_strategy.cli.main.build_parser`): every sub
 with its help text and default. A page holding `<!-- generated: errors -->` gets the catalogue of
 error messages, read (with `ast`, nothing imported) from the bad-input tables the test suite
 asserts: `tests/core/test_bad_inputs*.py` and `tests/core/cli/test_bad_inputs_cli.py`, one row per
-bad input, with the call, the exception and the phrases its message must hold. A page holding `<!-- generated: accelerate-keys -->` gets the table
-of accelerate config keys the Accelerate adapter reads (`integrations/accelerate/keys.py`).
+bad input, with the call, the exception and the phrases its message must hold. A page holding
+`<!-- generated: accelerate-keys -->` gets the table of accelerate config keys the Accelerate adapter
+reads (`integrations/accelerate/keys.py`).
 """
 
 from __future__ import annotations

@@ -100,7 +100,9 @@ class AsyncSaver:
         finally:
             release_copy()
 
-    def _start(self, state: dict[str, Any], tmp: Path, commit: Callable[[], None], writer: FileSystemWriter | None):
+    def _start(
+        self, state: dict[str, Any], tmp: Path, commit: Callable[[], None], writer: FileSystemWriter | None
+    ) -> None:
         """`dcp.async_save` into `tmp`; the copy's completion and the write are kept for `wait()`."""
         try:
             response = dcp.async_save(

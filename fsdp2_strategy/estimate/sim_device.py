@@ -6,8 +6,9 @@ The meta run has no device, but two things it imitates depend on one:
   for backward; the math fallback saves the attention matrix (with dropout also the mask and
   the dropped matrix). Meta tensors always get the math fallback. Accelerators run a fused
   kernel (with grouped-query attention too); on CPU torch 2.13 picks its flash kernel only
-  without dropout, so a model training with attention dropout (BERT's 0.1) runs the math path there. `attention_kernels` asks
-  torch's own selection (`torch._fused_sdp_choice`) on CPU stand-ins of the meta shapes.
+  without dropout, so a model training with attention dropout (BERT's 0.1) runs the math path
+  there. `attention_kernels` asks torch's own selection (`torch._fused_sdp_choice`) on CPU
+  stand-ins of the meta shapes.
 - The scratch memory of a reduce-scatter. gloo's (the CPU backend) copies its whole input
   before reducing, so while a group's gradients are reduce-scattered its flat input, that copy
   and the output shard are alive together (torch's MemTracker sees the copy); NCCL reduces

@@ -8,8 +8,8 @@ packed data as what it is, bytes: each weight becomes a frozen uint8 column `(nb
 FSDP shards like any frozen parameter (1/N of the bytes per rank, never cast by mixed precision
 or `frozen_dtype`, all-gathered as bytes). On torch 2.11-2.12, whose `fully_shard` cannot shard
 an integer parameter, the same bytes are stored as words of the owning group's compute dtype
-(`packed_storage`): mixed precision leaves a parameter already in its dtype as it is. The quantisation state stays on the layer, whole on
-every rank: it is small (4 bytes of absmax per 64 weights, or ~1 byte with nested
+(`packed_storage`): mixed precision leaves a parameter already in its dtype as it is. The
+quantisation state stays on the layer, whole on every rank: it is small (4 bytes of absmax per 64 weights, or ~1 byte with nested
 quantisation, against 32 bytes of packed data), and bitsandbytes' `Linear4bit`/`Embedding4bit`
 already rebuild their `Params4bit` from the layer's `quant_state` when they find a plain
 parameter (`fix_4bit_weight_quant_state_from_module`, the recovery bitsandbytes keeps for FSDP),

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from helpers.harness import agreed_report
+
 
 class Checks:
     """The named checks of one flow, recorded in its report entry under "checks" (name -> None when
@@ -53,15 +55,14 @@ class Checks:
         a = [got] if isinstance(got, (int, float)) else list(got)
         b = [expected] if isinstance(expected, (int, float)) else list(expected)
         bad = [i for i, (x, y) in enumerate(zip(a, b)) if not abs(x - y) <= rel * max(abs(y), 1e-8)]
+        failure: str | None = None
         if len(a) != len(b):
-            failure: str | None = f"{len(a)} values, expected {len(b)}: {a!r} vs {b!r}"
+            failure = f"{len(a)} values, expected {len(b)}: {a!r} vs {b!r}"
         elif bad:
             i = bad[0]
             worst = max(abs(a[j] - b[j]) / max(abs(b[j]), 1e-8) for j in bad)
             failure = f"{len(bad)} of {len(a)} differ by more than {rel:g} (relative; worst {worst:.3g}): "
             failure += f"first at [{i}], {a[i]!r} vs {b[i]!r}"
-        else:
-            failure = None
         return self._record(name, failure)
 
     def raises(self, name: str, fn: Callable[[], Any], error: type[BaseException], *fragments: str) -> str | None:
@@ -90,8 +91,6 @@ class FlowReports(dict):
     """
 
     def __init__(self, reports: list[dict], per_rank: Iterable[str] = ()) -> None:
-        from helpers.harness import agreed_report
-
         skip = {f"{flow}.checks" for report in reports for flow in report} | set(per_rank)
         super().__init__(agreed_report(reports, skip))
         self.ranks = reports

@@ -1,4 +1,4 @@
-"""What the flow scripts (tests/*_scripts/) and the tests reading their reports share: full copies of
+"""What the flow scripts (tests/**/scripts/) and the tests reading their reports share: full copies of
 sharded values, per-rank results gathered in rank order, relative differences, rank 0's JSON report,
 and the flow scripts' reports, one per rank."""
 
@@ -43,11 +43,6 @@ def gather(obj):
 def max_rel_diff(a: dict, b: dict) -> float:
     """Largest relative difference ||a[k] - b[k]|| / ||b[k]|| over the keys of `b`."""
     return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)).item() for k in b)
-
-
-def close_lists(a: list[float], b: list[float], tol: float) -> bool:
-    """Same length and every a[i] within `tol` of b[i], relatively."""
-    return len(a) == len(b) and all(abs(x - y) <= tol * max(abs(y), 1e-8) for x, y in zip(a, b))
 
 
 def write_json(path: str, result: dict) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from helpers.collect import full_params, max_rel_diff, write_json  # noqa: F401  (re-exported to the scripts)
+from helpers.collect import full_params, max_rel_diff  # noqa: F401  (re-exported to the scripts)
 from helpers.models import MLP  # noqa: F401  (re-exported to the scripts)
 from torch import nn
 

@@ -6,7 +6,7 @@ import copy
 
 import lightning.pytorch as pl
 import torch
-from helpers.collect import full_params, gather, max_rel_diff, write_json  # noqa: F401
+from helpers.collect import full_params, gather, max_rel_diff  # noqa: F401
 from helpers.models import add_mlp_layers, mlp_forward
 from torch import nn
 from torch.distributed.tensor import DTensor

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
-from helpers.collect import full_params, gather, run_flows, write_json  # noqa: F401
+from helpers.collect import full_params, gather, run_flows  # noqa: F401
 from helpers.models import tiny_llama, word_tokenizer  # noqa: F401
 from helpers.precision import cast_copy, policy_grads  # noqa: F401
 from torch.utils.data import Dataset
