@@ -141,15 +141,46 @@ def main() -> None:
                 overheads[mode].append(with_save[mode] / without - 1)
             disk.append(write_bw)
             saved_bytes.append(dir_bytes(sync_dir))
+    held = {}
+    for mode in ("async", "overlap"):
+        step_no += 1
+        held[mode] = holds_state_at_save(savers[mode], step_no, model, opt, train_step)
     for saver in savers.values():
         saver.close()
     if dist.get_rank() == 0:
         result = report(
             args, model, stalls, overheads, statistics.median(base_steps), statistics.median(plain), disk, saved_bytes
         )
+        result["holds_state_at_save"] = held
+        print(
+            "checkpoint = state at save() (per-tensor sums, loaded back): "
+            + ", ".join(f"{mode} {'yes' if ok else 'NO'}" for mode, ok in held.items())
+        )
         if args.json:
             args.json.write_text(json.dumps(result, indent=1))
     f2.shutdown()
+
+
+def holds_state_at_save(saver: Checkpointer, step: int, model: nn.Module, opt, train_step) -> bool:
+    """Whether a save followed at once by two training steps holds the state of the moment `save()`
+    was called (each tensor's sum, loaded back: bitwise equal on every rank). Leaves the model and
+    optimizer at that state."""
+    expected = state_sums(model, opt)
+    saver.save(step, model=model, optimizer=opt)
+    train_step()
+    train_step()
+    saver.wait()
+    saver.load(model=model, optimizer=opt, step=step)
+    same = torch.tensor(float(torch.equal(state_sums(model, opt), expected)))
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
+
+
+def state_sums(model: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    """The sum of each parameter's and optimizer state tensor's local shard, in float64, on the host."""
+    tensors = list(model.parameters()) + [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return torch.stack([t.detach().double().sum().cpu() for t in local])
 
 
 def timed_run(train_step: Callable[[], float], steps: int, before: Callable[[], None] | None = None) -> float:

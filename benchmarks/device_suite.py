@@ -256,7 +256,7 @@ LIMITS = {
     "tests": 240,
     "throughput": 240,
     "compile": 300,
-    "checkpoint": 150,
+    "checkpoint": 200,
     "planner": 150,
     "largest": 240,
     "qlora": 200,

@@ -26,7 +26,8 @@ reads FSDP2's private state, and a few other private torch helpers; only through
   tuner's live-bytes probe), `torch._foreach_mul_` (clipping), `nn.Module._parameters` /
   `._buffers` (moving a model to meta without untying shared weights), DCP's
   `DefaultStager._stage` / `._state_dict_stager` (keeping its host buffers between saves on torch
-  2.11-2.12) and `._staging_executor` (holding an "overlap" save's copy until `save()` returns).
+  2.11-2.12; the state walk of `checkpoint.stream_copy`) and `._staging_executor` (holding an
+  "overlap" save's copy until `save()` returns; completing the stream-ordered one).
 
 `check_private_api()` runs when this module is imported (so at `import fsdp2_strategy`) and raises
 ImportError naming every name that moved and the torch releases known to work
@@ -272,6 +273,12 @@ def hold_staging(stager: DefaultStager) -> Callable[[], None]:
     gate = threading.Event()
     executor.submit(gate.wait)
     return gate.set
+
+
+def staging_parts(stager: DefaultStager) -> tuple[Any, Any]:
+    """`stager`'s one-worker executor (None unless it stages in the background) and the state-dict
+    stager that walks a state dict into its cached host buffers."""
+    return stager._staging_executor, stager._state_dict_stager
 
 
 def offloaded_params(model: nn.Module) -> list[Any]:

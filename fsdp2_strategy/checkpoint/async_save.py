@@ -6,10 +6,12 @@ Modes (`ASYNC_MODES`):
 - False: nothing here runs; the caller writes synchronously (`directory.save_dir`).
 - True: `dcp.async_save` copies the state to CPU memory before `start()` returns, then a background
   thread writes it.
-- "overlap": `start()` returns at once; the copy itself runs in DCP's stager thread while the next
-  micro-batches run forward and backward. Parameters and optimizer state change only in an
-  optimizer step, so a global optimizer step pre-hook makes the next `optimizer.step()` (of any
-  optimizer) wait until the copy exists. Buffers, which a forward may change (BatchNorm's running
+- "overlap": `start()` returns before the copy is made; it runs while the next micro-batches run
+  forward and backward. Parameters and optimizer state change only in an optimizer step, so a global
+  optimizer step pre-hook orders the next `optimizer.step()` (of any optimizer) after the copy. On an
+  accelerator the copies are queued on a side stream before `start()` returns (`StreamCopyStager`)
+  and the step's kernels wait for them on the device; on the host, the copy runs in DCP's stager
+  thread and the step waits for it. Buffers, which a forward may change (BatchNorm's running
   statistics), are copied before `start()` returns. Anything else changed in place outside
   `optimizer.step()` (an EMA written by hand) must wait for `wait_staged()` first.
 
@@ -39,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .. import _torch_compat as tc
 from ..config_checks import ASYNC_MODES, check_async_save
 from ..distributed import before_shutdown, is_distributed, logger
+from .stream_copy import StreamCopyStager
 
 __all__ = ["ASYNC_MODES", "AsyncSaver", "copy_buffers", "make_saver"]
 
@@ -90,10 +93,10 @@ class AsyncSaver:
             self._group = dist.new_group(backend="gloo")
         if self._stager is None:
             self._stager = self._make_stager()
-        # "overlap": the copy waits until this returns. Started at once in DCP's stager thread, its
-        # Python loop would hold the GIL while this thread still starts DCP's upload thread, each
-        # hand-over costing up to the interpreter's 5 ms switch interval: save() blocked 65 ms
-        # instead of 8.5 (Llama, 8 layers, CPU; benchmarks/results/design_measurements.md).
+        # "overlap" on the host: the copy waits until this returns. Started at once in DCP's stager
+        # thread, its Python loop would hold the GIL while this thread still starts DCP's upload
+        # thread, each hand-over costing up to the interpreter's 5 ms switch interval: save() blocked
+        # 65 ms instead of 8.5 (Llama, 8 layers, CPU; benchmarks/results/design_measurements.md).
         release_copy = tc.hold_staging(self._stager)
         try:
             self._start(state, tmp, commit, writer)
@@ -120,16 +123,28 @@ class AsyncSaver:
             self._staging = staging
             # Parameters and optimizer state change in the next optimizer step, of whichever
             # optimizer (the adapters' and the user's alike): it waits for the copy.
-            self._step_hook = register_optimizer_step_pre_hook(lambda *_: self.wait_staged())
+            self._step_hook = register_optimizer_step_pre_hook(self._before_step)
         self._pending = (tmp, cast(Future, getattr(response, "upload_completion", response)), commit)
+
+    def _before_step(self, *_: Any) -> None:
+        """The next optimizer step's pre-hook: its kernels wait for the copy on the device where the
+        copies are stream-ordered (the host goes on); elsewhere the host waits."""
+        if isinstance(self._stager, StreamCopyStager):
+            self._remove_step_hook()
+            self._stager.order_after_copy()  # `_staging` stays: wait() still collects its outcome
+        else:
+            self.wait_staged()
+
+    def _remove_step_hook(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
 
     def wait_staged(self) -> None:
         """Wait until an "overlap" save's copy of the state exists (then parameters may change).
         The next `optimizer.step()` calls it; not collective."""
         staging, self._staging = self._staging, None
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
+        self._remove_step_hook()
         if staging is not None:
             staging.result()  # an error surfaces again, with the directory, from wait()
 
@@ -175,10 +190,13 @@ def _warn_if_pending(ref: weakref.ref) -> None:
 
 
 def default_stager(mode: bool | str) -> DefaultStager:
-    """DCP's stager: a copy to CPU memory, made before `save()` returns (True) or in a background
-    thread ("overlap"); pinned memory and non-blocking copies only with an accelerator (on a
-    CPU-only machine they fail)."""
+    """DCP's stager: a copy to CPU memory, made before `save()` returns (True); for "overlap", queued
+    on a side stream of the accelerator (`StreamCopyStager`) or, without one, made in a background
+    thread. Pinned memory and non-blocking copies only with an accelerator (on a CPU-only machine
+    they fail)."""
     accel = torch.accelerator.is_available()
+    if mode == "overlap" and accel:
+        return StreamCopyStager()
     return tc.reusable_stager(
         StagingOptions(
             use_pinned_memory=accel,

@@ -94,6 +94,7 @@ def test_checkpoint_stall_and_overhead_per_mode(dry_run):
     assert set(result["modes"]) == {"sync", "async", "overlap"}
     assert result["saved_bytes"] > 0 and result["sync_save_s"] > 0
     assert result["modes"]["sync"]["stall_over_sync_save"] >= 1.0  # a sync save blocks for all of itself
+    assert result["holds_state_at_save"] == {"async": True, "overlap": True}  # loaded back after 2 more steps
 
 
 def test_planner_rows_against_measured_peaks(dry_run):
