@@ -23,8 +23,11 @@ Each round runs, interleaved so machine load affects all alike:
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -83,6 +86,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="blocks model depth")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--every", type=int, default=10, help="steps per save for the overhead")
+    parser.add_argument(
+        "--profile-save",
+        action="store_true",
+        help="print where the last overlap save()'s blocking time went (cProfile)",
+    )
     args = parser.parse_args()
     if args.model == "llama":
         model, loss_fn = build(args.model, args.dim, args.layers, args.size)
@@ -141,10 +149,12 @@ def main() -> None:
                 overheads[mode].append(with_save[mode] / without - 1)
             disk.append(write_bw)
             saved_bytes.append(dir_bytes(sync_dir))
-    held = {}
+    held, profile = {}, cProfile.Profile() if args.profile_save else None
     for mode in ("async", "overlap"):
         step_no += 1
-        held[mode] = holds_state_at_save(savers[mode], step_no, model, opt, train_step)
+        held[mode] = holds_state_at_save(
+            savers[mode], step_no, model, opt, train_step, profile if mode == "overlap" else None
+        )
     for saver in savers.values():
         saver.close()
     if dist.get_rank() == 0:
@@ -152,6 +162,9 @@ def main() -> None:
             args, model, stalls, overheads, statistics.median(base_steps), statistics.median(plain), disk, saved_bytes
         )
         result["holds_state_at_save"] = held
+        if profile is not None:
+            result["overlap_save_profile"] = profile_text(profile)
+            print(result["overlap_save_profile"])
         print(
             "checkpoint = state at save() (per-tensor sums, loaded back): "
             + ", ".join(f"{mode} {'yes' if ok else 'NO'}" for mode, ok in held.items())
@@ -161,12 +174,18 @@ def main() -> None:
     f2.shutdown()
 
 
-def holds_state_at_save(saver: Checkpointer, step: int, model: nn.Module, opt, train_step) -> bool:
+def holds_state_at_save(
+    saver: Checkpointer, step: int, model: nn.Module, opt, train_step, profile: cProfile.Profile | None = None
+) -> bool:
     """Whether a save followed at once by two training steps holds the state of the moment `save()`
     was called (each tensor's sum, loaded back: bitwise equal on every rank). Leaves the model and
-    optimizer at that state."""
+    optimizer at that state. `profile`: profiles the `save()` call."""
     expected = state_sums(model, opt)
+    if profile is not None:
+        profile.enable()
     saver.save(step, model=model, optimizer=opt)
+    if profile is not None:
+        profile.disable()
     train_step()
     train_step()
     saver.wait()
@@ -174,6 +193,13 @@ def holds_state_at_save(saver: Checkpointer, step: int, model: nn.Module, opt, t
     same = torch.tensor(float(torch.equal(state_sums(model, opt), expected)))
     dist.all_reduce(same, op=dist.ReduceOp.MIN)
     return bool(same.item())
+
+
+def profile_text(profile: cProfile.Profile, lines: int = 30) -> str:
+    """The profiled functions with the most cumulative time, as pstats prints them."""
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(lines)
+    return out.getvalue()
 
 
 def state_sums(model: nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:

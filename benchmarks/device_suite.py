@@ -167,7 +167,7 @@ def part_checkpoint(ctx: dict) -> dict:
     out = ctx["work"] / "checkpoint.json"
     size = ["--size", "tiny", "--rounds", "1", "--every", "3"] if ctx["dry_run"] else ["--rounds", "2", "--every", "10"]
     args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    args += [str(BENCH / "checkpoint_save.py"), "--model", "llama", *size, "--json", str(out)]
+    args += [str(BENCH / "checkpoint_save.py"), "--model", "llama", *size, "--json", str(out), "--profile-save"]
     proc = _python(*args, timeout=ctx["limit"], env={"BENCH_DIR": str(ctx["work"])})
     if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"checkpoint_save.py exit {proc.returncode}: {proc.stderr[-3000:]}")

@@ -95,6 +95,8 @@ def test_checkpoint_stall_and_overhead_per_mode(dry_run):
     assert result["saved_bytes"] > 0 and result["sync_save_s"] > 0
     assert result["modes"]["sync"]["stall_over_sync_save"] >= 1.0  # a sync save blocks for all of itself
     assert result["holds_state_at_save"] == {"async": True, "overlap": True}  # loaded back after 2 more steps
+    assert "checkpointer.py" in result["overlap_save_profile"]  # where the overlap save()'s blocking went
+    assert "(save)" in result["overlap_save_profile"]
 
 
 def test_planner_rows_against_measured_peaks(dry_run):
