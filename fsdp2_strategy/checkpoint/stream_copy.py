@@ -9,15 +9,22 @@ stream (after the work already queued on the current stream, so the copies read 
 optimizer step wrote); the copies then run on the device's copy engine while the next forward and
 backward run. Nothing on the host waits for them but a worker thread (for DCP's write) and, through
 the stream, the next optimizer step's kernels (`order_after_copy`).
+
+The first save walks the state with DCP's state-dict stager, which builds a host tensor object per
+state tensor (and a DTensor around it). Later saves of the same structure copy into those host
+tensors and reuse them (`_refreshed`): the walk in `save()` is then a copy call per tensor.
 """
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 
 from .. import _torch_compat as tc
 
@@ -29,7 +36,9 @@ class StreamCopyStager(DefaultStager):
 
     Build it on the thread that trains (the side stream must be made after the current stream is in
     use). `stage()` returns a future of the host copy, completed by a worker once the copies are done;
-    `copied` is their event, which `order_after_copy()` makes the current stream wait on.
+    `copied` is their event, which `order_after_copy()` makes the current stream wait on. The host
+    buffers are reused from one `stage()` to the next: the previous copy must have been written
+    (`AsyncSaver` keeps one save in flight).
 
     Args:
         stream: the side stream for the copies; None: a new stream on the current accelerator.
@@ -48,6 +57,7 @@ class StreamCopyStager(DefaultStager):
         )
         self.stream = stream if stream is not None else torch.Stream()
         self.copied: Any = None  # the event recorded after the last stage()'s copies
+        self._staged: Any = None  # the last host copy, whose tensors the next stage() refills
 
     def stage(self, state_dict: Any, **kwargs: Any) -> Future:
         """Queue the copy of `state_dict` to host memory on the side stream and return its future.
@@ -61,8 +71,11 @@ class StreamCopyStager(DefaultStager):
         """
         executor, copier = tc.staging_parts(self)
         self.stream.wait_stream(torch.accelerator.current_stream())
-        with self.stream:
-            staged = copier.stage(state_dict, non_blocking=True)
+        with self.stream, torch.no_grad():
+            staged = _refreshed(state_dict, self._staged) if self._staged is not None else _MISMATCH
+            if staged is _MISMATCH:  # the first save, or the state's structure changed
+                staged = copier.stage(state_dict, non_blocking=True)
+        self._staged = staged
         self.copied = self.stream.record_event()
         # The worker keeps `state_dict` alive until the copies have read it: a tensor freed earlier
         # (one made for the state dict) could be reused by the allocator under a running copy.
@@ -73,6 +86,53 @@ class StreamCopyStager(DefaultStager):
         without the host waiting."""
         if self.copied is not None:
             torch.accelerator.current_stream().wait_event(self.copied)
+
+    def close(self) -> None:
+        """Free the host buffers and stop the worker."""
+        self._staged = None
+        super().close()
+
+
+_MISMATCH = object()
+_LEAVES = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _refreshed(src: Any, dst: Any) -> Any:
+    """`dst`, the host copy of an earlier state of the same structure, with `src`'s values: each tensor
+    copied into `dst`'s tensor (non-blocking, on the current stream), other values copied; new
+    containers. `_MISMATCH` where a key, a length, a type, a shape, a stride or a dtype differs."""
+    if isinstance(src, torch.Tensor):
+        return _copied_into(src, dst)
+    if type(src) in (dict, OrderedDict):
+        if type(dst) is not type(src) or src.keys() != dst.keys():
+            return _MISMATCH
+        out = type(src)()
+        for key, value in src.items():
+            out[key] = _refreshed(value, dst[key])
+            if out[key] is _MISMATCH:
+                return _MISMATCH
+        return out
+    if type(src) in (list, tuple):
+        if type(dst) is not type(src) or len(dst) != len(src):
+            return _MISMATCH
+        items = [_refreshed(a, b) for a, b in zip(src, dst)]
+        return _MISMATCH if any(i is _MISMATCH for i in items) else type(src)(items)
+    return copy.deepcopy(src) if isinstance(src, _LEAVES) else _MISMATCH
+
+
+def _copied_into(src: torch.Tensor, dst: Any) -> Any:
+    if type(dst) is not type(src) or dst.dtype != src.dtype or dst.shape != src.shape:
+        return _MISMATCH
+    source, target = src, dst
+    if isinstance(src, DTensor):
+        dst = cast(DTensor, dst)
+        if dst.placements != src.placements:
+            return _MISMATCH
+        source, target = src.to_local(), dst.to_local()  # no autograd: called under no_grad
+    if target.shape != source.shape or target.stride() != source.stride():
+        return _MISMATCH
+    target.copy_(source, non_blocking=True)
+    return dst
 
 
 def _when_copied(event: Any, staged: Any, source: Any) -> Any:
