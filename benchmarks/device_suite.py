@@ -10,8 +10,10 @@ Parts (`--parts`, in the order given; the default is the order below):
   tables);
 - `throughput`: `gpu_throughput.py`'s eight paths on the 1 B Llama-shaped model, interleaved rounds:
   tokens/s, MFU, peak memory, ratio to the hand-written `fully_shard` loop;
-- `compile`: the hand-written loop and the core with per-block `torch.compile`, and with torchao's
-  float8 linears too where torchao is installed and the GPU has float8 tensor cores;
+- `compile`: the hand-written loop and the core with per-block `torch.compile`, two interleaved
+  rounds (one round per machine could not tell the pair apart);
+- `float8`: the same with torchao's float8 linears too, one round, where torchao is installed and the
+  GPU has float8 tensor cores;
 - `checkpoint`: `checkpoint_save.py` on a 169 M Llama (2 GB of weights and AdamW state): the stall
   of sync, async and overlap saves and the overhead of a save every 10 steps;
 - `planner`: `gpu_memory.py planner`: the estimate against the allocator's peak, six settings;
@@ -53,7 +55,7 @@ sys.path[:0] = [str(BENCH), str(ROOT)]
 import gpu_throughput  # noqa: E402
 import qlora_step  # noqa: E402
 
-PARTS = ("tests", "throughput", "compile", "checkpoint", "planner", "largest", "qlora", "deepspeed")
+PARTS = ("tests", "throughput", "compile", "float8", "checkpoint", "planner", "largest", "qlora", "deepspeed")
 VERSIONED = ("torch", "transformers", "accelerate", "lightning", "peft", "torchao")
 
 
@@ -130,11 +132,11 @@ def _text(output: bytes | str | None) -> str:
     return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
-def _throughput(ctx: dict, paths: tuple[str, ...]) -> dict:
+def _throughput(ctx: dict, paths: tuple[str, ...], rounds: int = 2) -> dict:
     size = "tiny" if ctx["dry_run"] else "1b"
     steps, warmup = (2, 1) if ctx["dry_run"] else (8, 3)
     deadline = time.monotonic() + ctx["limit"]
-    rounds = 1 if ctx["dry_run"] else 2
+    rounds = 1 if ctx["dry_run"] else rounds
     return gpu_throughput.run(paths, size, rounds, steps, warmup, deadline, timeout=min(180, ctx["limit"]))
 
 
@@ -143,18 +145,17 @@ def part_throughput(ctx: dict) -> dict:
 
 
 def part_compile(ctx: dict) -> dict:
+    return _throughput(ctx, gpu_throughput.COMPILED)
+
+
+def part_float8(ctx: dict) -> dict:
     import torch
 
-    paths, float8 = gpu_throughput.COMPILED, "run"
     if not _has("torchao"):
-        float8 = "not run: torchao is not installed (carry its wheel)"
-    elif not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-        float8 = "not run: float8 matrix products need an NVIDIA GPU of compute capability 8.9 or newer"
-    else:
-        paths += gpu_throughput.FLOAT8
-    result = _throughput(ctx, paths)
-    result["float8"] = float8
-    return result
+        return {"not_run": "torchao is not installed (carry its wheel)"}
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        return {"not_run": "float8 matrix products need an NVIDIA GPU of compute capability 8.9 or newer"}
+    return _throughput(ctx, gpu_throughput.FLOAT8, rounds=1)
 
 
 def _has(module: str) -> bool:
@@ -246,6 +247,7 @@ RUNNERS = {
     "tests": part_tests,
     "throughput": part_throughput,
     "compile": part_compile,
+    "float8": part_float8,
     "checkpoint": part_checkpoint,
     "planner": part_planner,
     "largest": part_largest,
@@ -256,6 +258,7 @@ LIMITS = {
     "tests": 240,
     "throughput": 240,
     "compile": 300,
+    "float8": 200,
     "checkpoint": 200,
     "planner": 150,
     "largest": 240,
@@ -267,6 +270,7 @@ MIN_START = {
     "tests": 60,
     "throughput": 60,
     "compile": 60,
+    "float8": 60,
     "checkpoint": 30,
     "planner": 30,
     "largest": 60,
@@ -295,11 +299,12 @@ def report(results: dict) -> str:
 
 
 def _part_text(name: str, result) -> str:
-    if name in ("throughput", "compile"):
+    if name in ("throughput", "compile", "float8"):
+        if "not_run" in result:
+            return "not run: " + result["not_run"]
         peak = result["peak"]
         head = f"model {result['size']} {result['shape']}; peak {peak['flops'] / 1e12:.0f} TFLOP/s ({peak['source']})"
-        float8 = "\nfloat8: " + result["float8"] if result.get("float8", "run") != "run" else ""
-        return head + "\n" + gpu_throughput.table(result) + float8
+        return head + "\n" + gpu_throughput.table(result)
     if name in ("checkpoint", "deepspeed"):
         return result.get("not_run") or result["table"]
     if name == "planner":
