@@ -16,6 +16,8 @@ Parts (`--parts`, in the order given; the default is the order below):
   GPU has float8 tensor cores;
 - `checkpoint`: `checkpoint_save.py` on a 169 M Llama (2 GB of weights and AdamW state): the stall
   of sync, async and overlap saves and the overhead of a save every 10 steps;
+- `generation`: `generation.py` on a 1.2 B Llama in bf16, 128 greedy tokens: the sharded model, the
+  sharded model inside `f2.gathered` and the unsharded model, tokens/s and the same tokens;
 - `planner`: `gpu_memory.py planner`: the estimate against the allocator's peak, six settings;
 - `largest`: `gpu_memory.py largest`: the largest model per setting, predicted, then run;
 - `qlora`: `qlora_step.py` on a 3 B Llama shape in NF4 + LoRA (bitsandbytes' kernels): step time
@@ -55,7 +57,18 @@ sys.path[:0] = [str(BENCH), str(ROOT)]
 import gpu_throughput  # noqa: E402
 import qlora_step  # noqa: E402
 
-PARTS = ("tests", "throughput", "compile", "float8", "checkpoint", "planner", "largest", "qlora", "deepspeed")
+PARTS = (
+    "tests",
+    "throughput",
+    "compile",
+    "float8",
+    "checkpoint",
+    "generation",
+    "planner",
+    "largest",
+    "qlora",
+    "deepspeed",
+)
 VERSIONED = ("torch", "transformers", "accelerate", "lightning", "peft", "torchao")
 
 
@@ -175,6 +188,21 @@ def part_checkpoint(ctx: dict) -> dict:
     return {**json.loads(out.read_text()), "table": proc.stdout.strip()}
 
 
+def part_generation(ctx: dict) -> dict:
+    out = ctx["work"] / "generation.json"
+    tiny, gpu = (
+        ["--layers", "2", "--hidden", "64", "--new", "8"],
+        ["--layers", "16", "--hidden", "2048", "--new", "128"],
+    )
+    size = [*tiny, "--rounds", "1"] if ctx["dry_run"] else [*gpu, "--rounds", "3", "--dtype", "bf16"]
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    args += [str(BENCH / "generation.py"), *size, "--json", str(out)]
+    proc = _python(*args, timeout=ctx["limit"])
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"generation.py exit {proc.returncode}: {proc.stderr[-3000:]}")
+    return {**json.loads(out.read_text()), "table": proc.stdout.strip()}
+
+
 def _memory(ctx: dict, mode: str) -> object:
     out = ctx["work"] / f"{mode}.json"
     args = [str(BENCH / "gpu_memory.py"), mode, "--out", str(out), "--budget", str(ctx["limit"] - 15)]
@@ -249,6 +277,7 @@ RUNNERS = {
     "compile": part_compile,
     "float8": part_float8,
     "checkpoint": part_checkpoint,
+    "generation": part_generation,
     "planner": part_planner,
     "largest": part_largest,
     "qlora": part_qlora,
@@ -260,6 +289,7 @@ LIMITS = {
     "compile": 300,
     "float8": 200,
     "checkpoint": 200,
+    "generation": 150,
     "planner": 150,
     "largest": 240,
     "qlora": 200,
@@ -272,6 +302,7 @@ MIN_START = {
     "compile": 60,
     "float8": 60,
     "checkpoint": 30,
+    "generation": 30,
     "planner": 30,
     "largest": 60,
     "qlora": 60,
@@ -305,7 +336,7 @@ def _part_text(name: str, result) -> str:
         peak = result["peak"]
         head = f"model {result['size']} {result['shape']}; peak {peak['flops'] / 1e12:.0f} TFLOP/s ({peak['source']})"
         return head + "\n" + gpu_throughput.table(result)
-    if name in ("checkpoint", "deepspeed"):
+    if name in ("checkpoint", "generation", "deepspeed"):
         return result.get("not_run") or result["table"]
     if name == "planner":
         rows = [f"{'setting':<20} {'estimate GiB':>12} {'measured GiB':>12} {'error':>7}"]

@@ -28,6 +28,7 @@ def test_every_part_ran_and_left_its_files(dry_run):
         "compile",
         "float8",
         "checkpoint",
+        "generation",
         "planner",
         "largest",
         "qlora",
@@ -102,6 +103,14 @@ def test_checkpoint_stall_and_overhead_per_mode(dry_run):
     assert result["holds_state_at_save"] == {"async": True, "overlap": True}  # loaded back after 2 more steps
     assert "checkpointer.py" in result["overlap_save_profile"]  # where the overlap save()'s blocking went
     assert "(save)" in result["overlap_save_profile"]
+
+
+def test_generation_rows(dry_run):
+    rows = {r["run"]: r for r in dry_run[0]["parts"]["generation"]["result"]["rows"]}
+    assert list(rows) == ["sharded", "sharded, f2.gathered", "one process (unsharded)"]
+    assert all(r["same_tokens"] for r in rows.values())  # greedy: every run the unsharded model's tokens
+    assert rows["one process (unsharded)"]["vs_one_process"] == 1.0
+    assert rows["sharded, f2.gathered"]["all_gathers_per_token"] == 0  # gathered once, before generate
 
 
 def test_planner_rows_against_measured_peaks(dry_run):
