@@ -18,6 +18,10 @@ Each round runs, interleaved so machine load affects all alike:
   is the extra time as a share of the steps without a save;
 - disk: the bytes a synchronous save wrote against rank 0 writing the same number of bytes to one
   file of the same disk (1 MiB writes, then fsync: what `dd ... conv=fsync` measures).
+
+Then, once, an async and an overlap save each followed at once by two steps are loaded back and
+compared with the state at `save()` (each tensor's sum, bitwise); `--profile-save` prints a
+cProfile of that overlap `save()`.
 """
 
 from __future__ import annotations
