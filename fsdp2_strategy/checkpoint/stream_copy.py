@@ -94,13 +94,15 @@ class StreamCopyStager(DefaultStager):
 
 
 _MISMATCH = object()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _LEAVES = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 
 
 def _refreshed(src: Any, dst: Any) -> Any:
     """`dst`, the host copy of an earlier state of the same structure, with `src`'s values: each tensor
     copied into `dst`'s tensor (non-blocking, on the current stream), other values copied; new
-    containers. `_MISMATCH` where a key, a length, a type, a shape, a stride or a dtype differs."""
+    containers. `_MISMATCH` where a key, a length, a type, a shape, a stride or a dtype differs, or
+    for a tensor subclass other than DTensor."""
     if isinstance(src, torch.Tensor):
         return _copied_into(src, dst)
     if type(src) in (dict, OrderedDict):
@@ -129,6 +131,8 @@ def _copied_into(src: torch.Tensor, dst: Any) -> Any:
         if dst.placements != src.placements:
             return _MISMATCH
         source, target = src.to_local(), dst.to_local()  # no autograd: called under no_grad
+    if type(source) not in _PLAIN or type(target) is not type(source):
+        return _MISMATCH  # a tensor subclass (float8 weights, ...) copies through its own dispatch: left to DCP
     if target.shape != source.shape or target.stride() != source.stride():
         return _MISMATCH
     target.copy_(source, non_blocking=True)

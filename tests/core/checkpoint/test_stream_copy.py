@@ -228,6 +228,8 @@ def test_a_changed_structure_is_staged_anew_and_other_values_are_copied(monkeypa
     third = _staged_now(stager, side, state)
     state["model"]["w"] = torch.arange(6.0)  # a new shape
     fourth = _staged_now(stager, side, state)
+    state["model"]["w"] = torch.arange(6.0).as_subclass(Marked)  # a subclass: DCP's stager copies it
+    fifth, sixth = _staged_now(stager, side, state), _staged_now(stager, side, state)
     stager.close()
     assert second["model"]["w"] is first["model"]["w"]  # refilled
     assert torch.equal(second["model"]["w"], torch.arange(4.0) + 1)
@@ -236,3 +238,9 @@ def test_a_changed_structure_is_staged_anew_and_other_values_are_copied(monkeypa
     assert third["model"]["w"] is not first["model"]["w"] and torch.equal(third["model"]["b"], torch.ones(2))
     assert torch.equal(third["model"]["w"], torch.arange(4.0) + 1)
     assert torch.equal(fourth["model"]["w"], torch.arange(6.0))
+    assert sixth["model"]["w"] is not fifth["model"]["w"]  # never refilled through copy_
+    assert torch.equal(sixth["model"]["w"].as_subclass(torch.Tensor), torch.arange(6.0))
+
+
+class Marked(torch.Tensor):
+    pass
