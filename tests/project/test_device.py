@@ -48,9 +48,12 @@ def test_core_on_the_accelerator(work):
     assert r["bf16"]["update_rel"] < 2e-2
     acc = r["accumulate_clip"]
     assert acc["grad_rel"] < TOL and abs(acc["norm"] - acc["ref_norm"]) <= TOL * acc["ref_norm"]
-    for name in ("sync", "async"):
+    for name in ("sync", "async", "overlap"):
         c = r["checkpoint"][name]
         assert c["equal"] and c["latest"] == 1 and c["extra"] == {"step": 1} and c["opt_state_device"] != "cpu"
+    assert r["checkpoint"][
+        "changed_by_the_step_after_overlap"
+    ]  # ... yet the overlap checkpoint holds the state at save()
     assert r["load_full_weights_equal"]
     # Built on meta with CPU offload: the shards in pinned host memory, the step as one process's.
     m = r["meta_offload"]

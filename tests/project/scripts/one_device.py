@@ -128,14 +128,22 @@ def core(out: dict, work: Path) -> None:
         "norm_device": str(norm.device.type),
     }
 
-    # Checkpoints: sync and async (pinned staging on an accelerator), resumed into a fresh model.
+    # Checkpoints: sync, async (pinned staging on an accelerator) and overlap (the copies queued on a
+    # side stream, the next step ordered after them on the device), resumed into a fresh model.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt.step()
     saved = {n: full(p) for n, p in model.named_parameters()}
     results = {}
-    for name, async_save in (("sync", False), ("async", True)):
+    for name, async_save in (("sync", False), ("async", True), ("overlap", "overlap")):
         ckpt = f2.Checkpointer(work / f"ckpt_{name}", async_save=async_save)
         ckpt.save(1, model=model, optimizer=opt, extra={"step": 1})
+        if name == "overlap":  # a step right away (the last use of `model`): it must not reach the checkpoint
+            idx, tgt = (t.to(dev) for t in batch)
+            loss_fn(model, idx, tgt).backward()
+            opt.step()
+            results["changed_by_the_step_after_overlap"] = not all(
+                torch.equal(full(p), saved[n]) for n, p in model.named_parameters()
+            )
         ckpt.wait()
         torch.manual_seed(9)
         fresh = f2.shard_model(TinyGPT().to(dev), log_plan=False)
