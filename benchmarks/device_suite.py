@@ -178,28 +178,27 @@ def _has(module: str) -> bool:
 
 
 def part_checkpoint(ctx: dict) -> dict:
-    out = ctx["work"] / "checkpoint.json"
     size = ["--size", "tiny", "--rounds", "1", "--every", "3"] if ctx["dry_run"] else ["--rounds", "2", "--every", "10"]
-    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    args += [str(BENCH / "checkpoint_save.py"), "--model", "llama", *size, "--json", str(out), "--profile-save"]
-    proc = _python(*args, timeout=ctx["limit"], env={"BENCH_DIR": str(ctx["work"])})
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"checkpoint_save.py exit {proc.returncode}: {proc.stderr[-3000:]}")
-    return {**json.loads(out.read_text()), "table": proc.stdout.strip()}
+    args = ["--model", "llama", *size, "--profile-save"]
+    return _one_rank(ctx, "checkpoint_save.py", args, env={"BENCH_DIR": str(ctx["work"])})
 
 
 def part_generation(ctx: dict) -> dict:
-    out = ctx["work"] / "generation.json"
     tiny, gpu = (
         ["--layers", "2", "--hidden", "64", "--new", "8"],
         ["--layers", "16", "--hidden", "2048", "--new", "128"],
     )
     size = [*tiny, "--rounds", "1"] if ctx["dry_run"] else [*gpu, "--rounds", "3", "--dtype", "bf16"]
-    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-    args += [str(BENCH / "generation.py"), *size, "--json", str(out)]
-    proc = _python(*args, timeout=ctx["limit"])
+    return _one_rank(ctx, "generation.py", size)
+
+
+def _one_rank(ctx: dict, script: str, args: list[str], env: dict | None = None) -> dict:
+    """`script` under torchrun on one rank, writing `--json`: its numbers, and its printed table."""
+    out = ctx["work"] / (Path(script).stem + ".json")
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    proc = _python(*launcher, str(BENCH / script), *args, "--json", str(out), timeout=ctx["limit"], env=env)
     if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"generation.py exit {proc.returncode}: {proc.stderr[-3000:]}")
+        raise RuntimeError(f"{script} exit {proc.returncode}: {proc.stderr[-3000:]}")
     return {**json.loads(out.read_text()), "table": proc.stdout.strip()}
 
 

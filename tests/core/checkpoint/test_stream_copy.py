@@ -93,7 +93,7 @@ def _saved_then_stepped(ckpt, stager, side, step: int, model, opt) -> dict:
     log.clear()
     ckpt.save(step, model=model, optimizer=opt)
     staging, at_return = ckpt._saver._staging, list(log)
-    host = [t for t in _host_tensors(stager._staged)]
+    host = _host_tensors(stager._staged)
     _step(model, opt, step)  # forward, backward, then a step ordered after the copies, not waiting for them
     after_step, in_flight = list(log), not staging.done()
     side.events[-1].done.set()  # the copies finish
