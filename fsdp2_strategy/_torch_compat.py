@@ -27,7 +27,9 @@ reads FSDP2's private state, and a few other private torch helpers; only through
   `._buffers` (moving a model to meta without untying shared weights), DCP's
   `DefaultStager._stage` / `._state_dict_stager` (keeping its host buffers between saves on torch
   2.11-2.12; the state walk of `checkpoint.stream_copy`) and `._staging_executor` (holding an
-  "overlap" save's copy until `save()` returns; completing the stream-ordered one).
+  "overlap" save's copy until `save()` returns; completing the stream-ordered one);
+  `DefaultSavePlanner._cached_plans_key` and `SavePlanner`'s plan caches (one plan cache per
+  asynchronous saver, dropped when it closes).
 
 `check_private_api()` runs when this module is imported (so at `import fsdp2_strategy`) and raises
 ImportError naming every name that moved and the torch releases known to work
@@ -45,6 +47,8 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.fsdp import FSDPModule
 
@@ -106,6 +110,16 @@ def _declares(owner: Any, name: str) -> bool:
     return False
 
 
+_PLAN_CACHES = (
+    "_cached_save_plan",
+    "_cached_all_plans",
+    "_cached_global_plan",
+    "_cached_metadata",
+    "_cached_final_save_plan",
+)
+"""`SavePlanner`'s class-level plan caches (dicts keyed by the planner's cache key)."""
+
+
 _ATTRIBUTES = (
     (FSDPModule, "_get_fsdp_state"),
     *((FSDPState, n) for n in ("_is_root", "_lazy_init", "_pre_forward", "_post_forward", "_modules")),
@@ -135,6 +149,8 @@ _ATTRIBUTES = (
     (DefaultStager, "_stage"),
     (DefaultStager, "_state_dict_stager"),
     (DefaultStager, "_staging_executor"),
+    (DefaultSavePlanner, "_cached_plans_key"),
+    *((SavePlanner, n) for n in _PLAN_CACHES),
 )
 
 
@@ -273,6 +289,25 @@ def hold_staging(stager: DefaultStager) -> Callable[[], None]:
     gate = threading.Event()
     executor.submit(gate.wait)
     return gate.set
+
+
+def caching_save_planner(key: str) -> DefaultSavePlanner:
+    """DCP's default save planner with its plan caching on, its caches kept under `key`.
+
+    DCP keys the caches by the planner's class name, so every caching planner of a process would share
+    one entry: a save of another state in between (another saver's, or a user's own) would replace it.
+    A key of its own per saver keeps each saver's last plan. Every rank must save with the same key in
+    the same order (as for any DCP save)."""
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    planner._cached_plans_key = key
+    return planner
+
+
+def drop_plan_cache(key: str) -> None:
+    """Forget the plans cached under `key` (`caching_save_planner`): they stay in class-level dicts
+    for the process's lifetime otherwise."""
+    for name in _PLAN_CACHES:
+        getattr(SavePlanner, name).pop(key, None)
 
 
 def staging_parts(stager: DefaultStager) -> tuple[Any, Any]:

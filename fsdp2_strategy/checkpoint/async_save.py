@@ -15,6 +15,11 @@ Modes (`ASYNC_MODES`):
   statistics), are copied before `start()` returns. Anything else changed in place outside
   `optimizer.step()` (an EMA written by hand) must wait for `wait_staged()` first.
 
+Each saver keeps DCP's save plan from one save to the next (`tc.caching_save_planner`): DCP's
+background thread otherwise plans every save anew (each rank's plan gathered to rank 0, deduplicated,
+the global plan and metadata scattered back), Python work that shares the GIL with the training loop
+while it runs the next steps. A save of the same structure reuses the plan; another is planned again.
+
 The write is committed (checksummed, renamed into place) by `wait()`, which the owner calls before
 the next save, before a load and when training ends: every rank calls it at the same point, so the
 commit's collectives line up.
@@ -23,6 +28,7 @@ commit's collectives line up.
 from __future__ import annotations
 
 import atexit
+import itertools
 import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -45,6 +51,8 @@ from .stream_copy import StreamCopyStager
 
 __all__ = ["ASYNC_MODES", "AsyncSaver", "copy_buffers", "make_saver"]
 
+_SAVER_IDS = itertools.count()
+
 
 class AsyncSaver:
     """Runs `dcp.async_save` in mode `mode` (True or "overlap") and commits each save on `wait()`.
@@ -64,6 +72,7 @@ class AsyncSaver:
         self._pending: tuple[Path, Future, Callable[[], None]] | None = None
         self._staging: Future | None = None  # "overlap": the copy in flight
         self._step_hook: Any = None
+        self._plan_key = f"fsdp2_strategy.AsyncSaver.{next(_SAVER_IDS)}"  # this saver's cached plan
         before_shutdown(self.wait)  # `f2.shutdown()` commits the last save
         atexit.register(_warn_if_pending, weakref.ref(self))
 
@@ -111,6 +120,7 @@ class AsyncSaver:
             response = dcp.async_save(
                 state,
                 storage_writer=writer or FileSystemWriter(str(tmp)),
+                planner=tc.caching_save_planner(self._plan_key),
                 process_group=self._group,
                 async_stager=self._stager,
                 no_dist=not is_distributed(),
@@ -165,8 +175,10 @@ class AsyncSaver:
         commit()
 
     def close(self) -> None:
-        """Commit the save in flight and free the CPU staging buffers (collective)."""
+        """Commit the save in flight, free the CPU staging buffers and forget the cached plan
+        (collective)."""
         self.wait()
+        tc.drop_plan_cache(self._plan_key)
         if self._stager is not None:
             self._stager.close()
             self._stager = None

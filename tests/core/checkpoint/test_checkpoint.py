@@ -74,6 +74,7 @@ def _error_of(fn, *args, **kwargs) -> tuple[str, str]:
 # ---------------------------------------------------------------------- world 1: most checks
 def _main_world(root: str) -> dict:
     import torch.distributed as dist
+    from torch.distributed.checkpoint.planner import SavePlanner
 
     from fsdp2_strategy.checkpoint.checkpointer import Checkpointer
 
@@ -135,7 +136,9 @@ def _main_world(root: str) -> dict:
     out["keep_dirs"] = sorted(os.listdir(f"{root}/keep"))
     out["keep_latest"] = keep.latest_step()
 
-    # (8) async save: save() returns after staging; the step is committed only by wait().
+    # (8) async save: save() returns after staging; the step is committed only by wait(). Each saver
+    # plans a structure once: rank 0 counts the global plans DCP makes.
+    planned = _counting_global_plans()
     asyn = Checkpointer(f"{root}/async", async_save=True)
     before = _snapshot(model, opt)
     asyn.save(10, model=model, optimizer=opt, extra={"k": "v"})
@@ -143,16 +146,43 @@ def _main_world(root: str) -> dict:
     _train(model, opt, 1)  # changes parameters in place while the write may still run
     asyn.wait()
     out["async_latest_after_wait"] = asyn.latest_step()
-    asyn.save(11, model=model, optimizer=opt)  # the next save waits for nothing pending, then
+    asyn.save(11, model=model)  # another structure (no optimizer): planned again
     _train(model, opt, 1)
-    asyn.save(12, model=model, optimizer=opt)  # ...and this one first commits step 11
+    other = Checkpointer(f"{root}/async_other", async_save=True)
+    other_before = _snapshot(model, opt)
+    other.save(1, model=model, optimizer=opt)  # another saver, another structure, between two of `asyn`
+    other.close()
+    before_12 = _snapshot(model)
+    asyn.save(12, model=model)  # ...first commits step 11; 11's structure: its plan reused
     out["async_latest_after_next_save"] = asyn.latest_step()
+    _train(model, opt, 1)
     asyn.close()
+    out["async_global_plans"] = len(planned)
+    out["async_plans_left"] = [k for k in SavePlanner._cached_all_plans if k.startswith("fsdp2_strategy")]
     back, back_opt = _build(seed=3)
     out["async_extra"] = asyn.load(model=back, optimizer=back_opt, step=10)
     out["async_mismatches"] = _mismatches(before, _snapshot(back, back_opt))
+    asyn.load(model=back, step=12)
+    out["async_reused_plan_mismatches"] = _mismatches(before_12, _snapshot(back))
+    other.load(model=back, optimizer=back_opt, step=1)
+    out["async_other_mismatches"] = _mismatches(other_before, _snapshot(back, back_opt))
     out["async_dirs"] = sorted(os.listdir(f"{root}/async"))
     return out
+
+
+def _counting_global_plans() -> list:
+    """A list that grows by one each time DCP's default planner makes a global plan (rank 0)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    calls: list = []
+    make = DefaultSavePlanner._create_global_plan
+
+    def counted(self, all_plans):
+        calls.append(len(all_plans))
+        return make(self, all_plans)
+
+    DefaultSavePlanner._create_global_plan = counted
+    return calls
 
 
 @pytest.fixture(scope="module")
@@ -221,8 +251,15 @@ def test_async_save_commits_on_wait(main_world):
         assert r["async_latest_after_wait"] == 10
         assert r["async_latest_after_next_save"] == 11
         assert r["async_mismatches"] == []  # the copy was taken before the next optimizer step
+        assert r["async_reused_plan_mismatches"] == []
+        assert r["async_other_mismatches"] == []
+        assert r["async_plans_left"] == []  # close() forgets the saver's plan
         assert r["async_extra"] == {"k": "v"}
         assert r["async_dirs"] == ["step-000010", "step-000011", "step-000012"]
+    # Rank 0 plans step 10, step 11 (no optimizer: another structure) and the other saver's step 1; step
+    # 12 reuses step 11's plan although another structure was saved in between. Rank 1 makes no global
+    # plan.
+    assert [r["async_global_plans"] for r in results] == [3, 0]
 
 
 @pytest.mark.parametrize("mode", [True, "overlap"])
