@@ -107,7 +107,9 @@ class Timer:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-steps", type=int, default=120)
-    parser.add_argument("--lr", type=float, default=1e-2)
+    # 1e-2 collapsed the policy onto one answer in some runs (entropy 2.5 -> 0.08, reward back to 0.15);
+    # 3e-3 raised the reward in each of 5 seeds.
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out-dir", type=Path, default=Path("runs/grpo_finetune"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")

@@ -354,7 +354,7 @@ def test_qlora_finetune_example_through_lightning_and_the_hf_trainer(trainer, tm
 
 def test_grpo_finetune_example_reward_rises(tmp_path):
     """examples/grpo_finetune.py as its docstring launches it: GRPO with a verifiable reward on 2 processes;
-    the mean reward of the last 15 steps is above the first 15 (measured 0.104 -> 0.362 in 120 steps)."""
+    the mean reward of the last 15 steps is above the first 15 (measured 0.158 -> 0.296 in 120 steps)."""
     pytest.importorskip("trl")
     import json
 
