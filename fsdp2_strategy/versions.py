@@ -25,13 +25,16 @@ __version__ = "0.2.0"
 TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.11.0", "2.15.0"),
     "lightning": ("2.6.6", "2.6.6"),
-    "accelerate": ("1.15.0", "1.15.0"),
-    "transformers": ("5.17.0", "5.24.0"),
+    "accelerate": ("1.15.0", "1.16.0"),
+    "transformers": ("5.17.0", "5.25.0"),
     "ray": ("2.60.0", "2.60.0"),
 }
 """Per distribution: (oldest, newest) release the whole suite passed on (docs/compatibility.md,
 "Tested versions"). A newer patch release of the newest minor counts as tested; a newer minor
 release does not."""
+
+LOCK_FILE = "requirements/lock.txt"
+"""The repository's lock file: the exact releases `make test` and `make example` install (`make lock`)."""
 
 WARNED_AT_IMPORT = ("torch", "lightning", "accelerate")
 """What `import fsdp2_strategy` checks against `TESTED` (the engine and the adapters' frameworks)."""
@@ -106,7 +109,9 @@ def private_api_error(component: str, distribution: str, version: str, missing: 
     low, high = TESTED[distribution]
     return ImportError(
         f"{component} (tested with {distribution} {tested_range(distribution)}) cannot find {'; '.join(missing)} in "
-        f"{distribution} {version}. Install {distribution}>={low},<{_next_minor(high)} or upgrade fsdp2-strategy."
+        f"{distribution} {version}. The newest release tested is {distribution} {high} (the project's "
+        f"{LOCK_FILE} pins the releases tested together): install {distribution}>={low},<{_next_minor(high)} "
+        "or upgrade fsdp2-strategy."
     )
 
 

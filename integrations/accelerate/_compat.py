@@ -1,6 +1,6 @@
 """Every private Accelerate symbol the adapter touches, in one place, checked at import.
 
-Accelerate 1.15 has no plugin interface for a sharding engine, so the adapter relies on:
+Accelerate has no plugin interface for a sharding engine, so the adapter relies on:
 
 - `AcceleratorState` attributes `distributed_type`, `fsdp_plugin` and the private
   `_mixed_precision`: set after `Accelerator.__init__` so that `distributed_type` reports
@@ -15,15 +15,19 @@ Accelerate 1.15 has no plugin interface for a sharding engine, so the adapter re
   optimizer lists: the core writes those.
 - `accelerate.checkpointing.save_custom_state` / `load_custom_state`: objects registered
   with `register_for_checkpointing`.
-- Stock `Accelerator.__init__` reads `fsdp_plugin.fsdp_version` of the plugin it is given:
-  that read is where `FSDP2Plugin` refuses to be used without `FSDP2Accelerator`.
+- Stock `Accelerator.__init__` takes `fsdp_plugin`: `refuse_in_stock_accelerator` makes it refuse
+  an `FSDP2Plugin` by name. Where stock Accelerate reads the plugin differs between releases (1.15
+  read `fsdp_version` in `Accelerator.__init__`, 1.16 only in `AcceleratorState` on accelerators and
+  wraps CPU processes in DDP without reading it), so the refusal does not wait for a read.
 
+Each is checked by behaviour, signature or attribute, never by the text of Accelerate's source.
 `check_private_api()` runs at import and raises ImportError naming what moved;
 `check_accelerator(acc)` checks the instance attributes once an Accelerator exists.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +72,6 @@ _LOAD_PARAMS = (
     "map_location",
     "load_kwargs",
 )
-_STOCK_READS_FSDP_VERSION = "fsdp_plugin.fsdp_version"
 
 save_accelerator_state = _checkpointing.save_accelerator_state
 load_accelerator_state = _checkpointing.load_accelerator_state
@@ -93,11 +96,47 @@ def _problems() -> list[str]:
     fields = getattr(FullyShardedDataParallelPlugin, "__dataclass_fields__", {})
     if "fsdp_version" not in fields:
         problems.append("FullyShardedDataParallelPlugin.fsdp_version")
-    if _STOCK_READS_FSDP_VERSION not in inspect.getsource(Accelerator.__init__):
-        problems.append(f"Accelerator.__init__ reading {_STOCK_READS_FSDP_VERSION} (the stock-Accelerator guard)")
-    if "_mixed_precision" not in inspect.getsource(AcceleratorState.__init__):
-        problems.append("AcceleratorState._mixed_precision")
+    if "fsdp_plugin" not in inspect.signature(Accelerator.__init__).parameters:
+        problems.append("Accelerator.__init__(fsdp_plugin=...) (the stock-Accelerator refusal)")
+    if not _state_reports_private_precision():
+        problems.append("AcceleratorState.mixed_precision reading AcceleratorState._mixed_precision")
     return problems
+
+
+def _state_reports_private_precision() -> bool:
+    """Whether `AcceleratorState.mixed_precision` reports `_mixed_precision` for an FSDP run (what
+    `claim_fsdp_state` sets). Asked of a bare instance: no `__init__`, so no shared state is touched."""
+    probe = object.__new__(AcceleratorState)
+    probe.__dict__ = {"distributed_type": DistributedType.FSDP, "_mixed_precision": "bf16"}
+    try:
+        return probe.mixed_precision == "bf16"
+    except Exception:  # an attribute of another name, or another shape: moved either way
+        return False
+
+
+def refuse_in_stock_accelerator(plugin_type: type, message: str) -> None:
+    """Make `accelerate.Accelerator(fsdp_plugin=<plugin_type>)` raise TypeError(`message`).
+
+    Nothing else changes: any other argument reaches the stock `__init__` as given, and
+    `FSDP2Accelerator` hands Accelerate no plugin (it claims the state afterwards). Idempotent.
+    """
+    stock_init = Accelerator.__init__
+    if getattr(stock_init, "_fsdp2_refuses", None) is plugin_type:
+        return
+    signature = inspect.signature(stock_init)
+
+    @functools.wraps(stock_init)
+    def __init__(self: Accelerator, *args: Any, **kwargs: Any) -> None:
+        try:
+            plugin = signature.bind_partial(self, *args, **kwargs).arguments.get("fsdp_plugin")
+        except TypeError:  # arguments the stock __init__ refuses itself, with its own message
+            plugin = None
+        if isinstance(plugin, plugin_type):
+            raise TypeError(message)
+        stock_init(self, *args, **kwargs)
+
+    __init__._fsdp2_refuses = plugin_type  # type: ignore[attr-defined]
+    Accelerator.__init__ = __init__  # type: ignore[method-assign]
 
 
 def check_private_api() -> None:

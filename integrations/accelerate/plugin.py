@@ -7,8 +7,9 @@ module overrides), and keyword arguments.
 
 It subclasses Accelerate's `FullyShardedDataParallelPlugin` so that Accelerate code that
 inspects `accelerator.state.fsdp_plugin` finds the fields it expects (mirrored from the
-config), and so that the stock `Accelerator` accepts it far enough to be told, by name, to
-use `FSDP2Accelerator` instead of silently running without FSDP (see `fsdp_version`).
+config). The stock `Accelerator` refuses it by name (`_compat.refuse_in_stock_accelerator`,
+and `fsdp_version` raises until `FSDP2Accelerator` claims it) instead of silently running
+without FSDP.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ import fsdp2_strategy as f2
 from fsdp2_strategy.precision import resolve_mixed_precision, resolve_offload
 from fsdp2_strategy.sharding_strategies import reshards_after_forward
 
+from . import _compat as compat
 from .env import ADAPTER_KEYS, PRECISIONS, read_accelerate_env
 
 STOCK_ACCELERATOR_ERROR = (
-    "FSDP2Plugin was handed to accelerate.Accelerator, which cannot run it: on CPU Accelerate 1.15 runs an "
-    "FSDP config as unsynchronised single processes (DistributedType.NO), or as DDP with ACCELERATE_USE_CPU=true "
-    "(MULTI_CPU), and it has no hook for another sharding "
-    "engine. Use `from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator` and "
+    "FSDP2Plugin was handed to accelerate.Accelerator, which cannot run it: on CPU stock Accelerate runs an "
+    "FSDP config as unsynchronised single processes (DistributedType.NO) or as DDP (MULTI_CPU), and it has no "
+    "hook for another sharding engine. Use `from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator` and "
     "`FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(), ...)`: the same arguments and methods as Accelerator."
 )
 _STATE_DICT_TYPES = {
@@ -234,3 +235,6 @@ class FSDP2Plugin(FullyShardedDataParallelPlugin):
     # Accelerate's dataclass compares fields (and would read `fsdp_version`); plugins are compared by identity.
     __eq__ = object.__eq__
     __hash__ = object.__hash__
+
+
+compat.refuse_in_stock_accelerator(FSDP2Plugin, STOCK_ACCELERATOR_ERROR)

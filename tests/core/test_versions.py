@@ -127,6 +127,6 @@ def test_each_lightning_adapter_names_every_moved_name(monkeypatch):
         assert compat._missing == []  # the installed Lightning has every name
         monkeypatch.setattr(compat, "_missing", ["lightning.x:_A", "lightning.y:_B.c"])
         with pytest.raises(
-            ImportError, match=r"cannot find lightning\.x:_A; lightning\.y:_B\.c in lightning .*Install lightning>="
+            ImportError, match=r"cannot find lightning\.x:_A; lightning\.y:_B\.c in lightning .*install lightning>="
         ):
             compat.check_private_api()

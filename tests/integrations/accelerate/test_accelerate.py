@@ -351,7 +351,7 @@ def test_precision_given_twice_must_agree():
 def test_plugin_refuses_stock_accelerator_until_claimed():
     plugin = FSDP2Plugin(read_env=False)
     with pytest.raises(TypeError, match="FSDP2Accelerator"):
-        _ = plugin.fsdp_version  # the first thing stock Accelerator.__init__ reads
+        _ = plugin.fsdp_version  # what stock Accelerate reads to tell FSDP1 from FSDP2
     plugin.claim()
     assert plugin.fsdp_version == 2
 
@@ -427,6 +427,58 @@ def test_private_api_matches_installed_accelerate():
     compat.check_private_api()
 
 
+def test_guard_judges_accelerate_by_behaviour_not_by_its_source(monkeypatch):
+    """A release that reworded its source but behaves the same passes (1.16 no longer reads
+    `fsdp_version` in `Accelerator.__init__`); one whose behaviour moved is named."""
+
+    class Reworded(compat.AcceleratorState):  # no `_mixed_precision` in this class's source text
+        pass
+
+    class RewordedAccelerator(compat.Accelerator):
+        def __init__(self, *args, fsdp_plugin=None, **kwargs):  # no `fsdp_version` read
+            pass
+
+    monkeypatch.setattr(compat, "AcceleratorState", Reworded)
+    monkeypatch.setattr(compat, "Accelerator", RewordedAccelerator)
+    assert compat._problems() == []
+
+    class MovedPrecision(compat.AcceleratorState):
+        @property
+        def mixed_precision(self):
+            return self.__dict__["_precision"]
+
+    class NoPluginArgument(compat.Accelerator):
+        def __init__(self, *args, cpu=False):
+            pass
+
+    monkeypatch.setattr(compat, "AcceleratorState", MovedPrecision)
+    monkeypatch.setattr(compat, "Accelerator", NoPluginArgument)
+    assert compat._problems() == [
+        "Accelerator.__init__(fsdp_plugin=...) (the stock-Accelerator refusal)",
+        "AcceleratorState.mixed_precision reading AcceleratorState._mixed_precision",
+    ]
+    with pytest.raises(ImportError) as info:
+        compat.check_private_api()
+    assert "requirements/lock.txt" in str(info.value) and "The newest release tested is accelerate" in str(info.value)
+
+
+def test_stock_accelerator_refuses_the_plugin_by_keyword_or_position():
+    """The refusal wraps `Accelerator.__init__` once; FSDP2Accelerator (which hands Accelerate no
+    plugin) and every other caller reach the stock `__init__` unchanged (the rest of this file)."""
+    import inspect
+
+    import accelerate
+
+    with pytest.raises(TypeError, match="FSDP2Accelerator"):
+        accelerate.Accelerator(fsdp_plugin=FSDP2Plugin(read_env=False), cpu=True)
+    position = list(inspect.signature(accelerate.Accelerator.__init__).parameters).index("fsdp_plugin") - 1
+    with pytest.raises(TypeError, match="FSDP2Accelerator"):
+        accelerate.Accelerator(*[None] * position, FSDP2Plugin(read_env=False))
+    wrapped = accelerate.Accelerator.__init__
+    compat.refuse_in_stock_accelerator(FSDP2Plugin, "again")
+    assert accelerate.Accelerator.__init__ is wrapped  # idempotent: one wrapper, the documented message
+
+
 def test_private_api_change_fails_loudly(monkeypatch):
     def save_accelerator_state(output_dir, models):  # a changed signature
         return None
@@ -435,7 +487,7 @@ def test_private_api_change_fails_loudly(monkeypatch):
     with pytest.raises(ImportError) as info:
         compat.check_private_api()
     assert "accelerate.checkpointing.save_accelerator_state" in str(info.value)
-    assert "Install accelerate>=" in str(info.value) and "tested with accelerate" in str(info.value)
+    assert "install accelerate>=" in str(info.value) and "tested with accelerate" in str(info.value)
     with pytest.raises(ImportError, match="_models"):
         compat.check_accelerator(object())
 
