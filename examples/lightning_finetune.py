@@ -12,7 +12,8 @@ by `examples/data/make_reviews.py` from word lists; 20 % held out for evaluation
 What happens:
 1. accuracy of the pretrained encoder + untrained classifier head (about chance);
 2. training with strategy="fsdp2" (wrap policy "auto": one FSDP group per BertLayer),
-   precision="bf16-mixed", accumulate_grad_batches, gradient_clip_val, and a sharded
+   precision "bf16-mixed" where the CPU or GPU computes in bf16 natively
+   (else "32-true"), accumulate_grad_batches, gradient_clip_val, and a sharded
    checkpoint every N optimizer steps (ModelCheckpoint, save_last=True); it stops half-way;
 3. a new Trainer and a freshly loaded model resume from ckpt_path="last" and finish;
 4. rank 0 exports the last sharded checkpoint to Hugging Face safetensors with
@@ -34,7 +35,13 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from reviews import LABELS, encode_splits, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
+from reviews import (  # examples/reviews.py: the shared data
+    LABELS,
+    choose_precision,
+    encode_splits,
+    load_reviews,
+    pretrained_dir,
+)
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -179,7 +186,11 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument(
+        "--precision",
+        default=None,
+        help='default: "bf16-mixed" where the device computes in bf16 natively, else "32-true"',
+    )
     parser.add_argument("--max-steps", type=int, default=40, help="optimizer steps in all (resumed half-way)")
     parser.add_argument("--batch-size", type=int, default=8, help="per rank and micro-batch")
     parser.add_argument("--accumulate", type=int, default=2, help="accumulate_grad_batches")
@@ -191,7 +202,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=Path("runs/lightning_finetune"))
     parser.add_argument("--model-dir", type=Path, default=None, help="a BERT folder (default: the embedded model)")
     parser.add_argument("--progress", action="store_true", help="show Lightning's progress bar")
-    return parser.parse_args()
+    args = parser.parse_args()
+    args.precision = args.precision or choose_precision(args.accelerator)
+    return args
 
 
 def quiet() -> None:

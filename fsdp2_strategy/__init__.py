@@ -32,6 +32,7 @@ from .migrate import (
     convert_fsdp1_checkpoint,
     translate_deepspeed,
 )
+from .precision import native_low_precision
 from .preemption import PREEMPTION_EXIT_CODE, PreemptionWatch
 from .shard import ShardingPlan, gathered, replicate, sharding_plan, to_4bit
 from .train import (
@@ -96,6 +97,7 @@ __all__ = [
     "load_full_weights",
     "to_4bit",
     "measure_link",
+    "native_low_precision",
     "no_sync",
     "peak_flops",
     "replicate",

@@ -21,7 +21,8 @@ reads FSDP2's private state, and a few other private torch helpers; only through
   wrapper module, so parameter names stay), `torch.distributed.tensor._utils.
   compute_local_shape_and_global_offset`, `torch.utils._python_dispatch.TorchDispatchMode`,
   `_disable_current_modes` and `is_traceable_wrapper_subclass`, `torch.utils._pytree`,
-  `torch._fused_sdp_choice`, `aten._scaled_dot_product_flash_attention_for_cpu` and
+  `torch._fused_sdp_choice`, `torch.cpu._is_avx512_bf16_supported` / `_is_amx_tile_supported` /
+  `_is_amx_fp16_supported` (whether the CPU computes in bf16 or fp16 natively), `aten._scaled_dot_product_flash_attention_for_cpu` and
   `UntypedStorage._cdata` (the memory simulation), `torch._guards.active_fake_mode` (the
   tuner's live-bytes probe), `torch._foreach_mul_` (clipping), `nn.Module._parameters` /
   `._buffers` (moving a model to meta without untying shared weights), DCP's
@@ -82,6 +83,9 @@ apply_to_tensors = _private("torch.distributed.utils", "_apply_to_tensors")
 TorchDispatchMode = _private("torch.utils._python_dispatch", "TorchDispatchMode")
 disable_current_modes = _private("torch.utils._python_dispatch", "_disable_current_modes")
 is_traceable_wrapper_subclass = _private("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
+cpu_has_avx512_bf16 = _private("torch.cpu", "_is_avx512_bf16_supported")
+cpu_has_amx_tile = _private("torch.cpu", "_is_amx_tile_supported")
+cpu_has_amx_fp16 = _private("torch.cpu", "_is_amx_fp16_supported")
 active_fake_mode = _private("torch._guards", "active_fake_mode")
 tree_flatten = _private("torch.utils._pytree", "tree_flatten")
 tree_map_only = _private("torch.utils._pytree", "tree_map_only")

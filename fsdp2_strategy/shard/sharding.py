@@ -3,6 +3,7 @@ checkpointing, compile and one `fully_shard` per group."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, cast
@@ -19,6 +20,7 @@ from ..config import FSDP2Config
 from ..distributed import log_rank_zero
 from ..groups import own_named_params, top_level
 from ..mesh import mesh_device
+from ..precision import first_emulation_warning
 from ..tensor_parallel import apply_tensor_parallel, user_parallelised_modules
 from ..train import ReplicatedParams, engine_state, mark_replaced_params, record_mode
 from .frozen import cast_frozen
@@ -101,7 +103,16 @@ def apply_plan(model: nn.Module, plan: ResolvedPlan) -> nn.Module:
         engine_state(model).replicated = replicated
     if plan.log_plan:
         log_rank_zero("FSDP2 sharding plan:\n%s", sharding_plan(model))
+    _warn_emulated_precision(plan)
     return model
+
+
+def _warn_emulated_precision(plan: ResolvedPlan) -> None:
+    """Once per process: computing in a dtype the device only emulates makes training slower, not faster."""
+    for dtype in {group.spec.settings.mp_policy.param_dtype for group in plan.groups}:
+        message = first_emulation_warning(dtype, plan.root_mesh.device_type)
+        if message:
+            log_rank_zero("%s", message, level=logging.WARNING)
 
 
 def _packed_storage(model: nn.Module, plan: ResolvedPlan) -> dict[str, torch.dtype]:
