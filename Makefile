@@ -25,7 +25,6 @@ $(STAMP): $(VENV)/bin/python
 	touch $(STAMP) $(EXAMPLE_STAMP)
 
 $(EXAMPLE_STAMP): $(VENV)/bin/python
-	$(LOCKED) pip
 	$(LOCKED) torch
 	$(LOCKED) $(EXAMPLE_REQUIREMENTS)
 	touch $(EXAMPLE_STAMP)

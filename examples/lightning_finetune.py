@@ -191,12 +191,12 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help='default: "bf16-mixed" where the device computes in bf16 natively, else "32-true"',
     )
-    parser.add_argument("--max-steps", type=int, default=40, help="optimizer steps in all (resumed half-way)")
+    parser.add_argument("--max-steps", type=int, default=28, help="optimizer steps in all (resumed half-way)")
     parser.add_argument("--batch-size", type=int, default=8, help="per rank and micro-batch")
     parser.add_argument("--accumulate", type=int, default=2, help="accumulate_grad_batches")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clip_val (global norm)")
-    parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--ckpt-every", type=int, default=10, help="ModelCheckpoint every_n_train_steps")
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--ckpt-every", type=int, default=7, help="ModelCheckpoint every_n_train_steps")
     parser.add_argument("--sentences", type=int, default=None, help="use only this many sentences (tiny runs)")
     parser.add_argument("--max-length", type=int, default=32, help="tokens per sentence")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/lightning_finetune"))

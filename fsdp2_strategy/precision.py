@@ -156,10 +156,12 @@ def first_emulation_warning(dtype: torch.dtype | None, device_type: str) -> str 
         return None
     _warned_emulated.add(dtype)
     name = _LOW_PRECISION[dtype]
+    fix = 'Train in fp32 here (mixed_precision=None; Lightning precision="32-true"; Accelerate mixed_precision="no")'
+    if device_type != "cpu":
+        return f"mixed_precision={name!r} on this {device_type} device is slow: it has no native {name}. {fix}."
     return (
         f"mixed_precision={name!r} on this CPU is slow: it has no native {name} (torch reports capability "
         f"{torch.backends.cpu.get_cpu_capability()}, without AVX512-BF16 or AMX), and a {name} matrix product "
-        f"took {cpu_slowdown(dtype):.0f}x as long as in fp32. Train in fp32 here (mixed_precision=None; "
-        f'Lightning precision="32-true"; Accelerate mixed_precision="no"), or use {name} on a GPU or a CPU '
-        f"with AVX512-BF16 or AMX."
+        f"took {cpu_slowdown(dtype):.0f}x as long as in fp32. {fix}, or use {name} on a GPU or a CPU with "
+        "AVX512-BF16 or AMX."
     )

@@ -94,3 +94,10 @@ def test_shard_model_warns_once_where_bf16_is_emulated(native, warnings):
     assert len(records) == warnings, records
     if warnings:
         assert "mixed_precision='bf16' on this CPU is slow" in records[0] and "55x" in records[0]
+
+
+def test_an_accelerator_without_native_bf16_is_named_without_cpu_words(monkeypatch):
+    monkeypatch.setattr(precision, "_warned_emulated", set())
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
+    message = precision.first_emulation_warning(torch.bfloat16, "cuda")  # a V100: bf16 only emulated
+    assert message.startswith("mixed_precision='bf16' on this cuda device is slow") and "capability" not in message

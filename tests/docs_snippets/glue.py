@@ -334,6 +334,9 @@ GLUE: dict[tuple[str, str], Glue] = {
         check="assert with_bn.module_overrides and custom.mixed_precision['reduce_dtype'] == 'bf16'",
         launch="python",
     ),
+    ("docs/guides/mixed-precision.md", "native-bf16"): Glue(
+        check="assert precision == ('bf16-mixed' if f2.native_low_precision() else '32-true')", launch="python"
+    ),
     ("docs/guides/mixed-precision.md", "fp16-scaler"): Glue(setup=_UNLABELLED, check=_SHARDED),
     ("docs/guides/multi-node.md", "hybrid-train"): Glue(
         setup=_UNLABELLED,

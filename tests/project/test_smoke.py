@@ -181,6 +181,10 @@ def test_lightning_finetune_example_end_to_end(tmp_path):
         timeout=400,
     )
     assert 'resumed from "last" at step 2, finished at step 4' in out
+    import fsdp2_strategy as f2
+
+    chosen = "bf16-mixed" if f2.native_low_precision() else "32-true"  # bf16 only where this CPU has it
+    assert f"precision: {chosen} (this cpu " in out
     before = _value(out, "accuracy before fine-tuning:")
     after = _value(out, "accuracy after fine-tuning (sharded model):")
     reloaded = _value(out, "accuracy of the exported model reloaded with transformers:")
