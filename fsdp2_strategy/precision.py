@@ -69,9 +69,13 @@ def resolve_mixed_precision(value: Any, field: str = "FSDP2Config.mixed_precisio
     return MixedPrecisionPolicy(**kwargs)
 
 
+_SHORT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 def describe_precision(policy: MixedPrecisionPolicy) -> str:
     """Short text for the plan table, e.g. "bf16/fp32" (compute/reduce)."""
-    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", None: "-"}
+    short: dict[torch.dtype | None, str] = {**_SHORT_NAMES, None: "-"}
     param = short.get(policy.param_dtype, str(policy.param_dtype))
     reduce = short.get(policy.reduce_dtype, str(policy.reduce_dtype))
     return "param" if param == reduce == "-" else f"{param}/{reduce}"
@@ -89,7 +93,6 @@ EMULATED_SLOWDOWN = 4.0
 On an AVX2-only x86 CPU bf16 and fp16 products run ~50x slower than fp32; natively (AVX512-BF16,
 AMX, Arm's BF16 extension) they run at least as fast."""
 
-_LOW_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _warned_emulated: set[torch.dtype] = set()
 
 
@@ -155,7 +158,7 @@ def first_emulation_warning(dtype: torch.dtype | None, device_type: str) -> str 
     if dtype not in _LOW_PRECISION or dtype in _warned_emulated or native_low_precision(dtype, device_type):
         return None
     _warned_emulated.add(dtype)
-    name = _LOW_PRECISION[dtype]
+    name = _SHORT_NAMES[dtype]
     fix = 'Train in fp32 here (mixed_precision=None; Lightning precision="32-true"; Accelerate mixed_precision="no")'
     if device_type != "cpu":
         return f"mixed_precision={name!r} on this {device_type} device is slow: it has no native {name}. {fix}."

@@ -17,6 +17,8 @@ import pytest
 import tomllib
 from helpers import ROOT
 
+from fsdp2_strategy import versions
+
 
 def test_editable_install_maps_integrations():
     import fsdp2_strategy.integrations as integrations
@@ -98,7 +100,7 @@ def test_sdist_and_wheel_build_and_install_into_a_clean_venv(dist, tmp_path):
     assert cli.returncode == 0 and cli.stdout.strip() == f"fsdp2-strategy {version}", cli.stdout + cli.stderr
 
 
-LOCK = ROOT / "requirements" / "lock.txt"
+LOCK = ROOT / versions.LOCK_FILE
 # Each extra a user installs: the distributions it must bring, the modules that must then import.
 PROMISES = {
     "lightning": ({"lightning"}, ["fsdp2_strategy.integrations.lightning", "fsdp2_strategy.integrations.fabric"]),
@@ -155,8 +157,6 @@ def test_the_lock_satisfies_pyproject_and_locks_every_dependency():
 def test_caps_are_the_next_untested_minor_and_the_lock_is_within_the_tested_range():
     from packaging.requirements import Requirement
     from packaging.version import Version
-
-    from fsdp2_strategy import versions
 
     locked = _locked()
     caps: dict[str, set[str]] = {}
