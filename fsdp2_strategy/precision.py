@@ -69,13 +69,13 @@ def resolve_mixed_precision(value: Any, field: str = "FSDP2Config.mixed_precisio
     return MixedPrecisionPolicy(**kwargs)
 
 
-_SHORT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_SHORT_NAMES: dict[torch.dtype | None, str] = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def describe_precision(policy: MixedPrecisionPolicy) -> str:
     """Short text for the plan table, e.g. "bf16/fp32" (compute/reduce)."""
-    short: dict[torch.dtype | None, str] = {**_SHORT_NAMES, None: "-"}
+    short = {**_SHORT_NAMES, None: "-"}
     param = short.get(policy.param_dtype, str(policy.param_dtype))
     reduce = short.get(policy.reduce_dtype, str(policy.reduce_dtype))
     return "param" if param == reduce == "-" else f"{param}/{reduce}"
