@@ -198,7 +198,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--ckpt-every", type=int, default=7, help="ModelCheckpoint every_n_train_steps")
     parser.add_argument("--sentences", type=int, default=None, help="use only this many sentences (tiny runs)")
-    parser.add_argument("--max-length", type=int, default=32, help="tokens per sentence")
+    parser.add_argument("--max-length", type=int, default=20, help="tokens per sentence (the longest has 17)")
     parser.add_argument("--out-dir", type=Path, default=Path("runs/lightning_finetune"))
     parser.add_argument("--model-dir", type=Path, default=None, help="a BERT folder (default: the embedded model)")
     parser.add_argument("--progress", action="store_true", help="show Lightning's progress bar")
