@@ -106,7 +106,10 @@ def _cpu_reports_native(dtype: torch.dtype) -> bool:
 @functools.cache
 def cpu_slowdown(dtype: torch.dtype) -> float:
     """How many times longer a (128 x 256) @ (256 x 256) product takes in `dtype` than in fp32 on
-    this CPU: the best of 3 timings each (about 40 ms where `dtype` is emulated, once per process).
+    this CPU (about 40 ms where `dtype` is emulated, once per process).
+
+    Timed on one thread in that thread's CPU time, the best of 5 each: on a busy machine wall-clock
+    time counts the waits for the cores, which can make fp32 look slow and an emulated dtype native.
 
     Args:
         dtype: `torch.bfloat16` or `torch.float16`.
@@ -115,17 +118,22 @@ def cpu_slowdown(dtype: torch.dtype) -> float:
         The ratio of the two best times (about 1 or below where `dtype` is native).
     """
 
-    def best(kind: torch.dtype) -> float:
+    def best(kind: torch.dtype) -> int:
         a, b = torch.ones(128, 256, dtype=kind), torch.ones(256, 256, dtype=kind)
         a @ b  # first call: kernel selection, allocation
         times = []
-        for _ in range(3):
-            start = time.perf_counter()
+        for _ in range(5):
+            start = time.thread_time_ns()
             a @ b
-            times.append(time.perf_counter() - start)
+            times.append(time.thread_time_ns() - start)
         return min(times)
 
-    return best(dtype) / max(best(torch.float32), 1e-9)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the product runs in this thread, so its CPU time is all of it
+    try:
+        return best(dtype) / max(best(torch.float32), 1)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def native_low_precision(dtype: torch.dtype = torch.bfloat16, device_type: str = "cpu") -> bool:
