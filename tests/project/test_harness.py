@@ -74,6 +74,8 @@ def test_a_rank_that_exits_0_without_a_result_fails():
 def _exit_with(codes):
     import torch.distributed as dist
 
+    # rank 0 hosts the store: leaving before rank 1 finished joining the group resets its connection
+    dist.barrier()
     os._exit(codes[dist.get_rank()])
 
 
@@ -109,6 +111,7 @@ def _rank1_exits_rank0_hangs():
 
     import torch.distributed as dist
 
+    dist.barrier()  # both ranks joined the group before one of them leaves
     if dist.get_rank() == 1:
         os._exit(143)
     time.sleep(600)
