@@ -6,7 +6,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 LOCK := requirements/lock.txt
-LOCKED := $(BIN)/pip install -q -c $(LOCK)
+# --no-compile: pip byte-compiles every file it installs (most of an install's time on 2 cores); Python
+# compiles what a run imports, on first import.
+LOCKED := $(BIN)/pip install -q --no-compile -c $(LOCK)
 INPUTS_SUM := $(shell cat pyproject.toml $(LOCK) | cksum | cut -d' ' -f1)
 STAMP := $(VENV)/.installed-$(INPUTS_SUM)
 EXAMPLE_STAMP := $(VENV)/.installed-example-$(INPUTS_SUM)
