@@ -2,9 +2,9 @@
 
 Every fenced Python block of the README and of the quickstart, integration, how-to and migration
 pages is named (`<!-- snippet: NAME -->`) and has glue in `docs_snippets/glue.py`: what a user writes
-around it and how it is launched. Each page's snippets run together in one launch (2 CPU processes
-under torchrun or `accelerate launch`, or one process), each rank printing a line per snippet that
-ran and passed its checks. The site itself is built with warnings as errors by `make docs`, which
+around it and how it is launched. The snippets of all pages launched the same way run together in
+one launch (2 CPU processes under torchrun or `accelerate launch`, or one process; starting them
+costs more than most snippets), each rank printing a line per snippet that ran and passed its checks. The site itself is built with warnings as errors by `make docs`, which
 `make test` runs before the suite.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from collections.abc import Callable
 
 import helpers.harness
 import pytest
@@ -23,13 +24,41 @@ RUNNER = TESTS / "docs_snippets" / "run.py"
 LAUNCHES = ("torchrun", "accelerate", "python", "skip")
 
 
-def _launches() -> dict[tuple[str, str], list[str]]:
-    """(page, launch) -> snippet names, for every glued snippet that runs."""
-    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for (page, name), glue in GLUE.items():
+def _launches() -> dict[str, list[tuple[str, str]]]:
+    """launch ("torchrun", "python", "accelerate:CONFIG") -> its (page, snippet name)s, pages in order."""
+    groups: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for (page, name), glue in GLUE.items():  # the glue's order: a page's later snippet may read an earlier one's files
         if glue.launch != "skip":
-            groups[(page, glue.launch if glue.launch != "accelerate" else f"accelerate:{glue.config}")].append(name)
+            groups[glue.launch if glue.launch != "accelerate" else f"accelerate:{glue.config}"].append((page, name))
     return groups
+
+
+@pytest.fixture(scope="module")
+def shared_launch(tmp_path_factory) -> Callable[[str], str]:
+    """What the one launch of `launch` printed: the snippets of every page launched that way run
+    together (`docs_snippets/run.py`), started on first use."""
+    outputs: dict[str, str] = {}
+
+    def output(launch: str) -> str:
+        if launch not in outputs:
+            kind, _, config = launch.partition(":")
+            # In a scratch directory, with no FSDP_* / ACCELERATE_* from outside: the config file alone decides
+            # (ACCELERATE_USE_CPU: Accelerate's FSDP launcher drops the file's `use_cpu: true`), whatever the launch.
+            proc = helpers.harness.launch(
+                kind,
+                RUNNER,
+                *(f"{page}:{name}" for page, name in _launches()[launch]),
+                cwd=tmp_path_factory.mktemp("snippets"),
+                config=TESTS / config if config else None,
+                env={"TOKENIZERS_PARALLELISM": "false"},
+                accelerate_cpu=True,
+                timeout=900,
+                check=False,
+            )
+            outputs[launch] = f"{proc.stdout}{proc.stderr}\n{RUNNER.name} exited with code {proc.returncode}"
+        return outputs[launch]
+
+    return output
 
 
 def test_every_python_block_is_named_and_glued():
@@ -53,31 +82,22 @@ def test_unnamed_python_block_is_refused(tmp_path, monkeypatch):
         pages.snippets("page.md")
 
 
-@pytest.mark.parametrize("page, launch", sorted(_launches()), ids=lambda v: v.replace("/", "-").replace(":", "-"))
-def test_snippets_run(page, launch, tmp_path):
-    names = _launches()[(page, launch)]
-    kind, _, config = launch.partition(":")
-    # In a scratch directory, with no FSDP_* / ACCELERATE_* from outside: the config file alone decides
-    # (ACCELERATE_USE_CPU: Accelerate's FSDP launcher drops the file's `use_cpu: true`), whatever the launch.
-    proc = helpers.harness.launch(
-        kind,
-        RUNNER,
-        page,
-        *names,
-        cwd=tmp_path,
-        config=TESTS / config if config else None,
-        env={"TOKENIZERS_PARALLELISM": "false"},
-        accelerate_cpu=True,
-        timeout=600,
-        check=False,
-    )
-    out = proc.stdout + proc.stderr
-    ranks = 1 if kind == "python" else 2
+def _pages() -> list[tuple[str, str]]:
+    return sorted({(page, launch) for launch, items in _launches().items() for page, _ in items})
+
+
+@pytest.mark.parametrize("page, launch", _pages(), ids=lambda v: v.replace("/", "-").replace(":", "-"))
+def test_snippets_run(page, launch, shared_launch):
+    out = shared_launch(launch)
+    ranks = 1 if launch == "python" else 2
+    names = [name for p, name in _launches()[launch] if p == page]
     missing = [
         f"{name} rank {r}" for name in names for r in range(ranks) if f"SNIPPET OK {page}:{name} rank {r}" not in out
     ]
-    assert proc.returncode == 0 and not missing, (
-        f"{page} snippets {missing} failed ({RUNNER.name} exited with code {proc.returncode}):\n{out[-6000:]}"
+    # The launch stops at the first snippet that fails: its traceback is in the output's end.
+    failed = sorted({line.split()[2] for line in out.splitlines() if line.startswith("SNIPPET FAILED")})
+    assert not missing, (
+        f"{page} snippets {missing} did not pass in the {launch} launch (failed: {failed}):\n{out[-6000:]}"
     )
 
 
