@@ -5,8 +5,10 @@
     python examples/peft_finetune.py --full     # the same task, every parameter trained
     accelerate launch --config_file examples/accelerate_fsdp2.yaml examples/peft_finetune.py --trainer hf [--full]
 
-Both runs: `precision="bf16-mixed"` (with LoRA the frozen base is stored in bf16 too:
-`FSDP2Config.frozen_dtype="auto"`), one FSDP group per BertLayer, a sharded checkpoint every
+Precision: through Lightning `"bf16-mixed"` where the CPU computes in bf16 natively, fp32 otherwise
+(`--precision` chooses); through the HF Trainer the accelerate config file's `mixed_precision`. With
+LoRA in bf16 the frozen base is stored in bf16 too (`FSDP2Config.frozen_dtype="auto"`).
+Both runs: one FSDP group per BertLayer, a sharded checkpoint every
 `--ckpt-every` steps (LoRA: trainable-only, "auto" for PEFT models). At the end rank 0 prints one
 JSON line: accuracy before and after, the training state each rank holds (parameter shards +
 optimizer state), each rank's peak RSS, the last checkpoint's bytes, the median step time; and for
@@ -32,7 +34,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from reviews import encode_splits, load_reviews, pretrained_dir  # examples/reviews.py: the shared data
+from reviews import choose_precision, encode_splits, load_reviews, pretrained_dir  # examples/reviews.py: shared
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace, train_set: TensorDataset, test_set: TensorData
         accelerator="cpu",
         devices=args.devices,
         strategy=FSDP2Strategy(wrap_policy="auto"),
-        precision="bf16-mixed",
+        precision=args.precision,
         max_steps=args.max_steps,
         accumulate_grad_batches=1,
         gradient_clip_val=1.0,
@@ -172,7 +174,7 @@ def run_hf(args: argparse.Namespace, train_set: TensorDataset, test_set: TensorD
         save_steps=args.ckpt_every,
         save_total_limit=1,
         use_cpu=True,
-        bf16=True,
+        bf16=args.precision == "bf16-mixed",  # otherwise the accelerate config file's mixed_precision
         report_to=[],
         disable_tqdm=True,
         seed=0,
@@ -259,7 +261,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sentences", type=int, default=None, help="use only this many sentences (tiny runs)")
     parser.add_argument("--max-length", type=int, default=32)
     parser.add_argument("--out-dir", type=Path, default=Path("runs/peft_finetune"))
+    parser.add_argument(
+        "--precision",
+        choices=("bf16-mixed", "32-true"),
+        default=None,
+        help="Lightning's default: bf16-mixed where this CPU computes in bf16 natively, else 32-true; "
+        "the HF Trainer's: the accelerate config file's mixed_precision",
+    )
     args = parser.parse_args()
+    if args.trainer == "lightning":
+        args.precision = args.precision or choose_precision("cpu")
     args.lr = args.lr or (1e-4 if args.full else 1e-3)
     args.model_dir = pretrained_dir()
     return args

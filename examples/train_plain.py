@@ -32,7 +32,9 @@ def main(steps: int, accumulate: int, ckpt_dir: str, save_every: int) -> None:
     device = f2.init_distributed()  # gloo on CPU; on GPUs the device LOCAL_RANK, nccl (+ gloo for CPU tensors)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), *[Block(64) for _ in range(4)], nn.Linear(64, 1))
-    f2.shard_model(model, f2.FSDP2Config(wrap_policy="auto", mixed_precision="bf16"))
+    # bf16 compute where the device has it natively (an AVX2-only CPU emulates it, many times slower)
+    precision = "bf16" if f2.native_low_precision(torch.bfloat16, device.type) else None
+    f2.shard_model(model, f2.FSDP2Config(wrap_policy="auto", mixed_precision=precision))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)  # after sharding
     ckpt = f2.Checkpointer(ckpt_dir, keep_last=2, async_save=True)
     start = 0

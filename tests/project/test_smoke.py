@@ -302,6 +302,7 @@ def test_peft_finetune_example_end_to_end(tmp_path):
     out = _output(
         "python",
         "examples/peft_finetune.py",
+        *["--precision", "bf16-mixed"],  # the documented figures are bf16's
         "--max-steps",
         "4",
         "--ckpt-every",
