@@ -64,13 +64,15 @@ T = TypeVar("T")
 WrapPolicy = str | int | Callable[[nn.Module, str], bool] | Sequence[str | type] | type | None
 
 
-def _check_field_names(cls: type, values: Mapping[str, Any]) -> None:
-    """Raise ValueError naming unknown keys and listing the valid field names."""
+def _unknown_field_names(cls: type, values: Mapping[str, Any]) -> str | None:
+    """What is wrong with the keys of `values` that are no field of `cls` (each with its closest
+    field name, and the valid ones listed); None when every key is a field."""
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(values) - names
-    if unknown:
-        hints = "".join(did_you_mean(name, names) for name in sorted(unknown))
-        raise ValueError(f"Unknown {cls.__name__} fields {sorted(unknown)}; valid fields: {sorted(names)}.{hints}")
+    if not unknown:
+        return None
+    hints = "".join(did_you_mean(name, names) for name in sorted(unknown))
+    return f"Unknown {cls.__name__} fields {sorted(unknown)}; valid fields: {sorted(names)}.{hints}"
 
 
 @dataclass
@@ -101,14 +103,22 @@ class ModuleOverride:
 
 def _names_unknown_fields(cls: type[T]) -> type[T]:
     """Class decorator: the dataclass `__init__` names the valid fields on an unknown keyword (the
-    generated one says only "unexpected keyword argument"). `functools.wraps` keeps its signature,
+    generated one says only "unexpected keyword argument"), in one error with whatever is wrong with
+    the values of the known ones (a user fixes both at once). `functools.wraps` keeps its signature,
     which LightningCLI/jsonargparse read to offer the fields as options."""
     init = cls.__init__
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        _check_field_names(type(self), kwargs)
-        init(self, *args, **kwargs)
+        unknown = _unknown_field_names(type(self), kwargs)
+        if unknown is None:
+            return init(self, *args, **kwargs)
+        names = {f.name for f in dataclasses.fields(type(self))}
+        try:
+            init(self, *args, **{k: v for k, v in kwargs.items() if k in names})
+        except ValueError as exc:
+            raise ValueError(f"{unknown}\nAnd: {exc}") from None
+        raise ValueError(unknown)
 
     cls.__init__ = __init__  # type: ignore[method-assign]
     return cls
@@ -320,9 +330,9 @@ class FSDP2Config(ChoiceOptions, CheckpointOptions, HostOptions, ShardingOptions
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> FSDP2Config:
-        """Build a config from a mapping; unknown keys raise `ValueError` listing the valid ones."""
-        _check_field_names(cls, values)
-        return cls(**dict(values))
+        """Build a config from a mapping; unknown keys raise `ValueError` listing the valid ones
+        (with the known keys' bad values, if any)."""
+        return cls(**{str(k): v for k, v in values.items()})
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> FSDP2Config:

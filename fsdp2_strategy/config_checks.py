@@ -22,14 +22,25 @@ PRECISION_NAMES = ("bf16", "fp16", "fp32")
 
 
 def did_you_mean(value: Any, choices: Iterable[str]) -> str:
-    """ " Did you mean 'X'?" (or 'X' or 'Y') for a string close to some of `choices`, else ""."""
+    """ " Did you mean 'X'?" (or 'X' or 'Y') for a string close to some of `choices`, else "".
+
+    A close candidate of the value's family (its leading letters: "bf" of "bf32") is preferred to a
+    closer one of another: "bf32" is two letters from "bf16" and from "fp32", and means "bf16"."""
     if not isinstance(value, str):
         return ""
     by_key = {c.lower(): c for c in choices}
-    scored = sorted(((difflib.SequenceMatcher(None, value.lower(), c).ratio(), c) for c in by_key), reverse=True)
-    # The best match at 0.5 or more, and the runner-up only when nearly as close.
-    close = [c for ratio, c in scored[:2] if ratio >= max(0.5, scored[0][0] - 0.15)] if scored else []
+    typed = value.lower()
+    scored = sorted(((difflib.SequenceMatcher(None, typed, c).ratio(), c) for c in by_key), reverse=True)
+    scored = [(ratio, c) for ratio, c in scored if ratio >= 0.5]
+    family = _FAMILY.match(typed)
+    same_family = [(ratio, c) for ratio, c in scored if family and c.startswith(family.group())]
+    scored = same_family or scored
+    # The best match, and the runner-up only when nearly as close.
+    close = [c for ratio, c in scored[:2] if ratio >= scored[0][0] - 0.15]
     return f" Did you mean {' or '.join(repr(by_key[c]) for c in close)}?" if close else ""
+
+
+_FAMILY = re.compile(r"[a-z]+")
 
 
 class FieldErrors:

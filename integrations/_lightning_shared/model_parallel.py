@@ -54,11 +54,11 @@ def model_parallel_args(owner: str, fields: dict[str, Any], data_parallel_size: 
     Raises:
         ValueError: `data_parallel_size` is neither "auto" nor an int >= 1.
     """
+    auto_tp = isinstance(fields.get("tensor_parallel_size"), str) and fields["tensor_parallel_size"] == "auto"
+    if auto_tp:
+        del fields["tensor_parallel_size"]
     if data_parallel_size != "auto" and (
         isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1
     ):
         raise ValueError(f"{owner}.data_parallel_size={data_parallel_size!r} is invalid; use 'auto' or an int >= 1.")
-    auto_tp = isinstance(fields.get("tensor_parallel_size"), str) and fields["tensor_parallel_size"] == "auto"
-    if auto_tp:
-        del fields["tensor_parallel_size"]
     return ModelParallelArgs(data_parallel_size, auto_tp)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import accelerate.accelerator as stock
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, is_bitsandbytes_multi_backend_available, is_xpu_available
+from accelerate.utils import DistributedType
 from torch import nn
 
 __all__ = ["check_quantised_device_map"]
@@ -45,7 +46,8 @@ def check_quantised_device_map(model: nn.Module, accelerator: Accelerator) -> No
         )
     if len(devices) == 1:
         _check_same_device(next(iter(devices)), device)
-    cpu_refused = not is_bitsandbytes_multi_backend_available() or is_xpu_available()
+    # Asked of `accelerate.accelerator`, where the stock check looks them up (and tests patch them).
+    cpu_refused = not stock.is_bitsandbytes_multi_backend_available() or stock.is_xpu_available()
     if ("cpu" in devices and cpu_refused) or "disk" in devices:
         raise ValueError(
             "You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk offload. "
@@ -65,7 +67,7 @@ def _check_same_device(placed: Any, device: torch.device) -> None:
     else:
         index = placed
     index = int(index) if index is not None else None
-    if device.type == "cpu" and is_bitsandbytes_multi_backend_available():
+    if device.type == "cpu" and stock.is_bitsandbytes_multi_backend_available():
         return  # bitsandbytes' multi-backend runs on CPU, whatever the index
     if torch.device(device.type, index) != device and (device.index is not None or index != 0):
         raise ValueError(

@@ -24,6 +24,7 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import StateDictType
 
 import fsdp2_strategy as f2
+from fsdp2_strategy.config_checks import FieldErrors, check_bool
 from fsdp2_strategy.precision import resolve_mixed_precision, resolve_offload
 from fsdp2_strategy.sharding_strategies import reshards_after_forward
 
@@ -78,6 +79,11 @@ def _state_dict_type(value: Any) -> StateDictType:
     )
 
 
+def _check_keep_last(value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"FSDP2Plugin.keep_last={value!r} is invalid; use None or an int >= 1.")
+
+
 class FSDP2Plugin(FullyShardedDataParallelPlugin):
     """Accelerate FSDP plugin backed by the fsdp2_strategy core.
 
@@ -118,22 +124,23 @@ class FSDP2Plugin(FullyShardedDataParallelPlugin):
         self._claimed = False
         env = read_accelerate_env() if read_env else {}
         adapter = {k: env.pop(k) for k in ADAPTER_KEYS if k in env}
-        explicit = {**_config_values(config), **fields}
+        # Every argument is checked before raising: one error names all the bad ones.
+        errors = FieldErrors("FSDP2Plugin")
+        explicit = errors.check(lambda: {**_config_values(config), **fields}, keep=dict(fields))
         self.precision_from_user = "mixed_precision" in explicit
-        self.fsdp2_config = f2.FSDP2Config.from_dict({**env, **explicit})
-        self.state_dict_type = _state_dict_type(state_dict_type or adapter.get("state_dict_type", "sharded"))
+        self.fsdp2_config = errors.check(f2.FSDP2Config.from_dict, {**env, **explicit})
+        self.state_dict_type = errors.check(
+            _state_dict_type, state_dict_type or adapter.get("state_dict_type", "sharded")
+        )
         if cpu_ram_efficient_loading is None:
             cpu_ram_efficient_loading = adapter.get("cpu_ram_efficient_loading", False)
-        if not isinstance(cpu_ram_efficient_loading, bool):
-            raise ValueError(
-                f"FSDP2Plugin.cpu_ram_efficient_loading={cpu_ram_efficient_loading!r} is invalid; use True or False."
-            )
+        errors.check(check_bool, cpu_ram_efficient_loading, "FSDP2Plugin.cpu_ram_efficient_loading")
+        errors.check(_check_keep_last, keep_last)
+        errors.raise_if_any()
         self.cpu_ram_efficient_loading = cpu_ram_efficient_loading
         if cpu_ram_efficient_loading:
             # transformers' from_pretrained reads this to load real weights on rank 0 only.
             os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"FSDP2Plugin.keep_last={keep_last!r} is invalid; use None or an int >= 1.")
         self.keep_last = keep_last
         self._mirror_accelerate_fields()
 

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.checkpoint import make_saver
+from fsdp2_strategy.config_checks import FieldErrors
 from fsdp2_strategy.train import parameters_by_name, rebind_optimizer
 
 from .._lightning_shared import (
@@ -94,9 +95,15 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
                 f"FSDP2FabricStrategy(parallelize_fn={parallelize_fn!r}): parallelize_fn must be callable "
                 "(module, device_mesh) -> module; pass a config as config=..."
             )
-        check_start_method("FSDP2FabricStrategy", start_method)
-        self._parallel_args = model_parallel_args("FSDP2FabricStrategy", fields, data_parallel_size)
-        self.fsdp2_config = f2.FSDP2Config(**fields) if config is None else f2.FSDP2Config.coerce(config, **fields)
+        # Every argument is checked before raising: one error names all the bad ones.
+        errors = FieldErrors("FSDP2FabricStrategy")
+        errors.check(check_start_method, "FSDP2FabricStrategy", start_method)
+        self._parallel_args = errors.check(model_parallel_args, "FSDP2FabricStrategy", fields, data_parallel_size)
+        try:
+            self.fsdp2_config = f2.FSDP2Config(**fields) if config is None else f2.FSDP2Config.coerce(config, **fields)
+        except ValueError as exc:
+            errors.messages.append(str(exc))
+        errors.raise_if_any()
         self._start_method = start_method
         self._user_parallelize_fn = parallelize_fn
         super().__init__(

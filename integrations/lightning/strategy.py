@@ -39,6 +39,7 @@ from fsdp2_strategy.checkpoint import (
     unstepped_kept,
 )
 from fsdp2_strategy.checkpoint import directory as cdir
+from fsdp2_strategy.config_checks import FieldErrors
 from fsdp2_strategy.train import register_step_method
 
 from .._lightning_shared import (
@@ -68,6 +69,20 @@ _MODEL_KEY = "model"
 reads (optimizers are "optimizer_<i>", as in both Lightning strategies)."""
 _LOADABLE_MODEL_KEYS = (_MODEL_KEY, "state_dict")
 """Model keys `load_checkpoint` reads: ours (and FSDPStrategy's), and ModelParallelStrategy's."""
+
+
+def _check_state_dict_type(state_dict_type: Any, save_distributed_checkpoint: bool | None) -> None:
+    if state_dict_type not in (None, "sharded", "full"):
+        raise ValueError(f"FSDP2Strategy.state_dict_type={state_dict_type!r} is invalid; use 'sharded' or 'full'.")
+    if (
+        save_distributed_checkpoint is not None
+        and state_dict_type is not None
+        and save_distributed_checkpoint != (state_dict_type == "sharded")
+    ):
+        raise ValueError(
+            f"FSDP2Strategy(state_dict_type={state_dict_type!r}, save_distributed_checkpoint="
+            f"{save_distributed_checkpoint}) disagree; give one of them."
+        )
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -105,22 +120,18 @@ class FSDP2Strategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool | None = None,
         **fields: Any,
     ) -> None:
-        if state_dict_type not in (None, "sharded", "full"):
-            raise ValueError(f"FSDP2Strategy.state_dict_type={state_dict_type!r} is invalid; use 'sharded' or 'full'.")
-        if (
-            save_distributed_checkpoint is not None
-            and state_dict_type is not None
-            and save_distributed_checkpoint != (state_dict_type == "sharded")
-        ):
-            raise ValueError(
-                f"FSDP2Strategy(state_dict_type={state_dict_type!r}, save_distributed_checkpoint="
-                f"{save_distributed_checkpoint}) disagree; give one of them."
-            )
-        check_start_method("FSDP2Strategy", start_method)
-        self._parallel_args = model_parallel_args("FSDP2Strategy", fields, data_parallel_size)
-        # `FSDP2Config(**fields)` spelled out (not only via `coerce`) lets LightningCLI's parser
-        # see the config fields as this class's own `init_args`.
-        self.fsdp2_config = f2.FSDP2Config(**fields) if config is None else f2.FSDP2Config.coerce(config, **fields)
+        # Every argument is checked before raising: one error names all the bad ones.
+        errors = FieldErrors("FSDP2Strategy")
+        errors.check(_check_state_dict_type, state_dict_type, save_distributed_checkpoint)
+        errors.check(check_start_method, "FSDP2Strategy", start_method)
+        self._parallel_args = errors.check(model_parallel_args, "FSDP2Strategy", fields, data_parallel_size)
+        try:
+            # `FSDP2Config(**fields)` spelled out (not only via `coerce`) lets LightningCLI's parser
+            # see the config fields as this class's own `init_args`.
+            self.fsdp2_config = f2.FSDP2Config(**fields) if config is None else f2.FSDP2Config.coerce(config, **fields)
+        except ValueError as exc:
+            errors.messages.append(str(exc))
+        errors.raise_if_any()
         self._start_method = start_method
         self._saver: AsyncSaver | None = None
         self._preemption: f2.PreemptionWatch | None = None

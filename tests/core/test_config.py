@@ -59,7 +59,8 @@ def test_every_bad_field_is_reported_at_once_with_the_closest_name():
     message = str(info.value)
     assert message.startswith("FSDP2Config has 3 invalid fields:\n- ")
     assert "sharding_strategy='FULL_SHARDD' is not supported" in message and "Did you mean 'FULL_SHARD'?" in message
-    assert "mixed_precision='bf32' is invalid" in message and "Did you mean 'fp32'?" in message
+    # "bf32" is one letter from "bf16" and from "fp32": the one of its family is offered, alone.
+    assert "mixed_precision='bf32' is invalid" in message and "Did you mean 'bf16'?" in message
     assert "accumulation='sync_lst' is invalid" in message and "Did you mean 'sync_last'?" in message
     # One bad field: its own message, as before; nothing close: no guess.
     with pytest.raises(ValueError, match=r"^FSDP2Config.collectives='rings' is invalid; .* Did you mean 'ring'\?$"):
@@ -72,6 +73,39 @@ def test_every_bad_field_is_reported_at_once_with_the_closest_name():
     # The same through a dict (what YAML files and the adapters' keyword arguments become).
     with pytest.raises(ValueError, match="has 2 invalid fields"):
         f2.FSDP2Config.from_dict({"cpu_offload": "yes", "forward_prefetch": -1})
+
+
+@pytest.mark.parametrize("build", ["keywords", "from_dict", "coerce"])
+def test_a_misspelt_name_and_bad_values_are_reported_in_one_error(build):
+    """One round of fixes: the unknown name with its closest field, and every known field's bad value."""
+    values = {"wrap_polcy": "auto", "mixed_precision": "bf32", "cpu_offload": "yes"}
+    make = {
+        "keywords": lambda: f2.FSDP2Config(**values),
+        "from_dict": lambda: f2.FSDP2Config.from_dict(values),
+        "coerce": lambda: f2.FSDP2Config.coerce(None, **values),
+    }[build]
+    with pytest.raises(ValueError) as info:
+        make()
+    message = str(info.value)
+    assert message.startswith("Unknown FSDP2Config fields ['wrap_polcy']") and "Did you mean 'wrap_policy'?" in message
+    assert "\nAnd: FSDP2Config has 2 invalid fields:" in message
+    assert "mixed_precision='bf32' is invalid" in message and "Did you mean 'bf16'?" in message
+    assert "FSDP2Config.cpu_offload='yes'" in message
+    # With good values, the name alone, as before.
+    with pytest.raises(ValueError) as info:
+        f2.FSDP2Config(wrap_polcy="auto", mixed_precision="bf16")
+    assert "And:" not in str(info.value)
+
+
+def test_did_you_mean_prefers_the_family_and_offers_near_ties():
+    from fsdp2_strategy.config_checks import did_you_mean
+
+    assert did_you_mean("bf32", ["bf16", "fp16", "fp32"]) == " Did you mean 'bf16'?"
+    assert did_you_mean("fp23", ["bf16", "fp16", "fp32"]) == " Did you mean 'fp32'?"
+    assert (
+        did_you_mean("sync", ["sync_each", "sync_last", "keep_gathered"]) == " Did you mean 'sync_last' or 'sync_each'?"
+    )
+    assert did_you_mean("zzz", ["bf16", "fp16", "fp32"]) == ""
 
 
 def test_sections_by_owner_compose_one_flat_config(tmp_path):

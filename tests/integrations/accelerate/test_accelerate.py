@@ -336,6 +336,15 @@ def test_bad_plugin_arguments_name_the_field(kwargs, words):
         assert word in str(info.value), (word, str(info.value))
 
 
+def test_every_bad_plugin_argument_is_named_in_one_error():
+    with pytest.raises(ValueError) as info:
+        FSDP2Plugin(read_env=False, state_dict_type="local", keep_last=0, wrap_polcy="auto", mixed_precision="bf32")
+    message = str(info.value)
+    assert message.startswith("FSDP2Plugin has 3 invalid fields:"), message
+    for part in ("state_dict_type='local'", "keep_last=0", "Did you mean 'wrap_policy'", "Did you mean 'bf16'"):
+        assert part in message, (part, message)
+
+
 def test_precision_given_twice_must_agree():
     plugin = FSDP2Plugin(read_env=False, mixed_precision="bf16")
     plugin.with_precision("bf16")
@@ -385,8 +394,8 @@ def test_quantised_model_offloaded_by_its_device_map_is_refused_as_the_stock_acc
 
     ours = SimpleNamespace(device=torch.device("cpu"), distributed_type=DistributedType.FSDP)
     prepare_model = FSDP2Accelerator.prepare_model
-    for module in (stock_module, device_map):
-        monkeypatch.setattr(module, "is_bitsandbytes_multi_backend_available", lambda: False)
+    # Patched where the stock check looks it up (as Accelerate's own test does), and only there.
+    monkeypatch.setattr(stock_module, "is_bitsandbytes_multi_backend_available", lambda: False)
     offload = "You can't train a model that has been loaded in 8-bit or 4-bit precision with CPU or disk offload"
     try:
         with pytest.raises(ValueError, match=offload):
@@ -399,7 +408,7 @@ def test_quantised_model_offloaded_by_its_device_map_is_refused_as_the_stock_acc
             prepare_model(ours, model)
         assert not any(type(p).__name__ == "DTensor" for p in model.parameters())
     # With bitsandbytes' multi-backend a CPU placement is accepted, as by the stock one.
-    monkeypatch.setattr(device_map, "is_bitsandbytes_multi_backend_available", lambda: True)
+    monkeypatch.setattr(stock_module, "is_bitsandbytes_multi_backend_available", lambda: True)
     device_map.check_quantised_device_map(quantised({"": "cpu"}), ours)
     with pytest.raises(ValueError, match="on multiple devices in any distributed mode"):
         device_map.check_quantised_device_map(quantised({"a": "cpu", "b": 0}), ours)

@@ -93,6 +93,13 @@ def test_strategy_takes_every_config_field_and_refuses_bad_ones():
         FSDP2FabricStrategy(sharding_strategy="FULLY")
     with pytest.raises(ValueError, match="start_method='threads' is invalid"):
         FSDP2FabricStrategy(start_method="threads")
+    # Everything wrong at once, in one error: the strategy's own arguments and the config's names and values.
+    with pytest.raises(ValueError) as info:
+        FSDP2FabricStrategy(start_method="threads", data_parallel_size=0, wrap_polcy="auto", mixed_precision="bf32")
+    message = str(info.value)
+    assert message.startswith("FSDP2FabricStrategy has 3 invalid fields:"), message
+    for part in ("start_method='threads'", "data_parallel_size=0", "Did you mean 'wrap_policy'", "Did you mean 'bf16'"):
+        assert part in message, (part, message)
 
 
 def test_strategy_takes_model_parallel_strategys_constructor():

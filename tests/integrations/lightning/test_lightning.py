@@ -208,6 +208,13 @@ def test_invalid_config_raises_core_error():
         FSDP2Strategy(state_dict_type="zip")
     with pytest.raises(ValueError, match="start_method"):
         FSDP2Strategy(start_method="thread")
+    # Everything wrong at once, in one error: the strategy's own arguments and the config's names and values.
+    with pytest.raises(ValueError) as info:
+        FSDP2Strategy(state_dict_type="zip", start_method="thread", wrap_polcy="auto", mixed_precision="bf32")
+    message = str(info.value)
+    assert message.startswith("FSDP2Strategy has 3 invalid fields:"), message
+    for part in ("state_dict_type='zip'", "start_method='thread'", "Did you mean 'wrap_policy'", "Did you mean 'bf16'"):
+        assert part in message, (part, message)
 
 
 def test_config_object_dict_and_yaml(tmp_path):
