@@ -145,7 +145,8 @@ class ShardingOptions:
 
     wrap_policy: WrapPolicy = "auto"
     """Which submodules become their own FSDP group: "auto" (repeated blocks: Hugging Face
-    `_no_split_modules`, else the largest ModuleList/Sequential of same-class children),
+    `_no_split_modules`, else the class repeated most among the children of a ModuleList or
+    Sequential, a block with submodules before a single layer; the plan says what it chose),
     module classes, class-name strings, an int min-params threshold, a callable
     `(module, qualified_name) -> bool`, or None (only the root)."""
 

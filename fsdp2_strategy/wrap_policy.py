@@ -49,9 +49,26 @@ def resolve_classes(model: nn.Module, spec: Any, field: str) -> tuple[type, ...]
 def auto_block_classes(model: nn.Module) -> tuple[type, ...]:
     """The repeated blocks of a model.
 
-    Hugging Face models declare them in `_no_split_modules`; otherwise the class with the most
-    instances among the children of one `nn.ModuleList`/`nn.Sequential` (at least two).
+    Hugging Face models declare them in `_no_split_modules`; otherwise, among the classes that repeat
+    (at least twice) as children of one `nn.ModuleList`/`nn.Sequential` and hold parameters: a
+    composite block (a module with submodules) before a single layer, then the most instances, then
+    the most parameters. So `Sequential(Linear, Block, Block, Linear)` wraps the two `Block`s, not
+    the `Linear`s, and a plain stack of `Linear`s wraps each of them.
     """
+    return _auto_choice(model)[0]
+
+
+def describe_auto_choice(model: nn.Module) -> str:
+    """What `wrap_policy="auto"` chose for `model` and why, as the sharding plan says it."""
+    classes, source = _auto_choice(model)
+    if not classes:
+        return "'auto' found no repeated block: the root is the only group"
+    names = ", ".join(c.__name__ for c in classes)
+    return f"'auto' made one group per {names} ({source})"
+
+
+def _auto_choice(model: nn.Module) -> tuple[tuple[type, ...], str]:
+    """`auto_block_classes` and where they came from."""
     no_split: set[str] = set()
     for m in model.modules():
         names = getattr(m, "_no_split_modules", None)
@@ -60,17 +77,25 @@ def auto_block_classes(model: nn.Module) -> tuple[type, ...]:
     if no_split:
         present = [n for n in no_split if n in _class_names(model)]
         if present:
-            return resolve_classes(model, present, "wrap_policy='auto' (_no_split_modules)")
-    best: type | None = None
-    best_count = 1
+            classes = resolve_classes(model, present, "wrap_policy='auto' (_no_split_modules)")
+            return classes, "the model's _no_split_modules"
+    best: tuple[tuple[bool, int, int], type] | None = None
     for m in model.modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1:
-            counts = Counter(type(c) for c in m.children())
-            cls, count = counts.most_common(1)[0]
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+            continue
+        for cls, count in Counter(type(c) for c in m.children()).items():
             example = next(c for c in m.children() if type(c) is cls)
-            if count > best_count and any(True for _ in example.parameters()):
-                best, best_count = cls, count
-    return (best,) if best is not None else ()
+            params = sum(p.numel() for p in example.parameters())
+            if count < 2 or params == 0:
+                continue
+            rank = (next(example.children(), None) is not None, count, params)
+            if best is None or rank > best[0]:
+                best = (rank, cls)
+    if best is None:
+        return (), ""
+    (composite, count, _), cls = best
+    kind = "block" if composite else "layer, no composite block repeats"
+    return (cls,), f"the repeated {kind}: {count} in one ModuleList/Sequential"
 
 
 def wrappable(name: str, skip: tuple[str, ...]) -> bool:

@@ -22,6 +22,7 @@ from ..groups import GroupSpec, ignored_names, resolve_groups, top_level
 from ..mesh import MeshCache, check_reshard_factor, mesh_device, shard_group_size
 from ..tensor_parallel import split_mesh
 from ..train import AccumulationMode, accumulation_mode, find_scalar_params
+from ..wrap_policy import describe_auto_choice
 from .materialize import check_initialisable, has_meta_tensors
 from .quantised import find_quantised_params
 
@@ -73,6 +74,8 @@ class ResolvedPlan:
     meta: bool
     """Whether the model is on the meta device (materialised after sharding)."""
     log_plan: bool
+    wrap_choice: str
+    """What `wrap_policy="auto"` chose and why ("" for another policy), for the plan."""
 
 
 def plan_sharding(model: nn.Module, config: FSDP2Config, *, mesh: DeviceMesh | None = None) -> ResolvedPlan:
@@ -139,4 +142,5 @@ def plan_sharding(model: nn.Module, config: FSDP2Config, *, mesh: DeviceMesh | N
         host_allocator=config.host_allocator,
         meta=meta,
         log_plan=config.log_plan,
+        wrap_choice=describe_auto_choice(model) if config.wrap_policy == "auto" else "",
     )

@@ -63,6 +63,8 @@ class ShardingPlan:
     (`FSDP2Config.collectives`); the others use torch's collectives."""
     freed_memory_kept: bool = False
     """Whether this process's malloc keeps freed host memory (`FSDP2Config.host_allocator`)."""
+    wrap_choice: str = ""
+    """What `wrap_policy="auto"` chose and why ("" for another policy)."""
 
     @property
     def total_params(self) -> int:
@@ -106,6 +108,8 @@ class ShardingPlan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        if self.wrap_choice:
+            lines.append(f"wrap policy: {self.wrap_choice}")
         lines.append(f"gradient accumulation: {self.accumulation} ({accumulation_mode(self.accumulation).summary})")
         sharded = sum(g.strategy not in ("REPLICATED", "IGNORED") for g in self.groups)
         lines.append(
@@ -140,7 +144,12 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
         One row per group (its modules, parameter count, mesh, resharding and precision notes) and
         per replicated parameter set, with the accumulation mode; `str()` of it is a table.
     """
-    plan = ShardingPlan(accumulation=mode_of(model).name, freed_memory_kept=freed_memory_kept())
+    root = recorded_state(model)
+    plan = ShardingPlan(
+        accumulation=mode_of(model).name,
+        freed_memory_kept=freed_memory_kept(),
+        wrap_choice=root.wrap_choice if root is not None else "",
+    )
     counts = _weight_counts(model)
     for name, module in model.named_modules():
         is_group = isinstance(module, FSDPModule)  # (a flag: `module` stays typed as nn.Module)

@@ -25,8 +25,8 @@ from .replicated import ReplicatedParams
 class EngineState:
     """What the engine remembers about one module.
 
-    The first four fields belong to the model `shard_model` (or `f2.replicate`) returned, the last
-    four to the modules inside it; a field that does not apply keeps its default.
+    The first five fields belong to the model `shard_model` (or `f2.replicate`) returned, the others
+    to the modules inside it; a field that does not apply keeps its default.
     """
 
     accumulation: AccumulationMode = DEFAULT_MODE
@@ -38,6 +38,8 @@ class EngineState:
     gathered_once: bool = False
     """Whether every group was gathered once before the first unsynchronised backward
     (`train.accumulation` says why that is needed)."""
+    wrap_choice: str = ""
+    """What `wrap_policy="auto"` chose for this model and why ("" for any other policy)."""
     group: GroupSettings | None = None
     """The settings of the `fully_shard` call this module received (its group's first module)."""
     ring_comms: bool = False

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
 import fsdp2_strategy as f2
 from fsdp2_strategy.mesh import check_reshard_factor, strategy_mesh_shape
 from fsdp2_strategy.precision import resolve_mixed_precision
-from fsdp2_strategy.wrap_policy import auto_block_classes, select_wrapped
+from fsdp2_strategy.wrap_policy import auto_block_classes, describe_auto_choice, select_wrapped
 
 
 @pytest.mark.parametrize(
@@ -203,6 +203,30 @@ def test_wrap_policies_resolve():
     by_size = select_wrapped(model, 4000)
     assert "blocks.0.mlp.0" in by_size and "blocks.0" not in by_size
     assert select_wrapped(model, "auto", skip=["blocks.1"]) == ["blocks.0", "blocks.2"]
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(dim), nn.Sequential(nn.Linear(dim, dim), nn.GELU(), nn.Linear(dim, dim))
+
+
+@pytest.mark.parametrize("blocks", [2, 3, 4])
+def test_auto_finds_the_repeated_blocks_of_a_plain_model(blocks):
+    """A Sequential of input layer, blocks, head: one group per block, never per Linear, whatever
+    the number of blocks (with two, the Linears repeat as often as the blocks)."""
+    model = nn.Sequential(nn.Linear(4, 8), *[_Block() for _ in range(blocks)], nn.Linear(8, 1))
+    assert auto_block_classes(model) == (_Block,)
+    assert select_wrapped(model, "auto") == [str(i) for i in range(1, blocks + 1)]
+    assert (
+        describe_auto_choice(model)
+        == f"'auto' made one group per _Block (the repeated block: {blocks} in one ModuleList/Sequential)"
+    )
+    # A plain stack of layers has no composite block: each repeated layer is its own group.
+    stack = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert select_wrapped(stack, "auto") == ["0", "2", "4"]
+    assert "per Linear (the repeated layer, no composite block repeats: 3 in" in describe_auto_choice(stack)
+    assert describe_auto_choice(nn.Linear(2, 2)) == "'auto' found no repeated block: the root is the only group"
 
 
 def test_unknown_class_name_suggests_close_matches():

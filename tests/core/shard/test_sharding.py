@@ -148,7 +148,9 @@ def _hf_world():
     ref = GPT2LMHeadModel(config).eval()
     model = copy.deepcopy(ref)
     f2.shard_model(model, wrap_policy="auto", log_plan=False)
-    groups = [g.name for g in f2.sharding_plan(model).groups]
+    plan = f2.sharding_plan(model)
+    assert "wrap policy: 'auto' made one group per GPT2Block (the model's _no_split_modules)" in str(plan), str(plan)
+    groups = [g.name for g in plan.groups]
     idx, _ = make_batch(n=4, vocab=96)
     import torch.distributed as dist
 
