@@ -337,6 +337,17 @@ def gathered_param_ids(model: nn.Module) -> set[int]:
     }
 
 
+def sharded_params_by_gathered_id(model: nn.Module) -> dict[int, nn.Parameter]:
+    """The sharded parameter of each gathered copy (`gathered_param_ids`), by the copy's `id`."""
+    return {
+        id(p._unsharded_param): p.sharded_param
+        for g in fsdp_groups(model)
+        for group in param_groups(g)
+        for p in group.fsdp_params
+        if hasattr(p, "_unsharded_param")
+    }
+
+
 def param_slots(fsdp_param: Any) -> list[tuple[nn.Module, str]]:
     """(module, attribute name) where modules hold an `FSDPParam`'s parameter (several if shared)."""
     info = fsdp_param._module_info

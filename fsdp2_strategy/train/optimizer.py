@@ -1,14 +1,21 @@
-"""Optimizers built before `shard_model`: refused at their first step, or pointed at the sharded parameters.
+"""Optimizers built before `shard_model`, or while FSDP had parameters gathered: refused at their
+first step, or pointed at the sharded parameters.
 
 `shard_model` replaces every parameter with a new DTensor parameter, so an optimizer created
 earlier holds objects that no longer receive gradients (`check_optimizer` refuses it at its
 first step, through a global optimizer pre-step hook installed once). Trainers whose users build the optimizer first (Accelerate's
 `prepare(model, optimizer)`) rebind it instead: parameters are matched by their qualified
 name before and after sharding, which also holds for tied weights (one name, one parameter).
+
+An optimizer built after a forward that no backward followed (evaluate, then train) holds FSDP's
+gathered copies of the root's and the last block's parameters, which FSDP keeps gathered until the
+next backward. The same hook points it at their sharded parameters at its first step, before it has
+state: that order is what people write, and it then trains exactly as if built before the forward.
 """
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Mapping
 
@@ -17,6 +24,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _torch_compat as tc
+
+logger = logging.getLogger(__name__)
 
 
 def parameters_by_name(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -87,8 +96,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
     Raises:
         ValueError: If `optimizer` was created before `shard_model()` and holds the original,
-            unsharded parameters, which no longer receive gradients; or if it was created while
-            the model was gathered and holds FSDP's gathered copies of its parameters.
+            unsharded parameters, which no longer receive gradients; or if it holds FSDP's gathered
+            copies of parameters (built while they were gathered) with state of their own (at its first
+            step, copies without state are pointed at their sharded parameters before this check).
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(getattr(p, _REPLACED, False) for p in params):
@@ -103,14 +113,42 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             f"{type(optimizer).__name__} holds gathered copies of sharded parameters: it was built while FSDP "
             "had them gathered (after a forward that no backward followed, such as an evaluation: the root and "
             "the last block stay gathered until the next backward), and its steps would update copies that the "
-            "next gather overwrites. Call f2.reshard(model) before building the optimizer, or build it first."
+            "next gather overwrites. At its first step an optimizer without state for them is pointed at the "
+            "sharded parameters; one with state (loaded before its first step) cannot be: call f2.reshard(model) "
+            "before building the optimizer, or build it first."
         )
+
+
+def point_at_shards(optimizer: torch.optim.Optimizer) -> int:
+    """Replace, in `optimizer`, each gathered copy of a sharded parameter (held since it was built
+    while FSDP had the parameter gathered) that has no optimizer state yet by its sharded parameter;
+    returns how many were replaced."""
+    shards: dict[int, nn.Parameter] = {}
+    for model in list(_sharded_models):
+        shards.update(tc.sharded_params_by_gathered_id(model))
+    replaced = 0
+    for group in optimizer.param_groups:
+        params = group["params"]
+        for i, p in enumerate(params):
+            sharded = shards.get(id(p))
+            if sharded is not None and not optimizer.state.get(p):
+                params[i] = sharded
+                replaced += 1
+    if replaced:
+        logger.info(
+            "%s was built while FSDP had %d parameters gathered (a forward that no backward followed): "
+            "it now holds their sharded parameters.",
+            type(optimizer).__name__,
+            replaced,
+        )
+    return replaced
 
 
 def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     # Checked once per optimizer, at its first step: later steps cost nothing.
     if optimizer in _checked:
         return
+    point_at_shards(optimizer)
     check_optimizer(optimizer)
     _checked.add(optimizer)
 

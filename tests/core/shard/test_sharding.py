@@ -292,13 +292,32 @@ def _fsdp1_and_errors_world():
     good = torch.optim.SGD(early.parameters(), lr=0.1)
     good.step()
 
-    # An optimizer built after a forward with no backward (an evaluation) holds the gathered copies of
-    # the root's and the last block's parameters; refused at its first step, fine after f2.reshard.
+    # Evaluate, then build the optimizer, then train: built after a forward with no backward, the
+    # optimizer holds the gathered copies of the root's and the last block's parameters; at its first
+    # step it is pointed at their shards, and trains as one built before the evaluation (SGD with
+    # momentum: state from the first step on).
+    torch.manual_seed(1)
+    evaluated = TinyGPT(tied=False)
+    reference = copy.deepcopy(evaluated)
+    f2.shard_model(evaluated, log_plan=False)
+    f2.shard_model(reference, log_plan=False)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     with torch.no_grad():
-        early(idx)
-    while_gathered = torch.optim.SGD(early.parameters(), lr=0.1)
-    loss_fn(early, idx, target).backward()
-    _expect(ValueError, "holds gathered copies of sharded parameters.*f2.reshard", while_gathered.step)
+        evaluated(idx)
+    evaluated_opt = torch.optim.SGD(evaluated.parameters(), lr=0.1, momentum=0.9)
+    out["built_on_gathered"] = sum(not isinstance(p, DTensor) for g in evaluated_opt.param_groups for p in g["params"])
+    for _ in range(3):
+        for model_, opt_ in ((evaluated, evaluated_opt), (reference, reference_opt)):
+            loss_fn(model_, idx, target).backward()
+            opt_.step()
+            opt_.zero_grad()
+    out["eval_then_train_on_shards"] = all(
+        isinstance(p, DTensor) for g in evaluated_opt.param_groups for p in g["params"]
+    )
+    out["eval_then_train_diff"] = max(
+        rel_diff(_full(p), _full(q)) for p, q in zip(evaluated.parameters(), reference.parameters())
+    )
+    # f2.reshard gives the memory back at once; an optimizer built after it holds the shards.
     with torch.no_grad():
         early(idx)
     f2.reshard(early)
@@ -332,6 +351,9 @@ def test_fsdp1_vocabulary_and_clear_errors():
     assert res["callable_policy"] == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
     assert res["untouched"] and res["call_ok"]
     assert res["user_group"] == "sharded by the user"
+    # Evaluate, then train: the optimizer built on gathered copies (root and last block) trains the shards.
+    assert res["built_on_gathered"] > 0 and res["eval_then_train_on_shards"]
+    assert res["eval_then_train_diff"] < 1e-6
 
 
 def _world_size_world(strategy_cases):
