@@ -23,6 +23,7 @@ from ..mesh import mesh_device
 from ..precision import first_emulation_warning
 from ..tensor_parallel import apply_tensor_parallel, user_parallelised_modules
 from ..train import ReplicatedParams, engine_state, mark_replaced_params, record_mode
+from .custom_methods import guard_custom_methods
 from .frozen import cast_frozen
 from .host_memory import apply_host_allocator
 from .materialize import materialize
@@ -90,6 +91,7 @@ def apply_plan(model: nn.Module, plan: ResolvedPlan) -> nn.Module:
 
     _set_prefetch(model, list(plan.blocks), plan.forward_prefetch, plan.backward_prefetch)
     _guard_direct_forward(model)
+    guard_custom_methods(model)
     _guard_save_pretrained(model)
     if plan.meta:
         materialize(model, plan.root_mesh)

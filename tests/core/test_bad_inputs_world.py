@@ -125,6 +125,16 @@ WORLD_ROWS = [
         ("Block.forward() was called directly", "model(inputs)", "register_fsdp_forward_method"),
     ),
     WorldRow(
+        "a method of the model called without registering it",
+        lambda m, r: (_shard(m), lambda: m.score(torch.randn(2, 4, 32)))[1],
+        ValueError,
+        (
+            "TinyGPT.score() computed on the sharded parameters",
+            "register_fsdp_forward_method(model, 'score')",
+            "mixed torch.Tensor and DTensor",  # torch's own words, which users search for
+        ),
+    ),
+    WorldRow(
         "load_full_weights damaged file",
         lambda m, r: (_shard(m), lambda: f2.load_full_weights(m, r / "random.safetensors"))[1],
         ValueError,

@@ -57,6 +57,10 @@ class TinyGPT(nn.Module):
             logits = logits / self.temperature
         return logits
 
+    def score(self, x):
+        """Logits of hidden states `x`: an entry point besides `forward` (FSDP gathers only in `model(...)`)."""
+        return self.head(self.ln_f(x))
+
     def init_weights(self):
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding, nn.LayerNorm)):

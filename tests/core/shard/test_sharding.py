@@ -317,6 +317,15 @@ def _fsdp1_and_errors_world():
     out["eval_then_train_diff"] = max(
         rel_diff(_full(p), _full(q)) for p, q in zip(evaluated.parameters(), reference.parameters())
     )
+    # A method besides forward, registered as an entry point, computes on the gathered parameters.
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    scored = TinyGPT(tied=False)
+    unsharded = copy.deepcopy(scored)
+    f2.shard_model(scored, log_plan=False)
+    register_fsdp_forward_method(scored, "score")
+    hidden = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(3))
+    out["score_diff"] = rel_diff(scored.score(hidden), unsharded.score(hidden))
     # f2.reshard gives the memory back at once; an optimizer built after it holds the shards.
     with torch.no_grad():
         early(idx)
@@ -354,6 +363,7 @@ def test_fsdp1_vocabulary_and_clear_errors():
     # Evaluate, then train: the optimizer built on gathered copies (root and last block) trains the shards.
     assert res["built_on_gathered"] > 0 and res["eval_then_train_on_shards"]
     assert res["eval_then_train_diff"] < 1e-6
+    assert res["score_diff"] < 1e-6
 
 
 def _world_size_world(strategy_cases):
