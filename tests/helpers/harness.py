@@ -36,6 +36,11 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+PORT_TAKEN = 75
+"""Rank 0's exit code when its store's port was taken before it could bind it (EX_TEMPFAIL)."""
+PORT_ATTEMPTS = 3
+"""Worlds started per `run_distributed` call while rank 0 finds its port taken."""
+
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "fsdp2_strategy", "helpers.harness"]
 """Imported once by the forkserver. torch's import starts one thread (OpenBLAS's, which handles
 fork); lightning's starts another, so lightning is left to the ranks that use it."""
@@ -92,7 +97,14 @@ def _worker(
     torch.set_num_threads(1)  # 2 cores shared by up to 4 ranks
     code = 0
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        except Exception as exc:
+            if rank == 0 and "EADDRINUSE" in str(exc):
+                os._exit(PORT_TAKEN)  # nothing ran: `run_distributed` starts the world again on another port
+            raise
+        with open(_joined_path(outdir, rank), "w"):
+            pass
         result = fn(*args)
         payload = ("ok", result)
     except BaseException:  # DCP's CheckpointException is a BaseException
@@ -142,15 +154,31 @@ def run_distributed(
     ctx = _forkserver()
     parent_environ = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="f2dist-") as outdir:
-        port = free_port()
-        procs = []
-        for rank in range(world_size):
-            p = ctx.Process(
-                target=_worker,
-                args=(rank, world_size, port, outdir, fn, args, parent_environ, dict(env or {}), timeout),
-            )
-            p.start()
-            procs.append(p)
+
+        def start() -> list:
+            port = free_port()
+            procs = []
+            for rank in range(world_size):
+                p = ctx.Process(
+                    target=_worker,
+                    args=(rank, world_size, port, outdir, fn, args, parent_environ, dict(env or {}), timeout),
+                )
+                p.start()
+                procs.append(p)
+            return procs
+
+        procs = start()
+        # The store's port can be taken between free_port() and the store binding it (another world's
+        # connection got it): rank 0 then exits PORT_TAKEN before anything ran, and the world starts again.
+        for _ in range(PORT_ATTEMPTS - 1):
+            while all(p.exitcode is None for p in procs) and not _joined_all(outdir, procs):
+                time.sleep(0.05)
+            if procs[0].exitcode != PORT_TAKEN:
+                break
+            for p in procs:
+                p.kill()
+                p.join(10)
+            procs = start()
 
         def ended_badly(rank: int) -> bool:
             """Whether `rank` ended with another code than expected, or (by default) without a result."""
@@ -198,6 +226,15 @@ def run_distributed(
 
 def _result_path(outdir: str, rank: int) -> str:
     return os.path.join(outdir, f"rank{rank}.pkl")
+
+
+def _joined_path(outdir: str, rank: int) -> str:
+    """Written by a rank once it joined the process group (the world's port served)."""
+    return os.path.join(outdir, f"rank{rank}.joined")
+
+
+def _joined_all(outdir: str, procs: list) -> bool:
+    return all(os.path.exists(_joined_path(outdir, r)) for r in range(len(procs)))
 
 
 def _read(outdir: str, rank: int) -> tuple[str | None, Any]:

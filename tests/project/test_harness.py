@@ -27,6 +27,26 @@ def test_all_ranks_report(world):
     assert results == [(r, world, world * (world + 1) / 2) for r in range(world)]
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_world_whose_port_was_taken_starts_again_on_another(world, monkeypatch):
+    """Between `free_port()` and rank 0's store binding it, another process may take the port (a
+    connection of another world): the world is started again instead of failing with EADDRINUSE."""
+    import socket
+
+    import helpers.harness as harness
+
+    real = harness.free_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        handed = []
+        monkeypatch.setattr(
+            harness, "free_port", lambda: handed.append(1) or (taken.getsockname()[1] if len(handed) == 1 else real())
+        )
+        assert run_distributed(_sum_ranks, world) == [(r, world, world * (world + 1) / 2) for r in range(world)]
+    assert len(handed) == 2  # the taken port, then a free one
+
+
 def _rank1_raises():
     import torch.distributed as dist
 
