@@ -19,6 +19,7 @@ caller's environment and working directory (a forkserver's own would be those of
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import pickle
@@ -95,6 +96,11 @@ def _worker(
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # 2 cores shared by up to 4 ranks
+    # A crash (SIGSEGV in a kernel or in gloo) or a hang leaves no Python traceback of its own: the
+    # fault file gets every thread's stack on a fatal signal, or on SIGUSR1 before a hung rank is killed.
+    fault_file = open(_fault_path(outdir, rank), "w")  # noqa: SIM115 - open until os._exit
+    faulthandler.enable(fault_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, fault_file, all_threads=True)
     code = 0
     try:
         try:
@@ -193,12 +199,15 @@ def run_distributed(
             code, want = procs[rank].exitcode, expected[rank]
             status, value = written
             if hung_why is not None:
-                return f"rank {rank} {'returned, then ' if status == 'ok' else ''}hung: still running {hung_why}"
+                then = "returned, then " if status == "ok" else ""
+                return f"rank {rank} {then}hung: still running {hung_why}{_stacks(outdir, rank)}"
             if status == "error":
                 return f"rank {rank} raised (exit code {code}):\n{value}"
             if code != want:
                 what = "returned, then exited" if status == "ok" else "exited without a result"
-                return f"rank {rank} {what} with code {_describe(code)}, expected {_describe(want)}"
+                return (
+                    f"rank {rank} {what} with code {_describe(code)}, expected {_describe(want)}{_stacks(outdir, rank)}"
+                )
             if status is None and exit_codes is None:
                 return f"rank {rank} exited with code 0 without a result (it ended its own process)"
             return None
@@ -213,6 +222,10 @@ def run_distributed(
                 deadline, why = time.monotonic() + grace, f"{grace:.0f}s after rank {bad[0]} went wrong"
             time.sleep(0.05)
         hung = {r for r, p in enumerate(procs) if p.is_alive()}
+        if hung:
+            for r in hung:
+                os.kill(procs[r].pid, signal.SIGUSR1)  # faulthandler writes its stacks to the fault file
+            time.sleep(1.0)
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -222,6 +235,20 @@ def run_distributed(
         if any(problems):
             raise DistributedTestError("\n".join(m for m in problems if m))
         return [value if status == "ok" else None for status, value in written]
+
+
+def _fault_path(outdir: str, rank: int) -> str:
+    return os.path.join(outdir, f"rank{rank}.fault")
+
+
+def _stacks(outdir: str, rank: int) -> str:
+    """The stacks faulthandler wrote for `rank` (a fatal signal, or SIGUSR1 when it hung), as an
+    indented paragraph; empty when it wrote none."""
+    try:
+        text = Path(_fault_path(outdir, rank)).read_text().strip()
+    except OSError:
+        return ""
+    return "\n  " + "\n  ".join(text.splitlines()) if text else ""
 
 
 def _result_path(outdir: str, rank: int) -> str:

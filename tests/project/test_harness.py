@@ -143,6 +143,48 @@ def test_a_rank_hanging_while_the_others_exit_as_expected_is_named_as_hung():
     assert "rank 1" not in str(info.value)
 
 
+def _rank1_crashes_in_a_kernel():
+    import ctypes
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 1:
+        _read_address_zero(ctypes)
+    dist.barrier()
+
+
+def _read_address_zero(ctypes):
+    ctypes.string_at(0)  # SIGSEGV, as a crash in a C++ kernel or in gloo
+
+
+def test_a_rank_that_crashes_shows_where():
+    """A fatal signal leaves no Python traceback of its own: the report carries faulthandler's stack."""
+    pattern = r"(?s)rank 1 exited without a result with code -11 \(SIGSEGV\).*Segmentation fault.*_read_address_zero"
+    with pytest.raises(DistributedTestError, match=pattern):
+        run_distributed(_rank1_crashes_in_a_kernel, 2, timeout=60, grace=2)
+
+
+def _sleep_in_a_named_function():
+    import time
+
+    time.sleep(600)
+
+
+def _rank0_hangs_in_a_named_function():
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _sleep_in_a_named_function()
+
+
+def test_a_hung_rank_shows_where_it_hangs():
+    pattern = r"(?s)rank 0 hung: still running when the world timed out.*in _sleep_in_a_named_function"
+    with pytest.raises(DistributedTestError, match=pattern):
+        run_distributed(_rank0_hangs_in_a_named_function, 2, timeout=2)
+
+
 def _flows_world(out: str) -> None:
     import torch.distributed as dist
     from helpers.collect import run_flows
