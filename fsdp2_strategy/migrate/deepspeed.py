@@ -14,12 +14,13 @@ What maps, and why:
 - `offload_optimizer` / `offload_param` to "cpu": `cpu_offload=True` (FSDP2 offloads parameters,
   gradients and the optimizer step together); "nvme" has no equivalent.
 - `bf16.enabled` / `fp16.enabled`: `mixed_precision` "bf16" / "fp16" (fp32 master weights; fp16's
-  loss scaling is the trainer's sharded grad scaler).
+  loss scaling is the trainer's sharded grad scaler); `false` for both (or the one present) is full
+  precision, stated (`DeepSpeedTranslation.precision` "no"), which a trainer must not override.
 - `gradient_clipping`, `gradient_accumulation_steps`, `train_micro_batch_size_per_gpu`,
   `train_batch_size`: trainer settings (`max_grad_norm`, ...), with the names each trainer uses.
 
-Every other key is listed, with what to do instead, in `DeepSpeedTranslation.unmapped` (and in one
-warning from `translate_deepspeed`). Hugging Face's "auto" values are left to the trainer.
+Every other key is listed, with what to do instead, in `DeepSpeedTranslation.unmapped` (and in the
+one warning block of `translate_deepspeed`). Hugging Face's "auto" values are left to the trainer.
 """
 
 from __future__ import annotations
@@ -101,12 +102,15 @@ class DeepSpeedTranslation:
             `gradient_accumulation_steps`, `per_device_train_batch_size`, `train_batch_size`).
         mapped: DeepSpeed key -> what it became.
         unmapped: DeepSpeed key -> what to do instead (no equivalent here).
+        precision: the precision the config states: "bf16" or "fp16" (enabled), "no" (disabled,
+            none enabled); None where it leaves it to the trainer ("auto" or no section).
     """
 
     config: FSDP2Config
     trainer: dict[str, Any] = field(default_factory=dict)
     mapped: dict[str, str] = field(default_factory=dict)
     unmapped: dict[str, str] = field(default_factory=dict)
+    precision: str | None = None
 
     @staticmethod
     def source_key(name: str) -> str:
@@ -121,6 +125,12 @@ class DeepSpeedTranslation:
         """The config's fields that differ from `FSDP2Config()`'s (`log_plan` aside)."""
         defaults = FSDP2Config(log_plan=False)
         return {k: v for k, v in vars(self.config).items() if v != getattr(defaults, k) and k != "log_plan"}
+
+    def summary(self) -> str:
+        """What was mapped and what was not, one key a line (the text of `translate_deepspeed`'s log)."""
+        lines = [f"  {k} -> {v}" for k, v in self.mapped.items()]
+        lines += [f"  {k}: not translated: {advice}" for k, advice in self.unmapped.items()]
+        return "\n".join(lines)
 
     def to_yaml(self) -> str:
         """`changed_fields()` as YAML (what `FSDP2Config.from_yaml` reads), the trainer settings and
@@ -172,7 +182,8 @@ def translate_deepspeed(
     Args:
         config: the DeepSpeed config: a dict or the path of its JSON file.
         world_size: the number of processes, to turn `zero_hpz_partition_size` into a `mesh_shape`.
-        warn: log one warning (rank 0) listing every key without an equivalent and what to do.
+        warn: log the summary (rank 0, one WARNING block): each key, what it became or what to
+            do instead.
 
     Returns:
         A `DeepSpeedTranslation`.
@@ -180,7 +191,7 @@ def translate_deepspeed(
     Raises:
         FileNotFoundError: the file does not exist.
         ValueError: the file is not a JSON object; an unknown ZeRO stage; a world size that the
-            hpZ partition size does not divide.
+            hpZ partition size does not divide; bf16 and fp16 both enabled.
     """
     flat = _flat(_load(config))
     fields: dict[str, Any] = {"log_plan": False}
@@ -225,12 +236,15 @@ def translate_deepspeed(
         elif device is not None:
             unmapped[f"zero_optimization.{section}"] = f"device {device!r}: only 'cpu' maps (cpu_offload=True)"
 
+    stated = _stated_precision(flat)
     for precision in ("bf16", "fp16"):
         enabled = flat.get(f"{precision}.enabled")
         consumed.add(f"{precision}.enabled")
         if enabled is True:
             fields["mixed_precision"] = precision
             mapped[f"{precision}.enabled"] = f"mixed_precision={precision}"
+        elif enabled is False and stated == "no":
+            mapped[f"{precision}.enabled"] = "false: full precision (fp32)"
         elif enabled == "auto":
             mapped[f"{precision}.enabled"] = "auto: the trainer's precision setting decides"
 
@@ -251,10 +265,23 @@ def translate_deepspeed(
             advice = f"{advice}: {value.get('type')} {value.get('params', {})}"
         unmapped[key] = advice or "unknown to this translation: check what it does and set the equivalent by hand"
 
-    result = DeepSpeedTranslation(FSDP2Config(**fields), trainer, mapped, unmapped)
+    result = DeepSpeedTranslation(FSDP2Config(**fields), trainer, mapped, unmapped, stated)
     if warn:
-        log_rank_zero("DeepSpeed config translated: %s", "; ".join(f"{k} -> {v}" for k, v in mapped.items()))
-        if unmapped:
-            listed = "".join(f"\n  {k}: {advice}" for k, advice in unmapped.items())
-            log_rank_zero("DeepSpeed config keys without an equivalent here:%s", listed, level=30)
+        log_rank_zero("DeepSpeed config translated to FSDP2:\n%s", result.summary(), level=30)
     return result
+
+
+def _stated_precision(flat: Mapping[str, Any]) -> str | None:
+    """The precision `bf16.enabled` / `fp16.enabled` state (see `DeepSpeedTranslation.precision`).
+
+    Raises:
+        ValueError: both are enabled (DeepSpeed refuses that too).
+    """
+    enabled = {p: flat.get(f"{p}.enabled") for p in ("bf16", "fp16")}
+    on = [p for p, value in enabled.items() if value is True]
+    if len(on) == 2:
+        raise ValueError("DeepSpeed config enables both bf16 and fp16; enable one (or neither, for fp32).")
+    if on:
+        return on[0]
+    given = [value for value in enabled.values() if value is not None]
+    return "no" if given and all(value is False for value in given) else None

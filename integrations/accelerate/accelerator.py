@@ -28,6 +28,7 @@ from fsdp2_strategy.tuning import example_batch_from
 
 from . import _compat as compat
 from . import checkpoint, throughput
+from .deepspeed_env import apply_to_accelerator, clip_before_each_step, log_summary
 from .device_map import check_quantised_device_map
 from .env import accelerate_cpu_requested
 from .parallelism import apply_parallelism_config, parallelism_mesh, requested_parallelism_config
@@ -165,6 +166,10 @@ class FSDP2Accelerator(Accelerator):
                 "each wrapped block.",
                 level=30,
             )
+        deepspeed = fsdp_plugin.deepspeed  # distributed_type: DEEPSPEED, translated
+        self._deepspeed_max_grad_norm = deepspeed.max_grad_norm if deepspeed else None
+        if deepspeed is not None:
+            log_summary(deepspeed, apply_to_accelerator(self, deepspeed))
         log_rank_zero(
             "FSDP2Accelerator: %d process(es), device %s, precision %s, %s",
             self.num_processes,
@@ -242,6 +247,13 @@ class FSDP2Accelerator(Accelerator):
                 obj._is_accelerate_prepared = True
         self.throughput = self.throughput or throughput.attach(self, self._throughput_every)
         return tuple(result) if len(result) > 1 else result[0]
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+        """Accelerate's; under a DeepSpeed launch with `gradient_clipping` the optimizer also clips
+        before each step, as DeepSpeed's engine does."""
+        prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)
+        clip_before_each_step(prepared.optimizer, self._deepspeed_max_grad_norm)
+        return prepared
 
     def _example_batch(self, args: tuple) -> Any:
         """For `objective="throughput"`: one micro-batch of the first DataLoader passed to this `prepare`

@@ -31,8 +31,8 @@ def accelerate_config_env(path: str | os.PathLike) -> dict[str, str]:
 
     Returns:
         The variables the launcher would set: `fsdp_config`'s keys (FSDP_*), ACCELERATE_USE_FSDP
-        or ACCELERATE_USE_DEEPSPEED and the DeepSpeed settings, ACCELERATE_MIXED_PRECISION and
-        ACCELERATE_USE_CPU where the file sets them.
+        or ACCELERATE_USE_DEEPSPEED with the DeepSpeed settings and ACCELERATE_CONFIG_DS_FIELDS (the
+        keys the file set), ACCELERATE_MIXED_PRECISION and ACCELERATE_USE_CPU where the file sets them.
 
     Raises:
         FileNotFoundError: If `path` is not a file.
@@ -65,6 +65,9 @@ def accelerate_config_env(path: str | os.PathLike) -> dict[str, str]:
         for key, value in deepspeed.items():
             if value is not None:
                 env[var_for(DEEPSPEED, key)] = _as_env(value)
+        # The keys the config itself set, as the launcher lists them (checked beside a DeepSpeed file).
+        given = [*deepspeed, *(["mixed_precision"] if config.get("mixed_precision") is not None else [])]
+        env["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(given)
     for key in ("mixed_precision", "use_cpu"):
         if config.get(key) is not None:
             env[var_for(TOP, key)] = _as_env(config[key])

@@ -16,7 +16,7 @@ from typing import Any
 
 from fsdp2_strategy.sharding_strategies import NAMES as STRATEGIES
 
-from .deepspeed_env import deepspeed_fields
+from .deepspeed_env import deepspeed_launch
 from .keys import FALSE, TRUE, flag, where
 
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
@@ -24,7 +24,7 @@ WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 STATE_DICT_TYPES = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded", "1": "full", "3": "sharded"}
 PRECISIONS = {"no": None, "bf16": "bf16", "fp16": "fp16"}
 
-ADAPTER_KEYS = ("state_dict_type", "cpu_ram_efficient_loading")
+ADAPTER_KEYS = ("state_dict_type", "cpu_ram_efficient_loading", "deepspeed")
 """Keys of `read_accelerate_env()`'s result that are not `FSDP2Config` fields."""
 
 
@@ -113,7 +113,8 @@ def read_accelerate_env(environ: Mapping[str, str] | None = None) -> dict[str, A
 
     Returns:
         `FSDP2Config` field names and adapter options mapped to the values the variables give
-        (a DeepSpeed config is translated; an FSDP config in the same launch wins).
+        (a DeepSpeed config is translated, and its `DeepSpeedLaunch` is the option "deepspeed"; an
+        FSDP config in the same launch wins).
 
     Raises:
         ValueError: If a variable holds a value the plugin cannot honour (FSDP1, activation
@@ -133,7 +134,8 @@ def read_accelerate_env(environ: Mapping[str, str] | None = None) -> dict[str, A
             "false (use fsdp_activation_checkpointing: true and fsdp_offload_params for memory savings)."
         )
     # distributed_type: DEEPSPEED: its config translated; an FSDP config in the same launch wins.
-    out: dict[str, Any] = {**deepspeed_fields(env), **_wrap_policy(env), **_sharding(env)}
+    deepspeed = deepspeed_launch(env)
+    out: dict[str, Any] = {**(deepspeed.fields() if deepspeed else {}), **_wrap_policy(env), **_sharding(env)}
     offload = flag(env, "FSDP_OFFLOAD_PARAMS")
     if offload is not None:
         out["cpu_offload"] = offload
@@ -142,9 +144,12 @@ def read_accelerate_env(environ: Mapping[str, str] | None = None) -> dict[str, A
         out["activation_checkpointing"] = "auto" if checkpointing else None
     if flag(env, "FSDP_FORWARD_PREFETCH"):
         out["forward_prefetch"] = 1
+    precision_env = dict(env)
+    if deepspeed is not None and deepspeed.mixed_precision is not None:
+        precision_env["ACCELERATE_MIXED_PRECISION"] = deepspeed.mixed_precision  # the DeepSpeed config's decides
     out.update(
         _lookup(
-            env,
+            precision_env,
             "ACCELERATE_MIXED_PRECISION",
             "mixed_precision",
             PRECISIONS,
@@ -167,6 +172,8 @@ def read_accelerate_env(environ: Mapping[str, str] | None = None) -> dict[str, A
     ram = flag(env, "FSDP_CPU_RAM_EFFICIENT_LOADING")
     if ram is not None:
         out["cpu_ram_efficient_loading"] = ram
+    if deepspeed is not None:
+        out["deepspeed"] = deepspeed
     return out
 
 

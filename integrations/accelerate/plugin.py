@@ -29,6 +29,7 @@ from fsdp2_strategy.precision import resolve_mixed_precision, resolve_offload
 from fsdp2_strategy.sharding_strategies import reshards_after_forward
 
 from . import _compat as compat
+from .deepspeed_env import DeepSpeedLaunch
 from .env import ADAPTER_KEYS, PRECISIONS, read_accelerate_env
 
 STOCK_ACCELERATOR_ERROR = (
@@ -142,6 +143,8 @@ class FSDP2Plugin(FullyShardedDataParallelPlugin):
             # transformers' from_pretrained reads this to load real weights on rank 0 only.
             os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
         self.keep_last = keep_last
+        self.deepspeed: DeepSpeedLaunch | None = adapter.get("deepspeed")
+        """The `distributed_type: DEEPSPEED` launch this plugin was read from, if any."""
         self._mirror_accelerate_fields()
 
     # ------------------------------------------------------------------ accelerate's view
@@ -169,13 +172,23 @@ class FSDP2Plugin(FullyShardedDataParallelPlugin):
 
     def with_precision(self, accelerate_name: str) -> None:
         """Apply `Accelerator(mixed_precision=...)` ("no", "bf16", "fp16") unless the plugin was
-        given its own precision, which must then agree."""
+        given its own precision, which must then agree. A DeepSpeed launch whose config states a
+        precision keeps it over "no" (stock Accelerate does) and refuses the other one."""
         if accelerate_name not in PRECISIONS:
             raise ValueError(
                 f"FSDP2Accelerator(mixed_precision={accelerate_name!r}) is not supported; use one of "
                 f"{', '.join(PRECISIONS)} (FSDP2 mixed-precision policies)."
             )
         value = PRECISIONS[accelerate_name]
+        stated = self.deepspeed.translation.precision if self.deepspeed is not None else None
+        if stated is not None and accelerate_name in ("no", stated):
+            return  # as stock Accelerate with DeepSpeed: the DeepSpeed config's precision decides
+        if stated is not None:
+            raise ValueError(
+                f"FSDP2Accelerator(mixed_precision={accelerate_name!r}) conflicts with the DeepSpeed config "
+                f"({self.deepspeed.source}), whose bf16/fp16 sections say {stated!r}; drop the argument or change "
+                "the DeepSpeed config."
+            )
         if self.precision_from_user and self.fsdp2_config.mixed_precision != value:
             raise ValueError(
                 f"FSDP2Accelerator(mixed_precision={accelerate_name!r}) conflicts with "

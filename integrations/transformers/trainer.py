@@ -67,9 +67,10 @@ def _check_deepspeed_agrees(translation: Any, args: Any, world_size: int) -> Non
         for name, value in translation.trainer.items()
         if name in hf and value != hf[name]
     ]
-    precision = translation.config.mixed_precision
-    if precision in ("bf16", "fp16") and not getattr(args, precision):
-        differ.append(f"DeepSpeed {precision}.enabled=true vs TrainingArguments {precision}=False")
+    stated, hf_precision = translation.precision, "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+    if stated is not None and stated != hf_precision:
+        ds = f"{stated}.enabled=true" if stated != "no" else "bf16/fp16 disabled (fp32)"
+        differ.append(f"DeepSpeed {ds} vs TrainingArguments bf16={args.bf16}, fp16={args.fp16}")
     if differ:
         raise ValueError(
             "The DeepSpeed config given as FSDP2Trainer(deepspeed=...) disagrees with TrainingArguments: "

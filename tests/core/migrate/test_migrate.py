@@ -44,10 +44,37 @@ def test_zero3_with_offload_bf16_and_trainer_settings(caplog):
     }
     assert "AdamW {'lr': 2e-05, 'weight_decay': 0.01}" in t.unmapped["optimizer"]
     assert t.unmapped["some_future_key"].startswith("unknown to this translation")
+    assert t.precision == "bf16"
+    # One WARNING block, visible by default: every key, mapped or not.
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and all(key in warnings[0] for key in t.unmapped)  # one warning, every key
-    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert any("zero_optimization.stage -> sharding_strategy=FULL_SHARD" in m for m in infos)
+    assert len(warnings) == 1 and all(key in warnings[0] for key in [*t.unmapped, *t.mapped])
+    for line in (
+        "zero_optimization.stage -> sharding_strategy=FULL_SHARD",
+        "bf16.enabled -> mixed_precision=bf16",
+        "gradient_accumulation_steps -> trainer gradient_accumulation_steps=8",
+        "gradient_clipping -> trainer max_grad_norm=1.0",
+        "steps_per_print: not translated: no effect here",
+    ):
+        assert line in warnings[0], line
+
+
+@pytest.mark.parametrize(
+    "sections, stated",
+    [
+        ({"bf16": {"enabled": True}}, "bf16"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": False}}, "fp16"),
+        ({"bf16": {"enabled": False}}, "no"),
+        ({"bf16": {"enabled": False}, "fp16": {"enabled": False}}, "no"),
+        ({"bf16": {"enabled": "auto"}}, None),
+        ({"bf16": {"enabled": False}, "fp16": {"enabled": "auto"}}, None),
+        ({}, None),
+    ],
+)
+def test_the_precision_a_config_states(sections, stated):
+    """Disabled is stated too (fp32, which a trainer's precision must not override); "auto" is not."""
+    t = f2.translate_deepspeed({"zero_optimization": {"stage": 2}, **sections}, warn=False)
+    assert t.precision == stated
+    assert t.config.mixed_precision == (stated if stated in ("bf16", "fp16") else None)
 
 
 @pytest.mark.parametrize(
@@ -103,3 +130,5 @@ def test_bad_configs_name_the_problem(tmp_path):
         f2.translate_deepspeed(tmp_path / "list.json")
     with pytest.raises(ValueError, match="stage=4 is unknown"):
         f2.translate_deepspeed({"zero_optimization": {"stage": 4}})
+    with pytest.raises(ValueError, match="enables both bf16 and fp16"):
+        f2.translate_deepspeed({"bf16": {"enabled": True}, "fp16": {"enabled": True}})

@@ -225,23 +225,139 @@ DEEPSPEED = {
 }
 
 
-def test_a_deepspeed_launch_is_read_as_its_fsdp2_equivalent(tmp_path, caplog):
+def test_a_deepspeed_launch_is_read_as_its_fsdp2_equivalent(tmp_path):
     """`distributed_type: DEEPSPEED`: the inline keys or the config file, translated by the core."""
-    import logging
-
-    with caplog.at_level(logging.INFO, logger="fsdp2_strategy"):
-        got = read_accelerate_env(DEEPSPEED)
+    got = read_accelerate_env(DEEPSPEED)
+    launch = got.pop("deepspeed")
     assert got == {"sharding_strategy": "FULL_SHARD", "cpu_offload": True, "mixed_precision": "bf16"}
-    assert any("zero_optimization.stage -> sharding_strategy=FULL_SHARD" in r.getMessage() for r in caplog.records)
+    # Inline keys: the launcher's mixed_precision decides; clipping is applied by the accelerator.
+    assert (launch.mixed_precision, launch.max_grad_norm, launch.source) == (
+        "bf16",
+        1.0,
+        "the inline deepspeed_config keys",
+    )
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}))
     file_env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "ds.json")}
-    assert read_accelerate_env(file_env) == {"sharding_strategy": "SHARD_GRAD_OP", "mixed_precision": "fp16"}
+    got = read_accelerate_env(file_env)
+    assert got.pop("deepspeed").source == f"deepspeed_config_file {tmp_path / 'ds.json'}"
+    assert got == {"sharding_strategy": "SHARD_GRAD_OP", "mixed_precision": "fp16"}
     with pytest.raises(FileNotFoundError, match="`deepspeed_config_file`"):
         read_accelerate_env({**file_env, "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "no.json")})
     with pytest.raises(
         ValueError, match=r"ACCELERATE_DEEPSPEED_ZERO_STAGE \(accelerate config key `zero_stage`\)='three'"
     ):
         read_accelerate_env({**DEEPSPEED, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "three"})
+
+
+EXPLICIT_DS = {
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    "bf16": {"enabled": True},
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 0.5,
+}
+"""A DeepSpeed file with every mapped key stated (not "auto")."""
+
+
+def _explicit_file(tmp_path, **changes) -> dict:
+    path = tmp_path / "explicit_ds.json"
+    path.write_text(json.dumps({**EXPLICIT_DS, **changes}))
+    return {
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path),
+        "ACCELERATE_MIXED_PRECISION": "no",  # what the launcher sets when the accelerate config has none
+        "ACCELERATE_CONFIG_DS_FIELDS": "deepspeed_config_file,zero3_init_flag",
+    }
+
+
+def _deepspeed_reading(env: dict) -> tuple[dict, object]:
+    got = read_accelerate_env(env)
+    return got, got.pop("deepspeed")
+
+
+def test_a_deepspeed_file_decides_precision_accumulation_and_clipping(tmp_path):
+    """As stock Accelerate with DeepSpeed: the file's stated values win over the launcher's defaults,
+    each one (a dropped mapping fails its own assertion)."""
+    got, launch = _deepspeed_reading(_explicit_file(tmp_path))
+    assert got == {"sharding_strategy": "FULL_SHARD", "cpu_offload": True, "mixed_precision": "bf16"}
+    assert (launch.mixed_precision, launch.gradient_accumulation_steps, launch.max_grad_norm) == ("bf16", 4, 0.5)
+    # fp32 stated in the file is kept too, over the launcher's bf16 only by refusing it (below).
+    got, launch = _deepspeed_reading(_explicit_file(tmp_path, bf16={"enabled": False}))
+    assert got["mixed_precision"] is None and launch.mixed_precision == "no"
+    # "auto" leaves precision to the accelerate config, as stock Accelerate fills it.
+    auto = _explicit_file(tmp_path, bf16={"enabled": "auto"})
+    got, launch = _deepspeed_reading({**auto, "ACCELERATE_MIXED_PRECISION": "fp16"})
+    assert got["mixed_precision"] == "fp16" and launch.mixed_precision == "fp16"
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"ACCELERATE_MIXED_PRECISION": "fp16"},
+            r"ACCELERATE_MIXED_PRECISION \(accelerate config key `mixed_precision`\)='fp16' conflicts with the "
+            r"DeepSpeed config \(deepspeed_config_file .*explicit_ds.json\), whose bf16/fp16 sections say 'bf16'",
+        ),
+        (
+            {"ACCELERATE_CONFIG_DS_FIELDS": "deepspeed_config_file,gradient_accumulation_steps,mixed_precision"},
+            r"The accelerate config sets gradient_accumulation_steps, mixed_precision beside deepspeed_config_file "
+            r".*explicit_ds.json, which holds them .*remove them from the accelerate config",
+        ),
+    ],
+)
+def test_a_deepspeed_file_with_other_values_in_the_accelerate_config_is_refused(tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        read_accelerate_env({**_explicit_file(tmp_path), **changes})
+
+
+def test_an_accelerate_config_file_of_deepspeed_reads_as_the_launch_does(tmp_path):
+    """`apply_accelerate_config` (Ray, notebooks): the same variables as `accelerate launch`, the keys the
+    config set listed, so a config that sets mixed_precision beside the DeepSpeed file is refused alike."""
+    import yaml
+
+    from fsdp2_strategy.integrations.accelerate import accelerate_config_env
+
+    env = _explicit_file(tmp_path)
+    config = {
+        "distributed_type": "DEEPSPEED",
+        "deepspeed_config": {"deepspeed_config_file": env["ACCELERATE_DEEPSPEED_CONFIG_FILE"]},
+    }
+    (tmp_path / "ds.yaml").write_text(yaml.safe_dump(config))
+    got, launch = _deepspeed_reading(accelerate_config_env(tmp_path / "ds.yaml"))
+    assert got["mixed_precision"] == "bf16" and (launch.gradient_accumulation_steps, launch.max_grad_norm) == (4, 0.5)
+    (tmp_path / "ds.yaml").write_text(yaml.safe_dump({**config, "mixed_precision": "bf16"}))
+    with pytest.raises(ValueError, match="sets mixed_precision beside deepspeed_config_file"):
+        read_accelerate_env(accelerate_config_env(tmp_path / "ds.yaml"))
+
+
+def test_the_plugin_keeps_a_deepspeed_files_precision_over_the_accelerators(tmp_path, monkeypatch):
+    """`Accelerator(mixed_precision="no")` leaves the file's bf16 (stock Accelerate's DeepSpeed path
+    does); another low precision is refused, naming both."""
+    for key, value in _explicit_file(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    plugin = FSDP2Plugin()
+    plugin.with_precision("no")
+    assert plugin.fsdp2_config.mixed_precision == "bf16" and plugin.accelerate_precision == "bf16"
+    with pytest.raises(ValueError, match=r"mixed_precision='fp16'\) conflicts with the DeepSpeed config .*say 'bf16'"):
+        plugin.with_precision("fp16")
+
+
+def test_accelerate_launch_of_a_deepspeed_config_trains_what_the_file_says(deepspeed_path, tmp_path):
+    """`accelerate launch` of a DEEPSPEED config with DeepSpeed installed (its launcher path: torchrun,
+    the file's path, mixed_precision "no"): ZeRO-3, bf16, 2 micro-batches a step and clipping at 0.05
+    from ds_config.json are applied, equal to one fp32 process's clipped step over both micro-batches,
+    and one WARNING block lists each key (deepspeed_launch.py checks it on every rank)."""
+    out = tmp_path / "deepspeed.json"
+    launch(
+        "accelerate",
+        "deepspeed_launch.py",
+        out,
+        tmp_path,
+        cwd=SCRIPTS,
+        config=SCRIPTS / "deepspeed.yaml",
+        pythonpath=[deepspeed_path],
+        env={"DS_ACCELERATOR": "cpu"},
+    )
+    FlowReports(rank_reports(out, 2)).assert_passed("deepspeed_file")
 
 
 def test_one_table_names_each_key_in_both_directions(tmp_path):

@@ -175,6 +175,7 @@ def test_accelerate_config_env_maps_yaml_as_accelerate_launch_does(tmp_path):
         "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
         "ACCELERATE_GRADIENT_CLIPPING": "1.0",
         "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true",
+        "ACCELERATE_CONFIG_DS_FIELDS": "zero_stage,offload_optimizer_device,gradient_clipping,zero3_init_flag,mixed_precision",
         "ACCELERATE_MIXED_PRECISION": "bf16",
     }
     with pytest.raises(FileNotFoundError, match="accelerate config"):

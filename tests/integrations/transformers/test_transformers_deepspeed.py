@@ -101,3 +101,57 @@ def test_training_arguments_deepspeed_is_refused_with_the_move(monkeypatch):
 
     with pytest.raises(ValueError, match=r"move the file to FSDP2Trainer\(deepspeed=\.\.\.\)"):
         _refuse_other_engines(Args())
+
+
+EXPLICIT = {
+    "zero_optimization": {"stage": 2},
+    "bf16": {"enabled": True},
+    "train_micro_batch_size_per_gpu": 3,
+    "gradient_accumulation_steps": 4,
+    "gradient_clipping": 0.5,
+    "train_batch_size": 24,
+}
+"""Every trainer value stated (not "auto"): each one is compared with TrainingArguments."""
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"gradient_accumulation_steps": 2}, "DeepSpeed gradient_accumulation_steps=4 vs TrainingArguments gradient_accumulation_steps=2"),
+        ({"max_grad_norm": 1.0}, "DeepSpeed gradient_clipping=0.5 vs TrainingArguments max_grad_norm=1.0"),
+        ({"per_device_train_batch_size": 2}, "DeepSpeed train_micro_batch_size_per_gpu=3 vs TrainingArguments per_device_train_batch_size=2"),
+        ({"bf16": False}, "DeepSpeed bf16.enabled=true vs TrainingArguments bf16=False, fp16=False"),
+        ({"bf16": False, "fp16": True}, "DeepSpeed bf16.enabled=true vs TrainingArguments bf16=False, fp16=True"),
+    ],
+)  # fmt: skip
+def test_each_stated_deepspeed_value_is_checked_against_training_arguments(change, named):
+    """`FSDP2Trainer(deepspeed=...)`'s check, value by value: equal arguments pass; one argument changed
+    is named with both values (the stock integration's `fill_match` check)."""
+    from types import SimpleNamespace
+
+    import fsdp2_strategy as f2
+    from fsdp2_strategy.integrations.transformers.trainer import _check_deepspeed_agrees
+
+    translation = f2.translate_deepspeed(EXPLICIT, warn=False)
+    agreeing = dict(
+        gradient_accumulation_steps=4, max_grad_norm=0.5, per_device_train_batch_size=3, bf16=True, fp16=False
+    )
+    _check_deepspeed_agrees(translation, SimpleNamespace(**agreeing), world_size=2)  # 3 x 4 x 2 = 24
+    with pytest.raises(ValueError, match="disagrees with TrainingArguments") as info:
+        _check_deepspeed_agrees(translation, SimpleNamespace(**{**agreeing, **change}), world_size=2)
+    assert named in str(info.value)
+    with pytest.raises(ValueError, match="DeepSpeed train_batch_size=24 vs TrainingArguments train_batch_size=36"):
+        _check_deepspeed_agrees(translation, SimpleNamespace(**agreeing), world_size=3)
+
+
+def test_a_deepspeed_config_stating_fp32_is_checked_against_bf16_arguments():
+    from types import SimpleNamespace
+
+    import fsdp2_strategy as f2
+    from fsdp2_strategy.integrations.transformers.trainer import _check_deepspeed_agrees
+
+    translation = f2.translate_deepspeed({"bf16": {"enabled": False}}, warn=False)
+    args = dict(gradient_accumulation_steps=1, max_grad_norm=1.0, per_device_train_batch_size=2, fp16=False)
+    _check_deepspeed_agrees(translation, SimpleNamespace(**args, bf16=False), world_size=1)
+    with pytest.raises(ValueError, match=r"DeepSpeed bf16/fp16 disabled \(fp32\) vs TrainingArguments bf16=True"):
+        _check_deepspeed_agrees(translation, SimpleNamespace(**args, bf16=True), world_size=1)
