@@ -156,6 +156,10 @@ def test_setup_shards_by_policy_and_rebinds_the_optimizer_and_equals_one_process
     flows.assert_passed("parity")
 
 
+def test_validate_first_then_build_the_optimizer_trains_as_one_process(flows):
+    flows.assert_passed("validate_first")
+
+
 def test_no_backward_sync_reduces_once_per_step(flows):
     flows.assert_passed("accumulation")
 

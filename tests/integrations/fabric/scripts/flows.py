@@ -95,6 +95,33 @@ def parity(out: dict, work: Path) -> None:
     check.below("two steps equal one process's (relative)", out["max_rel_diff"], TOL)
 
 
+def validate_first(out: dict, work: Path) -> None:
+    """`setup_module`, a validation pass under no_grad, then the optimizer and `setup_optimizers`, then
+    training: the validation leaves the root and the last block gathered, so the optimizer is built
+    on FSDP's gathered copies; the engine points it at the shards at its first step."""
+    fabric = Fabric(strategy="fsdp2")
+    raw, ref = fresh(7)
+    model = fabric.setup_module(raw)
+    with torch.no_grad():
+        val_loss = loss_on(model, rank_slice(fabric.global_rank, fabric.world_size, BATCHES[0])).item()
+    built_on = [isinstance(p, DTensor) for p in model.parameters()]
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
+    _train(fabric, model, optimizer)
+    reference_steps(ref, torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9), BATCHES)
+    out.update(
+        val_loss=fabric.all_reduce(torch.tensor(val_loss), reduce_op="mean").item(),
+        gathered_when_built=built_on.count(False),
+        optimizer_params_dtensor=[isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]],
+        max_rel_diff=max_rel_diff(full_params(raw), params(ref)),
+    )
+    check = Checks(out)
+    check.that("the validation loss is a loss", out["val_loss"] > 0, out["val_loss"])
+    check.that("the validation left parameters gathered", out["gathered_when_built"] > 0, out["gathered_when_built"])
+    dtensors = out["optimizer_params_dtensor"]
+    check.that("after the first step the optimizer holds the shards", all(dtensors), dtensors)
+    check.below("two SGD-momentum steps equal one process's (relative)", out["max_rel_diff"], TOL)
+
+
 def accumulation(out: dict, work: Path) -> None:
     """`no_backward_sync` on the first of two micro-batches: one reduce-scatter per group per step."""
     fabric = Fabric(strategy="fsdp2")
@@ -632,6 +659,7 @@ def model_parallel(out: dict, work: Path) -> None:
 
 FLOWS = [
     parity,
+    validate_first,
     accumulation,
     clipping,
     precision,

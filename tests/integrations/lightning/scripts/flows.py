@@ -84,14 +84,16 @@ def _rs(counts) -> int:
 
 
 def one_step_parity(out: dict, work: Path) -> None:
-    """One step of `Trainer(strategy="fsdp2")` on 2 ranks against one process on the same global batch."""
+    """One step of `Trainer(strategy="fsdp2")` on 2 ranks against one process on the same global batch,
+    after Lightning's sanity check (validation batches under no_grad before the first step)."""
     check = Checks(out)
     model, initial = _fresh()
-    fit = trainer(max_steps=1)
-    fit.fit(model, loader(BATCH))
+    fit = trainer(max_steps=1, num_sanity_val_steps=2)
+    fit.fit(model, loader(BATCH), val_dataloaders=loader(BATCH, shuffle=False))
     full = full_params(model)
     ref, _ = reference_step(initial, _all_indices(model))
     seen = model.seen
+    check.equal("the sanity check ran 2 validation batches", list(fit.num_sanity_val_batches), [2])
     check.equal("strategy is FSDP2Strategy", seen["strategy"], "FSDP2Strategy")
     check.that("the root module is sharded", isinstance(model, FSDPModule))
     check.equal("mesh dims", seen["mesh_dims"], ["data_parallel", "tensor_parallel"])
