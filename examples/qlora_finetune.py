@@ -7,7 +7,8 @@ projection, the 4-bit base sharded across the ranks, through Lightning's Trainer
 
 The "pretrained" model is built from a config and saved in bf16 (nothing is downloaded), then
 loaded as QLoRA recipes do: `from_pretrained(..., quantization_config=BitsAndBytesConfig(4-bit))`
-and `peft.get_peft_model`. The task: sequences counting up modulo the vocabulary, so the loss has
+and `peft.get_peft_model`. It computes in bf16 where the CPU does so natively, in fp32 elsewhere
+(`--precision` chooses; through the HF Trainer the accelerate config file's `mixed_precision`). The task: sequences counting up modulo the vocabulary, so the loss has
 something to learn. At the end rank 0 prints one JSON line: the 4-bit bytes each rank holds against
 the whole base, the first and last training losses, and the adapter reloaded with
 `PeftModel.from_pretrained` on a fresh 4-bit base: its logits against the trained model's.
@@ -23,6 +24,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from reviews import choose_precision  # examples/reviews.py: shared by the examples
 
 import fsdp2_strategy as f2
 
@@ -43,8 +45,8 @@ def save_pretrained_base(folder: Path) -> None:
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
 
 
-def load_qlora(folder: Path, lora: bool = True):
-    """The base in NF4 (double quantisation, bf16 compute), and PEFT LoRA r=8 on every projection."""
+def load_qlora(folder: Path, dtype: torch.dtype, lora: bool = True):
+    """The base in NF4 (double quantisation, computing in `dtype`), and PEFT LoRA r=8 on every projection."""
     import peft
     import transformers
 
@@ -52,11 +54,9 @@ def load_qlora(folder: Path, lora: bool = True):
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_compute_dtype=dtype,
     )
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, quantization_config=quantisation, dtype=torch.bfloat16
-    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantisation, dtype=dtype)
     model.train()  # from_pretrained returns eval mode; bitsandbytes' CPU eval kernel is for inference
     if not lora:
         return model
@@ -86,7 +86,7 @@ def run_lightning(args, folder: Path) -> dict:
     class QLoRA(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            self.model, self.losses = load_qlora(folder), []
+            self.model, self.losses = load_qlora(folder, args.dtype), []
 
         def forward(self, ids, labels=None):  # through the root: FSDP gathers what this module holds
             return self.model(input_ids=ids, labels=labels)
@@ -105,7 +105,7 @@ def run_lightning(args, folder: Path) -> dict:
         strategy=FSDP2Strategy(),
         accelerator="cpu",
         devices=args.devices,
-        precision="bf16-mixed",
+        precision=args.precision,
         max_steps=args.max_steps,
         logger=False,
         enable_checkpointing=False,
@@ -138,11 +138,13 @@ def run_hf(args, folder: Path) -> dict:
         logging_steps=1,
         save_strategy="no",
         use_cpu=True,
-        bf16=True,
+        bf16=args.dtype == torch.bfloat16,
         report_to=[],
         disable_tqdm=True,
     )
-    trainer = Trainer(model=load_qlora(folder), args=training_args, train_dataset=rows, callbacks=[Losses()])
+    trainer = Trainer(
+        model=load_qlora(folder, args.dtype), args=training_args, train_dataset=rows, callbacks=[Losses()]
+    )
     trainer.train()
     return finish(
         trainer.model, lambda ids: trainer.model(input_ids=ids), folder, args, losses, trainer.accelerator.process_index
@@ -159,10 +161,15 @@ def finish(model, forward, folder: Path, args, losses: list[float], rank: int) -
     probe = counting_data(2)
     with torch.no_grad():
         trained = forward(probe).logits.float()
-    result = {"trainer": args.trainer, "base_MiB_this_rank": round(local / 2**20, 3), "base_MiB_whole": None}
+    result = {
+        "trainer": args.trainer,
+        "precision": args.precision,
+        "base_MiB_this_rank": round(local / 2**20, 3),
+        "base_MiB_whole": None,
+    }
     if rank != 0:
         return result
-    reloaded = peft.PeftModel.from_pretrained(load_qlora(folder, lora=False), adapter)
+    reloaded = peft.PeftModel.from_pretrained(load_qlora(folder, args.dtype, lora=False), adapter)
     _, result["base_MiB_whole"] = base_bytes(reloaded)
     with torch.no_grad():
         again = reloaded(input_ids=probe).logits.float()
@@ -183,7 +190,19 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="per rank")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out-dir", type=Path, default=Path("runs/qlora_finetune"))
+    parser.add_argument(
+        "--precision",
+        choices=("bf16-mixed", "32-true"),
+        default=None,
+        help="the compute dtype (bf16 or fp32) of the 4-bit layers and the trainer's precision; default: "
+        "bf16-mixed where this CPU computes in bf16 natively, else 32-true (through the HF Trainer: the "
+        "accelerate config file's mixed_precision)",
+    )
     args = parser.parse_args()
+    if args.precision is None and args.trainer == "hf":  # the accelerate config's policy: compute alike
+        args.precision = "bf16-mixed" if os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" else "32-true"
+    args.precision = args.precision or choose_precision("cpu")
+    args.dtype = torch.bfloat16 if args.precision == "bf16-mixed" else torch.float32
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     for message in (".*does not have many workers.*", ".*DistributedSampler.*", "DTensor random"):
         warnings.filterwarnings("ignore", message=message)
