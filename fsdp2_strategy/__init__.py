@@ -11,6 +11,7 @@ Example:
 from . import _torch_compat  # noqa: F401  (checks the private torch names the core uses; raises ImportError naming them)
 from .checkpoint import (
     Checkpointer,
+    UntrustedCheckpointError,
     export_full,
     export_peft,
     full_weights,
@@ -61,6 +62,7 @@ from .versions import warn_untested_versions
 __all__ = [
     "AccumulationMode",
     "Checkpointer",
+    "UntrustedCheckpointError",
     "DeepSpeedTranslation",
     "EngineState",
     "PREEMPTION_EXIT_CODE",

@@ -2,7 +2,7 @@
 DCP directory with its commit marker and checksums (`directory`, `integrity`), asynchronous and
 overlapped saves (`async_save`), one directory per step (`Checkpointer`), whether a checkpoint fits
 a model (`matching`), the layouts a failed load names and the optimizer groups it checks
-(`layout`), resuming a trainer from a converted step (`converted`), full weights in and out (`full_weights`,
+(`layout`), every checkpoint file read as data (`safe_load`), resuming a trainer from a converted step (`converted`), full weights in and out (`full_weights`,
 `export`, `weight_stream`), trainable-only checkpoints (`trainable`) and PEFT adapters and merged
 weights out (`peft`, `peft_export`).
 
@@ -19,6 +19,13 @@ from .export import export_full, inspect_checkpoint, read_full_model_state, writ
 from .full_weights import load_full_weights
 from .peft import peft_models, save_peft_adapter
 from .peft_export import export_peft
+from .safe_load import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UntrustedCheckpointError,
+    load_small_file,
+    read_metadata_file,
+)
 from .state import (
     Models,
     Optimizers,
@@ -40,6 +47,9 @@ __all__ = [
     "Checkpointer",
     "Models",
     "Optimizers",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "UntrustedCheckpointError",
     "directory",
     "export_full",
     "export_peft",
@@ -47,6 +57,7 @@ __all__ = [
     "is_checkpointer_step",
     "load_full_weights",
     "load_into",
+    "load_small_file",
     "load_step_dir",
     "make_saver",
     "model_state",
@@ -54,6 +65,7 @@ __all__ = [
     "owning_models",
     "peft_models",
     "read_full_model_state",
+    "read_metadata_file",
     "resume_counters",
     "step_extra",
     "full_weights",

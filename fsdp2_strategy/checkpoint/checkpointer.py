@@ -34,6 +34,7 @@ from ..preemption import PREEMPTION_EXIT_CODE, PreemptionWatch
 from . import directory as cdir
 from .async_save import AsyncSaver, default_stager
 from .directory import TMP_PREFIX
+from .safe_load import load_small_file
 from .state import Models, Optimizers, sharded_state
 
 EXTRA_FILE = "extra.pt"
@@ -119,7 +120,8 @@ class Checkpointer:
         """Save `model`/`optimizer` state (sharded) and `extra` as step `step`.
 
         `extra` is any picklable object (step counters, RNG states, data-loader position);
-        rank 0's value is saved and `load()` returns it on every rank. Raises ValueError if
+        rank 0's value is saved and `load()` returns it on every rank (types beyond tensors,
+        containers, primitives and NumPy arrays load with `trusted=True` or torch's safe globals). Raises ValueError if
         `step` is already committed. With `async_save` this returns before the write ends.
         `on_commit(step_dir)` runs on every rank once the step is committed: before `save()`
         returns, or for an asynchronous save in `wait()` (which the next `save()` calls).
@@ -194,12 +196,17 @@ class Checkpointer:
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         step: int | str = "latest",
+        trusted: bool = False,
     ) -> Any:
         """Load step `step` (default: the latest committed) into `model`/`optimizer`; return `extra`.
 
-        Works across world sizes and sharding layouts (DCP reshards on read). Raises
-        FileNotFoundError if the step is not committed, ValueError if the checkpoint does not
-        match the model (missing, unexpected or differently shaped keys are listed).
+        Works across world sizes and sharding layouts (DCP reshards on read). Every file is read as
+        data: a type beyond tensors, containers, primitives and NumPy arrays (in `extra`, say) is
+        refused unless `trusted=True` (a checkpoint you wrote yourself) or admitted with
+        `torch.serialization.add_safe_globals`. Raises FileNotFoundError if the step is not committed,
+        ValueError if the checkpoint does not match the model (missing, unexpected or differently
+        shaped keys are listed), `UntrustedCheckpointError` (a ValueError) for a refused type; the
+        model and optimizer are unchanged after any of them.
         """
         self.wait()
         _check_types(model, optimizer)
@@ -214,6 +221,7 @@ class Checkpointer:
             model=model,
             optimizer=optimizer,
             hint=f"Load an earlier step with load(step=N); other committed steps: {others or 'none'}.",
+            trusted=trusted,
         )
 
     # ------------------------------------------------------------------ internals
@@ -277,20 +285,24 @@ def load_step_dir(
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     hint: str = "",
+    trusted: bool = False,
 ) -> Any:
     """Collective: load one committed step directory written by `Checkpointer.save`; return its `extra`.
 
     For a step directory that lives outside a Checkpointer root (a copy a cluster manager such
-    as Ray Train stored and hands back). Same checks as `Checkpointer.load`: checksums, model
-    compatibility, optimizer state present; `hint` is added to a checksum error.
+    as Ray Train stored and hands back). Same checks as `Checkpointer.load` (checksums, files read
+    as data unless `trusted`, model compatibility, optimizer state present); `hint` is added to a
+    checksum error.
     """
     if model is None and optimizer is not None:
         raise ValueError("load_step_dir(optimizer=...) needs model= too: optimizer state is keyed by parameter names.")
     path = Path(path)
     models, optimizers = _named(model, optimizer)
-    cdir.load_dir(path, models, optimizers, hint=hint)
+    cdir.verify_dir(path, hint)
+    extra = read_extra(path, trusted=trusted)  # before the model changes: a refused `extra` changes nothing
+    cdir.load_dir(path, models, optimizers, trusted=trusted, verify=False)
     log_rank_zero("Loaded checkpoint %s", path)
-    return read_extra(path)
+    return extra
 
 
 def _named(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> tuple[Models, Optimizers]:
@@ -303,10 +315,10 @@ def _named(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> 
     return {MODEL_KEY: model}, ({OPTIM_KEY: (model, optimizer)} if optimizer is not None else {})
 
 
-def read_extra(path: Path) -> Any:
+def read_extra(path: Path, *, trusted: bool = False) -> Any:
+    """The `extra` saved in step directory `path` (None if none), read as data unless `trusted`
+    (`safe_load.load_small_file`), onto the CPU so that a checkpoint from an accelerator loads anywhere."""
     file = path / EXTRA_FILE
     if not file.is_file():
         return None
-    # Our own file holding arbitrary picklable state (not only tensors); mapped to CPU so a
-    # checkpoint from an accelerator machine loads anywhere.
-    return torch.load(file, map_location="cpu", weights_only=False)
+    return load_small_file(file, name=file, trusted=trusted)

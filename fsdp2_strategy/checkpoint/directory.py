@@ -36,12 +36,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..distributed import barrier, from_rank_zero, is_distributed, logger, rank
 from . import integrity as integrity
+from . import safe_load
 from .async_save import AsyncSaver
 from .layout import check_param_groups, layouts_named, saved_group_keys
 from .matching import MAX_LISTED, check_compatible, check_same_base, has_prefix, saved_keys
@@ -311,25 +312,35 @@ def alternatives_hint(path: Path) -> str:
     )
 
 
-def read_metadata(path: Path) -> Metadata:
-    """DCP's metadata of a committed directory (tensor names, shapes, dtypes); ValueError if unreadable."""
+def read_metadata(path: Path, *, trusted: bool = False) -> Metadata:
+    """DCP's metadata of a committed directory (tensor names, shapes, dtypes), read as data
+    (`safe_load.read_metadata_file`; `trusted`: by the full unpickler).
+
+    Raises:
+        FileNotFoundError: no `.metadata`.
+        UntrustedCheckpointError: it names a type outside DCP's metadata (not `trusted`).
+        ValueError: it is unreadable.
+    """
     try:
-        return FileSystemReader(str(path)).read_metadata()
-    except FileNotFoundError:
+        return safe_load.read_metadata_file(Path(path) / METADATA, trusted=trusted)
+    except (FileNotFoundError, safe_load.UntrustedCheckpointError):
         raise
-    except Exception as exc:  # a truncated or overwritten `.metadata` fails anywhere inside unpickling
-        raise ValueError(
-            f"{Path(path) / METADATA} is unreadable ({type(exc).__name__}: {exc}): the checkpoint is "
-            f"damaged. Load or export an earlier step. {alternatives_hint(Path(path))}"
-        ) from exc
+    except ValueError as exc:  # a truncated or overwritten `.metadata`
+        raise ValueError(f"{exc} Load or export an earlier step. {alternatives_hint(Path(path))}") from exc
 
 
-def load_dcp(state: dict, path: Path) -> None:
-    """Collective: fill `state` in place from the DCP files in `path` (resharding as needed)."""
+def load_dcp(state: dict, path: Path, *, trusted: bool = False) -> None:
+    """Collective: fill `state` in place from the DCP files in `path` (resharding as needed), every
+    file read as data unless `trusted` (`safe_load`)."""
+    reader = safe_load.SafeFileSystemReader(path, trusted=trusted)
+    planner = safe_load.SafeLoadPlanner(path, trusted=trusted)
     try:
         with single_process_quiet():
-            dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=not is_distributed())
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=not is_distributed())
     except CheckpointException as exc:
+        refused = [err for err, _ in exc.failures.values() if isinstance(err, safe_load.UntrustedCheckpointError)]
+        if refused:
+            raise refused[0] from None
         raise RuntimeError(f"DCP load from {path} failed: {dcp_failure(exc)}") from exc
 
 
@@ -340,19 +351,31 @@ def dcp_failure(exc: CheckpointException) -> str:
 
 
 def load_dir(
-    path: Path, models: Models, optimizers: Optimizers | None = None, *, strict: bool = True, hint: str = ""
+    path: Path,
+    models: Models,
+    optimizers: Optimizers | None = None,
+    *,
+    strict: bool = True,
+    hint: str = "",
+    trusted: bool = False,
+    verify: bool = True,
 ) -> None:
     """Collective: load the models and optimizers saved under their keys in committed directory `path`.
 
-    The counterpart of `save_dir`. In order: checksums verified (`hint` is added to that error),
-    every model checked against the checkpoint (missing, unexpected and differently shaped keys;
-    `strict=False` loads the keys both sides have), each optimizer's state checked to be there,
-    then DCP reads (resharding to this world size) and the state is applied. Raises ValueError
-    before anything changes.
+    The counterpart of `save_dir`. In order: checksums verified (`hint` is added to that error;
+    `verify=False`: the caller verified them),
+    the metadata and every non-tensor entry read as data (`safe_load`; `trusted`: by the full
+    unpickler), every model checked against the checkpoint (missing, unexpected and differently
+    shaped keys; `strict=False` loads the keys both sides have), each optimizer's state checked to be
+    there, then DCP reads (resharding to this world size) and the state is applied. Raises ValueError
+    (`UntrustedCheckpointError` for a refused type) before anything changes.
     """
     path = Path(path)
-    verify_dir(path, hint)
-    metadata = read_metadata(path)
+    if verify:
+        verify_dir(path, hint)
+    metadata = read_metadata(path, trusted=trusted)
+    if not trusted:
+        safe_load.check_byte_entries(path, metadata)
     optimizers = optimizers or {}
     absent = [
         f"no optimizer state under {key!r} in checkpoint (it was saved without that optimizer); load without it"
@@ -374,10 +397,10 @@ def load_dir(
         state = {**model_states, **fingerprints, **without_markers(sharded_state({}, optimizers), optimizers)}
         saved_groups = {k: None for key in optimizers for k in saved_group_keys(metadata.state_dict_metadata, key)}
         if saved_groups:  # the parameter names of each saved group: a few small entries
-            load_dcp(saved_groups, path)
+            load_dcp(saved_groups, path, trusted=trusted)
             check_param_groups(path, saved_groups, {key: state[key] for key in optimizers})
         if state:
-            load_dcp(state, path)
+            load_dcp(state, path, trusted=trusted)
         for key in sorted(partial):
             check_same_base(path, key, state[fingerprint_key(key)], models[key])
         unstepped = frozenset(k for k in optimizers if f"{k}.{UNSTEPPED}" in metadata.state_dict_metadata)

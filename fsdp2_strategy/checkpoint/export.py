@@ -16,7 +16,6 @@ from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -24,6 +23,7 @@ from ..distributed import logger
 from ..precision import dtype_from_name
 from . import directory as cdir
 from . import integrity as integrity
+from . import safe_load
 from .hf_files import DEFAULT_MAX_SHARD_BYTES, ShardWriter
 from .layout import saved_world_size
 from .peft import PEFT_ENTRY
@@ -146,7 +146,8 @@ def _dcp_read(ckpt_dir: Path, state: dict[str, Any]) -> None:
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp.load(state, storage_reader=FileSystemReader(str(ckpt_dir)), no_dist=True)
+            reader = safe_load.SafeFileSystemReader(ckpt_dir)  # `.metadata` read as data again here
+            dcp.load(state, storage_reader=reader, planner=safe_load.SafeLoadPlanner(ckpt_dir), no_dist=True)
         except CheckpointException as exc:  # a BaseException whose text is a whole traceback
             raise ValueError(
                 f"Reading the shards of {ckpt_dir} failed ({cdir.dcp_failure(exc)}): the checkpoint is damaged or "

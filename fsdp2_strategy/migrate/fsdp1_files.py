@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from ..checkpoint import SafeFileSystemReader, SafeLoadPlanner, UntrustedCheckpointError, read_metadata_file
 
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 """Module names FSDP1's and activation checkpointing's wrappers add to parameter names."""
@@ -98,7 +99,7 @@ def read_dcp_values(folder: Path, keys: list[str]) -> dict[str, Any]:
         entry = meta[key]
         state[key] = torch.empty((), dtype=entry.properties.dtype) if isinstance(entry, TensorStorageMetadata) else None
     if state:
-        dcp.load(state, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+        dcp.load(state, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(folder), no_dist=True)
     return state
 
 
@@ -114,14 +115,16 @@ def dcp_small_entries(folder: Path, tops: list[str]) -> dict[str, Any]:
 
 def _read_dcp_tensor(folder: Path, key: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     out = {key: torch.empty(shape, dtype=dtype)}
-    dcp.load(out, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+    dcp.load(out, storage_reader=SafeFileSystemReader(folder), planner=SafeLoadPlanner(folder), no_dist=True)
     return out[key]
 
 
 @functools.lru_cache(maxsize=16)
 def _metadata(folder: Path) -> Any:
     try:
-        return FileSystemReader(str(folder)).read_metadata()
+        return read_metadata_file(folder / ".metadata")
+    except UntrustedCheckpointError:
+        raise
     except Exception as exc:
         raise ValueError(
             f"{folder / '.metadata'} is not a readable DCP metadata file ({type(exc).__name__}: {exc}); "

@@ -425,6 +425,18 @@ CHECKPOINT_ROWS = [
         ("garbage/step-000001/.metadata is unreadable", "damaged", _CKPT_FIX),
     ),
     Row(
+        "Checkpointer.load a .metadata that runs code",
+        lambda e: f2.Checkpointer(e.root / "crafted").load(model=e.model),
+        f2.UntrustedCheckpointError,
+        ("crafted/step-000001/.metadata holds the type posix.getcwd", "trusted=True", "add_safe_globals"),
+    ),
+    Row(
+        "inspect_checkpoint a .metadata that runs code",
+        lambda e: f2.inspect_checkpoint(e.root / "crafted"),
+        f2.UntrustedCheckpointError,
+        (".metadata holds the type posix.getcwd", "trusted=True"),
+    ),
+    Row(
         "export_full format",
         lambda e: f2.export_full(e.root / "ckpt", e.root / "out", format="onnx"),
         ValueError,

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,6 +98,7 @@ class Env:
             ("garbage", _garbage_metadata),
             ("shardless", _drop_shards),
             ("plain", _drop_checksums),
+            ("crafted", _code_in_metadata),
         )
         for name, edit in edits:
             shutil.copytree(root / "ckpt", root / name)
@@ -131,6 +133,18 @@ def _flip_byte(step: Path) -> None:
 def _garbage_metadata(step: Path) -> None:
     (step / "checksums.json").unlink()  # plain DCP: nothing to catch it before unpickling
     (step / ".metadata").write_bytes(b"\x80\x04garbage")
+
+
+class _RunsCode:
+    """Unpickled by the full unpickler, it would call `os.getcwd` (harmless: the row checks it is refused)."""
+
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+def _code_in_metadata(step: Path) -> None:
+    (step / ".metadata").write_bytes(pickle.dumps(_RunsCode()))  # checksums.json left stale: unlink it
+    (step / "checksums.json").unlink()
 
 
 def _drop_checksums(step: Path) -> None:
