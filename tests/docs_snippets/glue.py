@@ -28,6 +28,13 @@ class Glue:
 # ----- what the set-up code builds --------------------------------------------------------------
 
 
+class Settings:
+    """A user's own type saved in a checkpoint's `extra` (docs/guides/security.md)."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+
 class Block(nn.Module):
     """A residual MLP block: the repeated unit `wrap_policy="auto"` finds."""
 
@@ -270,6 +277,12 @@ GLUE: dict[tuple[str, str], Glue] = {
     ("docs/guides/checkpoints.md", "save-load"): Glue(
         setup=_SHARDED_CLASSIFIER,
         check="assert extra['step'] == 9 and ckpt.latest_step() == 9",
+    ),
+    ("docs/guides/security.md", "trust"): Glue(
+        setup=_SHARDED_CLASSIFIER + "from docs_snippets.glue import Settings\n",
+        check="assert extra['settings'].lr == 3e-4\n"
+        "try:\n    ckpt.load(model=model)\n    raise AssertionError('a type of its own loaded without a switch')\n"
+        "except f2.UntrustedCheckpointError as exc:\n    assert 'Settings' in str(exc), exc",
     ),
     ("docs/guides/preemption.md", "exit-if-preempted"): Glue(
         setup=_SHARDED_CLASSIFIER,
