@@ -23,6 +23,7 @@ from .safe_load import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     UntrustedCheckpointError,
+    load_small_file,
     read_metadata_file,
 )
 from .state import (
@@ -56,6 +57,7 @@ __all__ = [
     "is_checkpointer_step",
     "load_full_weights",
     "load_into",
+    "load_small_file",
     "load_step_dir",
     "make_saver",
     "model_state",

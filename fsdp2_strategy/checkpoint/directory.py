@@ -329,11 +329,11 @@ def read_metadata(path: Path, *, trusted: bool = False) -> Metadata:
         raise ValueError(f"{exc} Load or export an earlier step. {alternatives_hint(Path(path))}") from exc
 
 
-def load_dcp(state: dict, path: Path, *, trusted: bool = False) -> None:
+def load_dcp(state: dict, path: Path, *, trusted: bool = False, checked: dict[str, Any] | None = None) -> None:
     """Collective: fill `state` in place from the DCP files in `path` (resharding as needed), every
-    file read as data unless `trusted` (`safe_load`)."""
+    file read as data unless `trusted` (`safe_load`; `checked`: entries `check_byte_entries` read)."""
     reader = safe_load.SafeFileSystemReader(path, trusted=trusted)
-    planner = safe_load.SafeLoadPlanner(path, trusted=trusted)
+    planner = safe_load.SafeLoadPlanner(path, trusted=trusted, checked=checked)
     try:
         with single_process_quiet():
             dcp.load(state, storage_reader=reader, planner=planner, no_dist=not is_distributed())
@@ -374,8 +374,7 @@ def load_dir(
     if verify:
         verify_dir(path, hint)
     metadata = read_metadata(path, trusted=trusted)
-    if not trusted:
-        safe_load.check_byte_entries(path, metadata)
+    checked = None if trusted else safe_load.check_byte_entries(path, metadata)
     optimizers = optimizers or {}
     absent = [
         f"no optimizer state under {key!r} in checkpoint (it was saved without that optimizer); load without it"
@@ -397,10 +396,10 @@ def load_dir(
         state = {**model_states, **fingerprints, **without_markers(sharded_state({}, optimizers), optimizers)}
         saved_groups = {k: None for key in optimizers for k in saved_group_keys(metadata.state_dict_metadata, key)}
         if saved_groups:  # the parameter names of each saved group: a few small entries
-            load_dcp(saved_groups, path, trusted=trusted)
+            load_dcp(saved_groups, path, trusted=trusted, checked=checked)
             check_param_groups(path, saved_groups, {key: state[key] for key in optimizers})
         if state:
-            load_dcp(state, path, trusted=trusted)
+            load_dcp(state, path, trusted=trusted, checked=checked)
         for key in sorted(partial):
             check_same_base(path, key, state[fingerprint_key(key)], models[key])
         unstepped = frozenset(k for k in optimizers if f"{k}.{UNSTEPPED}" in metadata.state_dict_metadata)

@@ -72,13 +72,23 @@ def model_tensor_keys(metadata: Metadata) -> dict[str, str]:
     return {k: k for k in sorted(tensors)}
 
 
-def read_full_model_state(checkpoint_dir: str | Path, step: int | None = None) -> dict[str, torch.Tensor]:
+def read_full_model_state(
+    checkpoint_dir: str | Path, step: int | None = None, *, verify: bool = True
+) -> dict[str, torch.Tensor]:
     """The model's full (unsharded) tensors from a sharded checkpoint, in this one process.
 
     For single-process use (inference, `load_from_checkpoint`): every tensor is materialised,
-    so this needs host memory for the whole model; `export_full` streams instead.
+    so this needs host memory for the whole model; `export_full` streams instead. The files are
+    checked against `checksums.json` first (`verify=False`: the caller did), then read as data.
+
+    Raises:
+        ValueError: a file does not match `checksums.json`, or the metadata is unreadable
+            (`UntrustedCheckpointError` where it holds a type DCP's metadata does not).
     """
     ckpt_dir = resolve_checkpoint_dir(checkpoint_dir, step)
+    problems = integrity.check(ckpt_dir) if verify else []  # one process: not the collective verify_dir
+    if problems:
+        raise ValueError(f"Checkpoint {ckpt_dir} is damaged and was not read:\n  " + "\n  ".join(problems))
     metadata = cdir.read_metadata(ckpt_dir)
     keys = model_tensor_keys(metadata)
     return _read(ckpt_dir, metadata, keys, list(keys), None)
@@ -319,6 +329,13 @@ def inspect_checkpoint(path: str | Path, step: int | None = None) -> CheckpointI
     path = Path(path)
     steps = {step: cdir.is_committed(child) for step, child in cdir.step_dirs(path).items()}
     ckpt_dir = resolve_checkpoint_dir(path, step)
+    problems = integrity.check(ckpt_dir)  # before any file is parsed
+    unverified = [p for p in problems if p.split(":")[0] in (cdir.METADATA, integrity.CHECKSUMS_FILE)]
+    if unverified:
+        raise ValueError(
+            f"Checkpoint {ckpt_dir} is damaged: " + "; ".join(unverified) + f". Its {cdir.METADATA} is not read "
+            f"when it does not match {integrity.CHECKSUMS_FILE}. {cdir.alternatives_hint(ckpt_dir)}"
+        )
     metadata = cdir.read_metadata(ckpt_dir)
     tensors, others = {}, []
     for key, meta in sorted(metadata.state_dict_metadata.items()):
@@ -333,5 +350,5 @@ def inspect_checkpoint(path: str | Path, step: int | None = None) -> CheckpointI
         tensors,
         others,
         checksummed=(ckpt_dir / integrity.CHECKSUMS_FILE).is_file(),
-        problems=integrity.check(ckpt_dir),
+        problems=problems,
     )

@@ -19,6 +19,7 @@ file, the type and both switches.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import io
 import pickle
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
 
@@ -72,8 +74,11 @@ NUMPY_GLOBALS = (
 """NumPy arrays and scalars (`np.random.get_state()`, metric values): admitted in small files."""
 
 TRUST_HINT = (
-    "If you trust where this checkpoint came from (you wrote it), load it with trusted=True "
-    "(Checkpointer.load, load_step_dir), or admit this one type with torch.serialization.add_safe_globals([...])."
+    "If you trust where this checkpoint came from (you wrote it), admit this one type with "
+    "torch.serialization.add_safe_globals([...]), or trust the whole checkpoint: trusted=True "
+    "(Checkpointer.load, load_step_dir, convert_*_checkpoint), weights_only=False (Lightning's "
+    "trainer.fit(ckpt_path=...), fabric.load; accelerator.load_state(dir, load_kwargs={'weights_only': False})), "
+    "--trust (the convert commands)."
 )
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _TORCH_KINDS = (torch.dtype, torch.layout, torch.memory_format)
@@ -145,19 +150,20 @@ def read_metadata_file(path: Path, *, trusted: bool = False) -> Metadata:
     return metadata
 
 
-def load_small_file(source: Path | io.BytesIO, *, name: str | Path, trusted: bool = False) -> Any:
+def load_small_file(source: Path | io.BytesIO, *, name: str | Path, trusted: bool = False, mmap: bool = False) -> Any:
     """`torch.load` of a small checkpoint file (or a shard file's non-tensor entry) onto the CPU:
-    `weights_only` plus `NUMPY_GLOBALS` unless `trusted`. `name` is what the error calls it.
+    `weights_only` plus `NUMPY_GLOBALS` unless `trusted`. `name` is what the error calls it; `mmap`:
+    a file's tensors are read when used (a large file whose small entries are wanted).
 
     Raises:
         UntrustedCheckpointError: it holds another type (not `trusted`).
         ValueError: it is unreadable.
     """
     if trusted:
-        return torch.load(source, map_location="cpu", weights_only=False)
+        return torch.load(source, map_location="cpu", weights_only=False, mmap=mmap)
     try:
         with _numpy_admitted():
-            return torch.load(source, map_location="cpu", weights_only=True)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         refused = re.search(r"GLOBAL ([\w.]+)|got <class '([\w.]+)'>", str(exc))
         if refused or "weights_only" in str(exc).lower():
@@ -187,16 +193,20 @@ def _numpy_admitted() -> Iterator[None]:
         yield
 
 
-def check_byte_entries(checkpoint: Path, metadata: Metadata) -> None:
+def check_byte_entries(checkpoint: Path, metadata: Metadata) -> dict[str, Any]:
     """Read every non-tensor entry of the shard files with `load_small_file` before DCP loads anything,
     so that a refused entry leaves the model and optimizer unchanged (DCP fills tensors in place as it
     reads). Entries DCP wrote through a transform (compression) are left to `SafeLoadPlanner`.
+
+    Returns:
+        The entries read, by fqn: give them to `SafeLoadPlanner(checked=)` so each is unpickled once.
 
     Raises:
         UntrustedCheckpointError: an entry holds a type the reader does not admit.
         ValueError: an entry or its shard file is unreadable.
     """
     checkpoint = Path(checkpoint)
+    checked: dict[str, Any] = {}
     for fqn, entry in metadata.state_dict_metadata.items():
         info = metadata.storage_data.get(MetadataIndex(fqn)) if isinstance(entry, BytesStorageMetadata) else None
         if info is None or getattr(info, "transform_descriptors", None):
@@ -208,7 +218,8 @@ def check_byte_entries(checkpoint: Path, metadata: Metadata) -> None:
                 data = f.read(info.length)
         except OSError as exc:
             raise ValueError(f"{name} is unreadable ({exc}): the checkpoint is damaged.") from exc
-        load_small_file(io.BytesIO(data), name=name)
+        checked[fqn] = load_small_file(io.BytesIO(data), name=name)
+    return checked
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -229,18 +240,25 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner whose non-tensor entries are read by `load_small_file`."""
+    """DCP's default load planner whose non-tensor entries are read by `load_small_file` (DCP's own
+    `load_bytes` is `torch.load(weights_only=False)`), or taken from `checked` (`check_byte_entries`)."""
 
-    def __init__(self, checkpoint: Path, *, trusted: bool = False) -> None:
+    def __init__(self, checkpoint: Path, *, trusted: bool = False, checked: dict[str, Any] | None = None) -> None:
         super().__init__()
         self._checkpoint = Path(checkpoint)
         self._trusted = trusted
+        self._checked = checked or {}
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        if not self._trusted:
-            name = f"{self._checkpoint} (its entry {read_item.dest_index.fqn!r})"
-            checked = load_small_file(value, name=name)
-            value = io.BytesIO()
-            torch.save(checked, value)  # what DCP's planner unpickles is what passed the check
-            value.seek(0)
-        super().load_bytes(read_item, value)
+        if self._trusted:
+            super().load_bytes(read_item, value)
+            return
+        fqn = read_item.dest_index.fqn
+        if fqn in self._checked:
+            obj = copy.deepcopy(self._checked[fqn])  # a load may read the same entry twice
+        else:
+            obj = load_small_file(value, name=f"{self._checkpoint} (its entry {fqn!r})")
+        if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes, minus its full unpickler
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj

@@ -36,7 +36,7 @@ from fsdp2_strategy.checkpoint import directory as cdir
 from fsdp2_strategy.checkpoint import read_full_model_state
 from fsdp2_strategy.versions import find_private, private_api_error
 
-from .._lightning_shared import META_FILE, ShutdownAfterWorker, is_sharded_checkpoint
+from .._lightning_shared import ShutdownAfterWorker, is_sharded_checkpoint, read_meta
 
 _missing: list[str] = []
 find_private("lightning.pytorch.core.saving:pl_load", _missing)
@@ -62,12 +62,13 @@ def load_sharded_as_full(path: str | Path, map_location: Any = None, weights_onl
     """A sharded checkpoint as the dict a full `.ckpt` file holds (model weights gathered).
 
     For one process (`load_from_checkpoint`, inference): checksums are verified first, then
-    the model tensors are read unsharded; optimizer state is not loaded.
+    `meta.pt` and the model tensors are read as data (`meta.pt` trusted with `weights_only=False`),
+    the tensors unsharded onto the CPU; optimizer state is not loaded.
     """
     path = Path(path)
     cdir.verify_dir(path)
-    checkpoint = _original_pl_load(path / META_FILE, map_location=map_location, weights_only=weights_only)
-    checkpoint["state_dict"] = read_full_model_state(path)
+    checkpoint = read_meta(path, weights_only)
+    checkpoint["state_dict"] = read_full_model_state(path, verify=False)  # verified above
     return checkpoint
 
 
