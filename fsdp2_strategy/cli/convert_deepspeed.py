@@ -1,5 +1,5 @@
 """`fsdp2-strategy convert-deepspeed SOURCE TARGET [--tag TAG] [--step N] [--optimizer AdamW|Adam]
-[--weights-only] [--no-progress]`: a DeepSpeed ZeRO-1/2/3 checkpoint folder into a committed step of
+[--weights-only] [--no-progress] [--trust]`: a DeepSpeed ZeRO-1/2/3 checkpoint folder into a committed step of
 ours under TARGET (`migrate.convert_deepspeed_checkpoint`)."""
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def add_parser(sub: Any) -> None:
         "--weights-only", action="store_true", help="write the weights and buffers only, no optimizer state"
     )
     cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cmd.add_argument(
+        "--trust", action="store_true", help="unpickle any type in the source (a checkpoint you wrote yourself)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         weights_only=args.weights_only,
         progress=not args.no_progress,
+        trusted=args.trust,
     )
     print(f"wrote {result}")
     return 0

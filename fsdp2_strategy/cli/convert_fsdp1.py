@@ -1,5 +1,5 @@
 """`fsdp2-strategy convert-fsdp1 SOURCE TARGET [--optimizer-file FILE] [--step N] [--model SPEC]
-[--weights-only] [--no-progress]`: an FSDP1 checkpoint (torch, Lightning `FSDPStrategy`, Accelerate;
+[--weights-only] [--no-progress] [--trust]`: an FSDP1 checkpoint (torch, Lightning `FSDPStrategy`, Accelerate;
 sharded or full) into a committed step of ours under TARGET (`migrate.convert_fsdp1_checkpoint`)."""
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ def add_parser(sub: Any) -> None:
         "--weights-only", action="store_true", help="write the weights and buffers only, no optimizer state"
     )
     cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cmd.add_argument(
+        "--trust", action="store_true", help="unpickle any type in the source (a checkpoint you wrote yourself)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         model=model,
         weights_only=args.weights_only,
         progress=not args.no_progress,
+        trusted=args.trust,
     )
     print(f"wrote {result}")
     return 0

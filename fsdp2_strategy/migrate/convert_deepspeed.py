@@ -77,6 +77,7 @@ def convert_deepspeed_checkpoint(
     optimizer: str = "AdamW",
     weights_only: bool = False,
     progress: bool = True,
+    trusted: bool = False,
 ) -> ConvertedCheckpoint:
     """Convert a DeepSpeed ZeRO-1/2/3 checkpoint into a committed step under `target_dir`.
 
@@ -94,12 +95,15 @@ def convert_deepspeed_checkpoint(
             hyperparameter names complete the saved groups (those DeepSpeed's own optimizers lack).
         weights_only: write the fp32 weights and buffers only (any optimizer; no optimizer state).
         progress: show a progress bar (tqdm) while tensors are written.
+        trusted: unpickle any type in the source's files (a folder you wrote yourself whose extra
+            state holds your own types); by default they are read as data and another type is refused.
 
     Returns:
         What was written (`ConvertedCheckpoint`).
 
     Raises:
         FileNotFoundError: no such folder or tag, or no `latest` and no `tag`.
+        UntrustedCheckpointError: a file holds a type not read as data (not `trusted`); nothing is written.
         ValueError: a save this converter cannot read, named by file and key: tensor or pipeline
             parallel (`mp_rank_01`), ZeRO stage 0, missing rank files, a non-Adam optimizer state, or
             an existing step at the target.
@@ -113,7 +117,7 @@ def convert_deepspeed_checkpoint(
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r}: expected one of {sorted(OPTIMIZERS)}")
     step_dir = resolve_step_dir(Path(source_dir), tag)
-    layout = ZeroLayout(find_files(step_dir))
+    layout = ZeroLayout(find_files(step_dir), trusted=trusted)
     step = int(layout.model_states.get("global_steps", 0)) if step is None else step
     directory.check_step(step)
     final = Path(target_dir) / step_dir_name(step)

@@ -70,6 +70,7 @@ def convert_fsdp1_checkpoint(
     model: nn.Module | None = None,
     weights_only: bool = False,
     progress: bool = True,
+    trusted: bool = False,
 ) -> ConvertedFSDP1Checkpoint:
     """Convert an FSDP1 checkpoint into a committed step under `target_dir`.
 
@@ -91,12 +92,15 @@ def convert_fsdp1_checkpoint(
             positions follow the state dict's order, checked against each state's shape.
         weights_only: write the model state only (no optimizer state).
         progress: show a progress bar (tqdm) while tensors are written.
+        trusted: unpickle any type in the source's files (a folder you wrote yourself whose extra
+            state holds your own types); by default they are read as data and another type is refused.
 
     Returns:
         What was written (`ConvertedFSDP1Checkpoint`).
 
     Raises:
         FileNotFoundError: `source` or `optimizer_file` does not exist.
+        UntrustedCheckpointError: a file holds a type not read as data (not `trusted`); nothing is written.
         ValueError: a save this converter cannot read, named by file and key (no model state, optimizer
             state not keyed by parameter, names or shapes that do not match the model state, no optimizer
             state without `weights_only`), or an existing step at the target.
@@ -107,7 +111,7 @@ def convert_fsdp1_checkpoint(
             "convert_fsdp1_checkpoint runs in one process (it writes an unsharded checkpoint that any "
             "world size loads); call it before init_process_group, or use `fsdp2-strategy convert-fsdp1`."
         )
-    save = read_fsdp1_save(Path(source), Path(optimizer_file) if optimizer_file is not None else None)
+    save = read_fsdp1_save(Path(source), Path(optimizer_file) if optimizer_file is not None else None, trusted=trusted)
     loaders: Loaders = {}
     model_state = _model_entries(save.model, loaders)
     state: dict[str, Any] = {MODEL_KEY: model_state}

@@ -25,7 +25,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..checkpoint import SafeFileSystemReader, SafeLoadPlanner, UntrustedCheckpointError, read_metadata_file
+from ..checkpoint import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UntrustedCheckpointError,
+    load_small_file,
+    read_metadata_file,
+)
 
 WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 """Module names FSDP1's and activation checkpointing's wrappers add to parameter names."""
@@ -133,16 +139,18 @@ def _metadata(folder: Path) -> Any:
 
 
 # ---------------------------------------------------------------------- torch files
-def load_torch_file(path: Path) -> Any:
-    """A `torch.save` file, memory-mapped (its tensors are read when used).
+def load_torch_file(path: Path, *, trusted: bool = False) -> Any:
+    """A `torch.save` file, memory-mapped (its tensors are read when used), read as data
+    (`load_small_file`: tensors, containers, primitives, NumPy arrays) unless `trusted`.
 
     Raises:
+        UntrustedCheckpointError: it holds another type (not `trusted`).
         ValueError: naming the file when torch cannot read it.
     """
     try:
-        # weights_only=False: Lightning's and Accelerate's files pickle their own objects (loops,
-        # callbacks' states); these are the user's own training files, as for Lightning's own load.
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        return load_small_file(path, name=path, trusted=trusted, mmap=True)
+    except UntrustedCheckpointError:
+        raise
     except Exception as exc:
         raise ValueError(f"{path} is not a readable torch checkpoint file ({type(exc).__name__}: {exc})") from exc
 

@@ -47,12 +47,13 @@ class FSDP1Save:
     source_world_size: int | None = None
 
 
-def read_fsdp1_save(source: Path, optimizer_file: Path | None = None) -> FSDP1Save:
+def read_fsdp1_save(source: Path, optimizer_file: Path | None = None, *, trusted: bool = False) -> FSDP1Save:
     """The save at `source` (see the module's table), its optimizer from `optimizer_file` for a full
-    model file.
+    model file; its torch files read as data unless `trusted` (`fsdp1_files.load_torch_file`).
 
     Raises:
         FileNotFoundError: `source` (or `optimizer_file`) does not exist.
+        UntrustedCheckpointError: a torch file holds a type not read as data (not `trusted`).
         ValueError: naming the path when it is none of the formats read here.
     """
     if not source.exists():
@@ -62,13 +63,13 @@ def read_fsdp1_save(source: Path, optimizer_file: Path | None = None) -> FSDP1Sa
     if is_dcp_folder(source):
         if optimizer_file is not None:
             raise ValueError(f"{source} is a DCP folder holding its optimizer state: pass no optimizer file")
-        return _dcp_save(source)
+        return _dcp_save(source, trusted)
     if source.is_dir():
-        return _accelerate_save(source)
-    return _file_save(source, optimizer_file)
+        return _accelerate_save(source, trusted)
+    return _file_save(source, optimizer_file, trusted)
 
 
-def _dcp_save(folder: Path) -> FSDP1Save:
+def _dcp_save(folder: Path, trusted: bool) -> FSDP1Save:
     keys = dcp_top_keys(folder)
     if "model" not in keys:
         raise ValueError(
@@ -78,7 +79,7 @@ def _dcp_save(folder: Path) -> FSDP1Save:
     optim_key = next((k for k in DCP_OPTIM_KEYS if k in keys), None)
     world = dcp_world_size(folder)
     if (folder / LIGHTNING_META).is_file():
-        meta = load_torch_file(folder / LIGHTNING_META)
+        meta = load_torch_file(folder / LIGHTNING_META, trusted=trusted)
         return FSDP1Save(
             "lightning-sharded",
             dcp_source(folder, "model"),
@@ -100,13 +101,13 @@ def _dcp_save(folder: Path) -> FSDP1Save:
     )
 
 
-def _accelerate_save(folder: Path) -> FSDP1Save:
+def _accelerate_save(folder: Path, trusted: bool) -> FSDP1Save:
     model_dcp, model_bin = folder / f"{ACCELERATE_MODEL}_0", folder / f"{ACCELERATE_MODEL}.bin"
     optim_dcp, optim_bin = folder / f"{ACCELERATE_OPTIM}_0", folder / f"{ACCELERATE_OPTIM}.bin"
     if is_dcp_folder(model_dcp):
         model, world = dcp_source(model_dcp, "model"), dcp_world_size(model_dcp)
     elif model_bin.is_file():
-        model, world = dict_source(model_bin, load_torch_file(model_bin)), None
+        model, world = dict_source(model_bin, load_torch_file(model_bin, trusted=trusted)), None
     else:
         names = sorted(p.name for p in folder.iterdir())[:10]
         raise ValueError(
@@ -117,19 +118,19 @@ def _accelerate_save(folder: Path) -> FSDP1Save:
     if is_dcp_folder(optim_dcp):
         optim: TensorSource | None = dcp_source(optim_dcp, "optimizer")
     elif optim_bin.is_file():
-        optim = dict_source(optim_bin, load_torch_file(optim_bin))
+        optim = dict_source(optim_bin, load_torch_file(optim_bin, trusted=trusted))
     else:
         optim = None
     state: dict[str, Any] = {}
     if (folder / "scheduler.bin").is_file():
-        state["lr_scheduler"] = load_torch_file(folder / "scheduler.bin")
+        state["lr_scheduler"] = load_torch_file(folder / "scheduler.bin", trusted=trusted)
     rng = folder / "random_states_0.pkl"
-    counter = _int(load_torch_file(rng).get("step")) if rng.is_file() else None
+    counter = _int(load_torch_file(rng, trusted=trusted).get("step")) if rng.is_file() else None
     return FSDP1Save("accelerate", model, optim, state, counter, world)
 
 
-def _file_save(path: Path, optimizer_file: Path | None) -> FSDP1Save:
-    state = load_torch_file(path)
+def _file_save(path: Path, optimizer_file: Path | None, trusted: bool) -> FSDP1Save:
+    state = load_torch_file(path, trusted=trusted)
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds a {type(state).__name__}, not a state dict or a Lightning checkpoint")
     if "state_dict" in state and "optimizer_states" in state:
@@ -151,7 +152,7 @@ def _file_save(path: Path, optimizer_file: Path | None) -> FSDP1Save:
             f"{path} is neither a Lightning checkpoint nor a model state dict (non-tensor entries "
             f"{sorted(map(str, tensors))[:5]}); pass a FULL_STATE_DICT model file, a DCP folder or a save_state folder"
         )
-    optim = dict_source(optimizer_file, load_torch_file(optimizer_file)) if optimizer_file else None
+    optim = dict_source(optimizer_file, load_torch_file(optimizer_file, trusted=trusted)) if optimizer_file else None
     return FSDP1Save("torch-full", dict_source(path, state), optim)
 
 

@@ -10,9 +10,11 @@
   partition of each parameter group and the base optimizer's state over the same flat partition.
 
 The optimizer files pickle a few DeepSpeed objects (`ZeroStageEnum`, `LossScaler`,
-`fragment_address`); `load_file` unpickles every `deepspeed.*` class as a plain stand-in, so reading
-needs neither DeepSpeed nor its version. Files are memory-mapped: a tensor's bytes are read when a
-slice of it is used.
+`fragment_address`); `load_file` unpickles those classes (`DEEPSPEED_GLOBALS`) as plain stand-ins, so
+reading needs neither DeepSpeed nor its version. Everything else is read as torch's `weights_only`
+reader reads (tensors, containers, primitives, NumPy arrays): a folder from someone else runs none of
+its author's code; `trusted=True` unpickles any type (a `client_state` of your own types). Files are
+memory-mapped: a tensor's bytes are read when a slice of it is used.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..checkpoint import load_small_file
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 OPTIM_FILE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -58,13 +62,30 @@ ENGINE_KEYS = frozenset(
 caller's `client_state`."""
 
 
+DEEPSPEED_GLOBALS = (
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+"""The DeepSpeed classes DeepSpeed's ZeRO files pickle (0.14-0.19): read as `DeepSpeedObject` stand-ins."""
+
+
 class DeepSpeedObject:
     """Stand-in for an object of a `deepspeed.*` class found in a checkpoint file: keeps the arguments
     it was built from (`args`) and its pickled state (`state`)."""
 
+    args: tuple = ()
+    state: Any = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> DeepSpeedObject:
+        obj = super().__new__(cls)
+        obj.args = args  # set here too: torch's weights_only reader builds objects by __new__ alone
+        return obj
+
     def __init__(self, *args: Any, **kwargs: Any):
         self.args = args
-        self.state: Any = kwargs or None
+        self.state = kwargs or None
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
@@ -73,10 +94,19 @@ class DeepSpeedObject:
         return f"<deepspeed {type(self).__name__} {self.args or ''}{self.state or ''}>"
 
 
+def _stand_in(module: str, name: str) -> type[DeepSpeedObject]:
+    return type(name, (DeepSpeedObject,), {"__module__": module})
+
+
+_STAND_INS = [(_stand_in(*full.rsplit(".", 1)), full) for full in DEEPSPEED_GLOBALS]
+
+
 class _Unpickler(pickle.Unpickler):
+    """The full unpickler (`trusted=True`), DeepSpeed's classes as stand-ins."""
+
     def find_class(self, module: str, name: str) -> Any:
         if module == "deepspeed" or module.startswith("deepspeed."):
-            return type(name, (DeepSpeedObject,), {"__module__": module})
+            return _stand_in(module, name)
         return super().find_class(module, name)
 
 
@@ -85,15 +115,22 @@ _PICKLE = types.SimpleNamespace(
 )
 
 
-def load_file(path: Path) -> dict[str, Any]:
-    """One DeepSpeed `.pt` file, memory-mapped, DeepSpeed's classes as `DeepSpeedObject` stand-ins.
+def load_file(path: Path, *, trusted: bool = False) -> dict[str, Any]:
+    """One DeepSpeed `.pt` file, memory-mapped, DeepSpeed's classes as `DeepSpeedObject` stand-ins,
+    read as data (see the module docstring) unless `trusted`.
 
-    Raises ValueError naming the file when it cannot be read (a truncated or foreign file).
+    Raises:
+        UntrustedCheckpointError: the file holds a type outside those read as data (not `trusted`).
+        ValueError: naming the file when it cannot be read (a truncated or foreign file).
     """
     try:
-        # weights_only=False: DeepSpeed pickles its own objects (see the module docstring); these are
-        # the user's own training files, as for `torch.load` in DeepSpeed's `zero_to_fp32.py`.
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False, pickle_module=_PICKLE)
+        if trusted:
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=False, pickle_module=_PICKLE)
+        else:
+            with torch.serialization.safe_globals(_STAND_INS):
+                state = load_small_file(path, name=path, mmap=True)
+    except ValueError:  # load_small_file's, naming the file (UntrustedCheckpointError among them)
+        raise
     except Exception as exc:
         raise ValueError(f"{path} is not a readable DeepSpeed checkpoint file ({type(exc).__name__}: {exc})") from exc
     if not isinstance(state, dict):

@@ -48,15 +48,17 @@ class ZeroLayout:
 
     Args:
         files: the save's files (`zero_files.find_files`).
+        trusted: unpickle any type in them (`zero_files.load_file`).
 
     Raises:
         ValueError: naming the file and key when the save is not one this converter reads.
     """
 
-    def __init__(self, files: ZeroFiles):
+    def __init__(self, files: ZeroFiles, *, trusted: bool = False):
         self.files = files
-        self.model_states = load_file(files.model_files[0])
-        optim = [load_file(f) for f in files.optim_files]
+        self.trusted = trusted
+        self.model_states = load_file(files.model_files[0], trusted=trusted)
+        optim = [load_file(f, trusted=trusted) for f in files.optim_files]
         self._osd = [self._optimizer_dict(f, o) for f, o in zip(files.optim_files, optim)]
         first = self._osd[0]
         self.stage = plain_int(first["zero_stage"]) if "zero_stage" in first else 1  # bf16 optimizer: ZeRO-1 like
@@ -206,7 +208,9 @@ class ZeroLayout:
         if self.stage < 3:  # full tensors: ZeRO-2's fragments, or ZeRO-1's module state
             fragments = self.model_states.get("frozen_param_fragments") or self.model_states.get("module") or {}
             return {name: functools.partial(_copy, fragments[name]) for name in shapes}
-        per_rank = [load_file(f).get("frozen_param_fragments") or {} for f in self.files.model_files]
+        per_rank = [
+            load_file(f, trusted=self.trusted).get("frozen_param_fragments") or {} for f in self.files.model_files
+        ]
 
         def full(name: str) -> torch.Tensor:
             numel = math.prod(shapes[name])

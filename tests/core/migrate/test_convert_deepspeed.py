@@ -34,6 +34,7 @@ from helpers.deepspeed_models import (
     worst_difference,
 )
 from helpers.harness import launch, run_distributed
+from helpers.untrusted import plant
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.cli import main
@@ -199,6 +200,27 @@ def test_refusals_name_the_file_and_the_fix(deepspeed_run, tmp_path):
     with pytest.raises(ValueError, match="step-000003 already exists"):
         f2.convert_deepspeed_checkpoint(sgd, tmp_path / "out", weights_only=True)
     assert main(["convert-deepspeed", str(untagged), str(tmp_path / "cli")]) == 2  # a message, no traceback
+
+
+def test_a_file_that_runs_code_is_refused_and_trust_converts_it(deepspeed_run, tmp_path):
+    """A model-states file carrying a pickle that runs code (as a `client_state` entry can): refused
+    naming the file, the type and the switch, nothing run or written; `trusted=True` / `--trust`
+    convert it. DeepSpeed's own classes (ZeroStageEnum, LossScaler, fragment_address) are read as
+    data: every other test here converts real saves without the switch."""
+    marker = tmp_path / "ran"
+    crafted = _copy_tag(deepspeed_run, 2, tmp_path / "crafted")
+    plant(crafted / "mp_rank_00_model_states.pt", marker, checksums=False)
+    with pytest.raises(
+        f2.UntrustedCheckpointError, match=r"mp_rank_00_model_states\.pt holds the type (posix|os)\.system.*--trust"
+    ):
+        f2.convert_deepspeed_checkpoint(crafted, tmp_path / "out")
+    assert main(["convert-deepspeed", str(crafted), str(tmp_path / "out")]) == 2
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    f2.convert_deepspeed_checkpoint(crafted, tmp_path / "out", trusted=True, progress=False)
+    assert marker.exists()
+    marker.unlink()
+    assert main(["convert-deepspeed", str(crafted), str(tmp_path / "cli"), "--trust", "--no-progress"]) == 0
+    assert marker.exists()
 
 
 def test_the_deepspeed_comparison_runs_as_the_device_suite_runs_it(deepspeed_path, tmp_path):

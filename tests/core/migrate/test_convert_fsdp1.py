@@ -36,6 +36,7 @@ from helpers.deepspeed_models import (
 )
 from helpers.fsdp1_sources import save_sources
 from helpers.harness import run_distributed
+from helpers.untrusted import plant
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.cli import main
@@ -222,6 +223,24 @@ def test_refusals_name_the_file_and_the_fix(fsdp1_run, tmp_path):
         f2.convert_fsdp1_checkpoint(full / "model.pt", tmp_path / "out", weights_only=True)
     assert main(["convert-fsdp1", str(tmp_path / "other"), str(tmp_path / "cli")]) == 2  # a message, no traceback
     shutil.rmtree(tmp_path / "out")
+
+
+def test_a_file_that_runs_code_is_refused_and_trust_converts_it(fsdp1_run, tmp_path):
+    """A Lightning checkpoint file carrying a pickle that runs code (as a hyperparameter can): refused
+    naming the file, the type and the switch, nothing run or written; `trusted=True` / `--trust` convert
+    it. Lightning's, Accelerate's and torch's own files are read as data: the fixture converts them all."""
+    marker, crafted = tmp_path / "ran", tmp_path / "crafted.ckpt"
+    shutil.copy(fsdp1_run / "lightning_full.ckpt", crafted)
+    plant(crafted, marker, checksums=False)
+    with pytest.raises(f2.UntrustedCheckpointError, match=r"crafted\.ckpt holds the type (posix|os)\.system.*--trust"):
+        f2.convert_fsdp1_checkpoint(crafted, tmp_path / "out")
+    assert main(["convert-fsdp1", str(crafted), str(tmp_path / "out")]) == 2
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    f2.convert_fsdp1_checkpoint(crafted, tmp_path / "out", trusted=True, progress=False)
+    assert marker.exists()
+    marker.unlink()
+    assert main(["convert-fsdp1", str(crafted), str(tmp_path / "cli"), "--trust", "--no-progress"]) == 0
+    assert marker.exists()
 
 
 # ---------------------------------------------------------------------- resumed by the trainers
