@@ -5,7 +5,7 @@ and mesh derived from what Lightning knows (`config`), precision strings and plu
 (`launch`), `ModelParallelStrategy`'s constructor sizes (`model_parallel`), and the private Lightning names the shared code needs (`_compat`).
 """
 
-from .checkpoint import META_FILE, is_sharded_checkpoint, not_committed_error
+from .checkpoint import META_FILE, is_sharded_checkpoint, not_committed_error, read_meta, trusts
 from .config import (
     REGISTERED,
     START_METHODS,
@@ -40,6 +40,8 @@ __all__ = [
     "parallel_sizes",
     "plugin_property",
     "process_group_backend",
+    "read_meta",
     "register_all",
     "swap_plugin",
+    "trusts",
 ]

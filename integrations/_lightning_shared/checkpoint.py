@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp2_strategy.checkpoint import directory as cdir
+from fsdp2_strategy.checkpoint import load_small_file
 
 META_FILE = "meta.pt"
 
@@ -22,3 +23,22 @@ def not_committed_error(path: Path, alternative: str) -> FileNotFoundError:
         f"{path} is not a committed fsdp2 checkpoint (no .metadata and {META_FILE}): a save "
         f"that did not finish is never loaded. {alternative}"
     )
+
+
+def trusts(weights_only: bool | None) -> bool:
+    """Whether a load trusts the checkpoint: only an explicit `weights_only=False`, Lightning's and
+    torch's own switch for "unpickle anything". None (Lightning's default) and True read it as data."""
+    return weights_only is False
+
+
+def read_meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
+    """`meta.pt` of a sharded checkpoint, or a whole `.ckpt` file (memory-mapped: its tensors are read
+    when used), read as data unless `trusts(weights_only)`.
+
+    Raises:
+        UntrustedCheckpointError: it holds a type the reader does not admit (the error says how to trust it).
+        ValueError: it is unreadable.
+    """
+    path = Path(path)
+    file = path / META_FILE if path.is_dir() else path
+    return load_small_file(file, name=file, trusted=trusts(weights_only), mmap=True)

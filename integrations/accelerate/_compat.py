@@ -13,8 +13,9 @@ Accelerate has no plugin interface for a sharding engine, so the adapter relies 
 - `accelerate.checkpointing.save_accelerator_state` / `load_accelerator_state`: reused for
   the state Accelerate owns (schedulers, samplers, RNG, step, scaler), with empty model and
   optimizer lists: the core writes those.
-- `accelerate.checkpointing.save_custom_state` / `load_custom_state`: objects registered
-  with `register_for_checkpointing`.
+- `accelerate.checkpointing.save_custom_state`: objects registered with
+  `register_for_checkpointing`, written as `CUSTOM_STATE_FILE` (a name that function hard-codes);
+  read back by the adapter as data (Accelerate's `load_custom_state` unpickles any type).
 - Stock `Accelerator.__init__` takes `fsdp_plugin`: `refuse_in_stock_accelerator` makes it refuse
   an `FSDP2Plugin` by name. Where stock Accelerate reads the plugin differs between releases (1.15
   read `fsdp_version` in `Accelerator.__init__`, 1.16 only in `AcceleratorState` on accelerators and
@@ -76,7 +77,7 @@ _LOAD_PARAMS = (
 save_accelerator_state = _checkpointing.save_accelerator_state
 load_accelerator_state = _checkpointing.load_accelerator_state
 save_custom_state = _checkpointing.save_custom_state
-load_custom_state = _checkpointing.load_custom_state
+CUSTOM_STATE_FILE = "custom_checkpoint_{}.pkl"
 
 
 def _problems() -> list[str]:

@@ -33,6 +33,7 @@ import fsdp2_strategy as f2
 from fsdp2_strategy.checkpoint import (
     Models,
     Optimizers,
+    load_small_file,
     owning_models,
     sharded_state,
     write_model_view,
@@ -182,6 +183,13 @@ def wait_for_checkpoint(acc: Accelerator) -> None:
         acc._checkpoint_saver.wait()
 
 
+def _custom_state(path: Path, index: int, trusted: bool) -> Any:
+    """A `register_for_checkpointing` object's state, read as data unless `trusted` (Accelerate's own
+    `load_custom_state` always unpickles any type)."""
+    file = path / compat.CUSTOM_STATE_FILE.format(index)
+    return load_small_file(file, name=file, trusted=trusted)
+
+
 def resolve_load_dir(acc: Accelerator, input_dir: str | os.PathLike | None) -> Path:
     """The directory `load_state` reads: `input_dir`, or the newest committed automatic checkpoint."""
     if input_dir is not None:
@@ -204,11 +212,17 @@ def resolve_load_dir(acc: Accelerator, input_dir: str | os.PathLike | None) -> P
 
 
 def load_state(acc: Accelerator, input_dir: str | os.PathLike | None, load_kwargs: dict | None) -> None:
-    """Restore everything `save_state` wrote; DCP reshards when the world size changed."""
+    """Restore everything `save_state` wrote; DCP reshards when the world size changed. Our files and
+    the `register_for_checkpointing` states are read as data (`f2.UntrustedCheckpointError` for another
+    type, before anything changes) unless `load_kwargs={"weights_only": False}`; Accelerate reads its
+    own files (schedulers, RNG states) with `weights_only=True` unless told otherwise the same way."""
     wait_for_checkpoint(acc)
     path = resolve_load_dir(acc, input_dir)
-    cdir.load_dir(path, *_named(acc))
+    trusted = (load_kwargs or {}).get("weights_only") is False  # torch's and Accelerate's own switch
     prepared = compat.registries(acc)
+    cdir.verify_dir(path)  # checksums before any file is parsed
+    custom = [_custom_state(path, i, trusted) for i in range(len(prepared.custom_objects))]
+    cdir.load_dir(path, *_named(acc), trusted=trusted, verify=False)
     for hook in prepared.load_hooks.values():
         hook(prepared.models, str(path))
     # RNG states are per rank: after a world-size change a rank without its file keeps its own
@@ -226,8 +240,8 @@ def load_state(acc: Accelerator, input_dir: str | os.PathLike | None, load_kwarg
     )
     if "step" in override:
         acc.step = override["step"]
-    for i, obj in enumerate(prepared.custom_objects):
-        compat.load_custom_state(obj, str(path), i)
+    for obj, state in zip(prepared.custom_objects, custom):
+        obj.load_state_dict(state)
     if acc.project_configuration.automatic_checkpoint_naming:
         # Number the next save after the newest checkpoint (stock Accelerate restarts at 0 and
         # refuses the existing `checkpoint_0` at the next save_state).

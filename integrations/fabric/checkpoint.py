@@ -11,14 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from fsdp2_strategy.checkpoint import AsyncSaver, owning_models, sharded_state
 from fsdp2_strategy.checkpoint import directory as cdir
 
-from .._lightning_shared import META_FILE, is_sharded_checkpoint, not_committed_error
+from .._lightning_shared import META_FILE, is_sharded_checkpoint, not_committed_error, read_meta, trusts
 
 __all__ = ["load", "save", "split_state"]
 
@@ -74,7 +73,9 @@ def load(path: Path, state: dict[str, Any], *, strict: bool = True, weights_only
     """Collective: restore `state`'s models, optimizers and other entries from directory `path`;
     return what the checkpoint holds beyond `state` (Fabric's contract).
 
-    The checksums and the models' keys and shapes are checked before any tensor changes (then,
+    The checksums, then `meta.pt` and every non-tensor entry read as data (`weights_only=False`
+    trusts the checkpoint: `f2.UntrustedCheckpointError` names what was refused), and the models'
+    keys and shapes are checked before any tensor changes (then,
     as in Fabric, a requested non-tensor entry missing from `meta.pt` raises KeyError); a
     directory without `.metadata` (a save that did not finish) is refused. Other entries: a
     stateful object gets `load_state_dict`, anything else is replaced in `state`.
@@ -82,8 +83,9 @@ def load(path: Path, state: dict[str, Any], *, strict: bool = True, weights_only
     if not is_sharded_checkpoint(path):
         raise not_committed_error(path, "Pick another checkpoint, or use fabric.load_raw for a file of full weights.")
     models, optimizers, rest = split_state(state, "load")
-    cdir.load_dir(path, models, optimizers, strict=strict)  # verifies every file (meta.pt too) first
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+    cdir.verify_dir(path)  # every file (meta.pt too) before any is parsed
+    meta = read_meta(path, weights_only)  # as data unless weights_only=False, before any tensor changes
+    cdir.load_dir(path, models, optimizers, strict=strict, trusted=trusts(weights_only), verify=False)
     missing = sorted(set(rest) - set(meta))
     if strict and missing:
         raise KeyError(  # Fabric's own wording first: code that matches it keeps working

@@ -15,7 +15,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -52,7 +51,9 @@ from .._lightning_shared import (
     not_committed_error,
     plugin_property,
     process_group_backend,
+    read_meta,
     register_all,
+    trusts,
 )
 from ._compat import FullStateMultiProcessingLauncher, SubprocessScriptLauncher, optimizers_to_device
 from .converted import lightning_state
@@ -362,7 +363,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._failed = not isinstance(exception, SIGTERMException)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded directory (any world size: DCP reshards) or a full file; return the rest."""
+        """Load a sharded directory (any world size: DCP reshards) or a full file; return the rest.
+        A directory is read as data (`f2.UntrustedCheckpointError` for another type) unless
+        `weights_only=False` (`trainer.fit(ckpt_path=..., weights_only=False)`)."""
         self.wait_for_checkpoint()
         path = Path(self.broadcast(checkpoint_path))
         if is_checkpointer_step(path):
@@ -372,13 +375,17 @@ class FSDP2Strategy(ModelParallelStrategy):
                 raise not_committed_error(path, "Pick another checkpoint.")
             return super().load_checkpoint(path, weights_only)
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        cdir.verify_dir(path)  # checksums before any file is parsed
+        meta = read_meta(path, weights_only)  # as data, like the shards: before any tensor changes
         cdir.load_dir(
             path,
             {_saved_model_key(path): self.model},
             {f"optimizer_{i}": (self.model, o) for i, o in enumerate(optimizers)},
             strict=self.lightning_module.strict_loading,
+            trusted=trusts(weights_only),
+            verify=False,
         )
-        return torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+        return meta
 
     def _load_converted(self, path: Path) -> dict[str, Any]:
         """A `Checkpointer` step (`f2.convert_deepspeed_checkpoint`, `f2.convert_fsdp1_checkpoint`): model and

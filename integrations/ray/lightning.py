@@ -32,7 +32,7 @@ from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, Mi
 from ray.train.lightning import RayFSDPStrategy, RayLightningEnvironment
 
 from fsdp2_strategy.distributed import barrier, rank
-from fsdp2_strategy.integrations._lightning_shared import META_FILE, is_sharded_checkpoint
+from fsdp2_strategy.integrations._lightning_shared import META_FILE, is_sharded_checkpoint, read_meta
 from fsdp2_strategy.integrations.lightning import FSDP2Strategy
 
 from .checkpoint import report_dir
@@ -129,9 +129,8 @@ def _ray_checkpoint_file(path: Path) -> Path:
 
 
 def _global_step(path: Path) -> int:
-    """The `global_step` Lightning recorded in a checkpoint (memory-mapped: no tensor is read)."""
-    meta = path / META_FILE if path.is_dir() else path
-    return int(torch.load(meta, map_location="cpu", weights_only=False, mmap=True).get("global_step", -1))
+    """The `global_step` Lightning recorded in a checkpoint (read as data, memory-mapped: no tensor is read)."""
+    return int(read_meta(path, weights_only=None).get("global_step", -1))
 
 
 def _plain_precision(precision: str, device_type: str) -> Precision:

@@ -228,3 +228,7 @@ def test_trainable_only_checkpoints_resume_exactly_and_refuse_another_base(flows
 
 def test_overlap_save_holds_the_state_of_the_call_and_load_commits_it(flows):
     flows.assert_passed("overlap_save")
+
+
+def test_a_checkpoint_that_runs_code_is_refused_and_weights_only_false_trusts_it(flows):
+    flows.assert_passed("untrusted")

@@ -20,14 +20,17 @@ the sample indices of the whole global batch; and the final parameters and momen
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
 from accelerate.utils import DataLoaderConfiguration
 from common import all_indices, dataset, fresh, full, full_params, lm_loss, max_rel_diff
 from helpers.checks import Checks
+from helpers.untrusted import plant
 from torch.utils.data import DataLoader
 
+import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.accelerate import FSDP2Accelerator, FSDP2Plugin
 
 EPOCHS = 2
@@ -172,3 +175,37 @@ def resume_from_one(out: dict, work: Path) -> None:
     check = Checks(out)
     check.equal("1 -> 2: 2 processes", out["from_one"]["processes"], 2)
     check_resumed(check, "1 -> 2", out["from_one"], EARLIER["resume_on_two"]["two"])
+    untrusted_state(out, work, check)
+
+
+def untrusted_state(out: dict, work: Path, check: Checks) -> None:
+    """The 1-process checkpoint with a `register_for_checkpointing` state that runs code when unpickled
+    (checksums rewritten to match): load_state refuses it on every rank naming the file, runs nothing and
+    changes nothing (Accelerate's own load_custom_state would run it); load_kwargs={"weights_only": False}
+    (the user trusts it) loads it."""
+    copy, marker = work / "acc_untrusted", work / "acc_untrusted_ran"
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(work.parent / "acc_one", copy)
+        plant(copy / "custom_checkpoint_0.pkl", marker)
+    torch.distributed.barrier()
+    acc = FSDP2Accelerator(fsdp_plugin=FSDP2Plugin(), mixed_precision="no")
+    model, _ = fresh(99)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    progress = Progress()
+    acc.register_for_checkpointing(progress)
+    before = full_params(model)
+    out["untrusted_error"] = check.raises(
+        "a registered state that runs code is refused, naming the file, the type and the switch",
+        lambda: acc.load_state(copy),
+        f2.UntrustedCheckpointError,
+        "custom_checkpoint_0.pkl",
+        "system",
+        "weights_only",
+    )
+    out["untrusted_ran"], out["untrusted_changed"] = marker.exists(), max_rel_diff(full_params(model), before)
+    check.that("the payload did not run", not out["untrusted_ran"])
+    check.equal("the model and the registered state are unchanged", [out["untrusted_changed"], progress.step], [0, 0])
+    torch.distributed.barrier()
+    acc.load_state(copy, load_kwargs={"weights_only": False})
+    out["trusted"] = [marker.exists(), progress.step]
+    check.equal("weights_only=False loads it (and so runs it: the user trusted it)", out["trusted"], [True, 6])

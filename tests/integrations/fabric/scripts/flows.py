@@ -36,6 +36,7 @@ from helpers.collect import run_flows
 from helpers.comm import collective_dtypes, count_collectives
 from helpers.precision import policy_grads, true_precision_update
 from helpers.slow_staging import copied_by, differing, full_state, slow_staging
+from helpers.untrusted import plant
 from lightning.fabric import Fabric
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -657,6 +658,44 @@ def model_parallel(out: dict, work: Path) -> None:
     )
 
 
+def untrusted(out: dict, work: Path) -> None:
+    """A checkpoint whose meta.pt runs code when unpickled (checksums rewritten to match): fabric.load
+    refuses it on every rank naming the file, runs nothing and changes nothing; weights_only=False
+    (the user's switch: they trust it) loads it."""
+    check = Checks(out)
+    fabric = Fabric(strategy="fsdp2")
+    ck, marker = work / "fabric_untrusted", work / "fabric_untrusted_ran"
+    raw, _ = fresh(31)
+    model, optimizer = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=LR, momentum=0.9))
+    _train(fabric, model, optimizer, batches=BATCHES[:1])
+    fabric.save(ck, {"model": model, "optimizer": optimizer, "step": 1})
+    if fabric.global_rank == 0:
+        plant(ck / "meta.pt", marker)
+    fabric.barrier()
+    raw2, _ = fresh(32)
+    model2, optimizer2 = fabric.setup(raw2, torch.optim.SGD(raw2.parameters(), lr=LR, momentum=0.9))
+    _train(fabric, model2, optimizer2, batches=BATCHES[1:2])  # momentum state the load would overwrite
+    before = full_state(model2, optimizer2)
+    state = {"model": model2, "optimizer": optimizer2, "step": 0}
+    out["error"] = check.raises(
+        "refused naming meta.pt, the type and the switch",
+        lambda: fabric.load(ck, state),
+        f2.UntrustedCheckpointError,
+        "meta.pt",
+        "system",
+        "weights_only=False",
+    )
+    out["ran"] = marker.exists()
+    out["changed"] = differing(full_state(model2, optimizer2), before)
+    check.that("the payload did not run", not out["ran"])
+    check.equal("the model and optimizer are unchanged", out["changed"], [])
+    fabric.barrier()
+    fabric.load(ck, state, weights_only=False)
+    out.update(trusted_ran=marker.exists(), step=state["step"])
+    check.that("weights_only=False loads it (and so runs it: the user trusted it)", out["trusted_ran"])
+    check.equal("... restoring the step", out["step"], 1)
+
+
 FLOWS = [
     parity,
     validate_first,
@@ -667,6 +706,7 @@ FLOWS = [
     checkpoints,
     trainable_only,
     overlap_save,
+    untrusted,
     model_parallel,
 ]
 

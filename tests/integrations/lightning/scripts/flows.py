@@ -43,6 +43,7 @@ from helpers.comm import collective_dtypes, count_collectives
 from helpers.models import ResidualBlock
 from helpers.precision import policy_grads, true_precision_update
 from helpers.slow_staging import copied_by, differing, full_state, slow_staging
+from helpers.untrusted import plant
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
@@ -654,6 +655,36 @@ def checkpoints(out: dict, work: Path) -> None:
     )
     out["damaged_errors_all_ranks"] = gather(out["damaged_error"] is not None)
     check.equal("the damaged checkpoint refused on every rank", out["damaged_errors_all_ranks"], [True, True])
+
+    # A meta.pt that runs code when unpickled (checksums rewritten to match): refused on every rank,
+    # nothing run or changed; weights_only=False (the user trusts it) resumes it exactly.
+    untrusted, marker = work / "untrusted.ckpt", work / "untrusted_ran"
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(ckpt_dir / "last.ckpt", untrusted)
+        plant(untrusted / "meta.pt", marker)
+    torch.distributed.barrier()
+    model, _ = _fresh(seed=7, optimizer="adam")
+    before = full_params(model)
+    out["untrusted_error"] = check.raises(
+        "a meta.pt that runs code is refused, naming the file, the type and the switch",
+        lambda: trainer(max_epochs=2).fit(model, loader(BATCH), ckpt_path=untrusted),
+        f2.UntrustedCheckpointError,
+        "meta.pt",
+        "system",
+        "weights_only=False",
+    )
+    out["untrusted_errors_all_ranks"] = gather(out["untrusted_error"] is not None)
+    out["untrusted_ran"] = marker.exists()
+    out["untrusted_changed"] = max_rel_diff(full_params(model), before)
+    check.equal("refused on every rank", out["untrusted_errors_all_ranks"], [True, True])
+    check.that("the payload did not run", not out["untrusted_ran"])
+    check.equal("the model is unchanged", out["untrusted_changed"], 0.0)
+    trusted, _ = _fresh(seed=7, optimizer="adam")
+    trainer(max_epochs=2).fit(trusted, loader(BATCH), ckpt_path=untrusted, weights_only=False)
+    out["trusted_ran"] = marker.exists()
+    out["trusted_diff"] = max_rel_diff(full_params(trusted), ref_params)
+    check.that("weights_only=False loads it (and so runs it: the user trusted it)", out["trusted_ran"])
+    check.below("... and resumes exactly (relative)", out["trusted_diff"], 1e-6)
 
 
 class LitLoRA(LitMLP):
