@@ -431,6 +431,12 @@ CHECKPOINT_ROWS = [
         ("crafted/step-000001/.metadata holds the type posix.getcwd", "trusted=True", "add_safe_globals"),
     ),
     Row(
+        "convert_fsdp1_checkpoint a file that runs code",
+        lambda e: f2.convert_fsdp1_checkpoint(e.root / "crafted.pt", e.root / "out"),
+        f2.UntrustedCheckpointError,
+        ("crafted.pt holds the type posix.getcwd", "trusted=True", "--trust"),
+    ),
+    Row(
         "inspect_checkpoint a .metadata that runs code",
         lambda e: f2.inspect_checkpoint(e.root / "crafted"),
         f2.UntrustedCheckpointError,

@@ -103,6 +103,7 @@ class Env:
         for name, edit in edits:
             shutil.copytree(root / "ckpt", root / name)
             edit(root / name / "step-000001")
+        torch.save({"state_dict": self.model.state_dict(), "hook": _RunsCode()}, root / "crafted.pt")
 
     def snapshot(self) -> tuple:
         """Every file's digest, every folder, and the model's tensors (to assert nothing changed)."""

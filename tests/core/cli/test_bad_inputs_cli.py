@@ -99,6 +99,12 @@ CLI_ROWS = [
         ("--step", "invalid int value: 'last'"),
     ),
     CliRow(
+        "convert-fsdp1 a file that runs code",
+        lambda e: ["convert-fsdp1", f"{e.root}/crafted.pt", f"{e.root}/out"],
+        _USAGE,
+        ("crafted.pt holds the type posix.getcwd", "--trust"),
+    ),
+    CliRow(
         "inspect damaged shard",
         lambda e: ["inspect", f"{e.root}/damaged"],
         _DAMAGED,
