@@ -49,7 +49,7 @@ lock:
 		$(foreach extra,dev docs examples hf qlora ray lightning accelerate,--extra $(extra)) \
 		--custom-compile-command "make lock" --output-file $(LOCK)
 
-# ruff (lint, format), import-linter (the layer rules of docs/architecture.md), mypy (the core).
+# ruff (lint, format), import-linter (the layer rules of docs/concepts/architecture.md), mypy (the core).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -1,7 +1,9 @@
 """What a user writes around each documented snippet, and how it is launched.
 
 `GLUE[(page, name)]` holds, for the snippet `<!-- snippet: name -->` of `page`: `setup`, the code a
-user has before it (a model, data, a loss: the free names the page says are yours), `check`, asserts
+user has before it (a model, data, a loss): it may bind only the names the page declares as the user's
+("`model` and `loader` are yours", `docs_snippets.pages.user_names`), and run.py hands the snippet
+nothing else (no imports, no `f2.init_distributed()`: a snippet shows those itself); `check`, asserts
 on what the snippet did, and `launch`: "torchrun" (2 CPU processes), "accelerate" (`accelerate launch`
 of 2 processes with the accelerate config file `config`, a path under tests/), "python" (one process), or "skip" with `reason`
 (needs a GPU or a cluster). The set-up code uses the small models and data below.
@@ -133,13 +135,19 @@ class GPTLike(nn.Module):
 def pretrained_llama() -> str:
     """A tiny Llama saved as a Hugging Face folder by rank 0 (bf16; 128 wide: bitsandbytes' CPU 4-bit
     kernels want widths divisible by their block size): the snippet's `pretrained`."""
+    import os
+
     import torch.distributed as dist
 
-    folder = "pretrained"
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        tiny_llama(64, hidden_size=128, intermediate_size=256).to(torch.bfloat16).save_pretrained(folder)
-    if dist.is_initialized():
+    if dist.is_initialized():  # one folder, written by rank 0
+        folder = "pretrained"
+        if dist.get_rank() == 0:
+            tiny_llama(64, hidden_size=128, intermediate_size=256).to(torch.bfloat16).save_pretrained(folder)
         dist.barrier()
+        return folder
+    folder = f"pretrained-{os.environ.get('RANK', '0')}"  # no process group yet: one folder per rank
+    torch.manual_seed(0)
+    tiny_llama(64, hidden_size=128, intermediate_size=256).to(torch.bfloat16).save_pretrained(folder)
     return folder
 
 
@@ -154,14 +162,17 @@ def tiny_bert() -> nn.Module:
 
 
 # ----- the glue per snippet ---------------------------------------------------------------------
+# A set-up binds only the names its page declares as the user's (`docs_snippets.pages.user_names`);
+# whatever else it needs it imports or names with a leading underscore, which run.py does not hand on.
 
 _CLASSIFIER = """
-import torch
-from docs_snippets.glue import Net, loader as _loader
-torch.manual_seed(0)
-model, loader = Net(), _loader()
-loss_fn = torch.nn.functional.cross_entropy
+import torch as _torch
+from docs_snippets.glue import Net as _Net, loader as _loader
+_torch.manual_seed(0)
+model, loader = _Net(), _loader()
+loss_fn = _torch.nn.functional.cross_entropy
 """
+_OPTIMIZER = "optimizer = _torch.optim.AdamW(model.parameters())\n"
 _SHARDED = """
 import torch.distributed as _dist
 from torch.distributed.tensor import DTensor as _DTensor
@@ -169,37 +180,36 @@ assert _dist.get_world_size() == 2
 assert all(isinstance(p, _DTensor) for p in model.parameters()), "not sharded"
 """
 _UNLABELLED = """
-import torch
-from docs_snippets.glue import Net
-torch.manual_seed(0)
-model = Net()
-loader = [torch.randn(8, 16) for _ in range(4)]
-loss_fn = lambda out: out.float().pow(2).mean()  # noqa: E731
+import torch as _torch
+from docs_snippets.glue import Net as _Net
+_torch.manual_seed(0)
+model = _Net()
+loader = [_torch.randn(8, 16) for _ in range(4)]
+def loss_fn(out):
+    return out.float().pow(2).mean()
 """
-_SHARDED_CLASSIFIER = """
-import torch
-import fsdp2_strategy as f2
-from docs_snippets.glue import Net, train_step_fn
-f2.init_distributed()
-torch.manual_seed(0)
-model = f2.shard_model(Net())
-optimizer = torch.optim.AdamW(model.parameters())
-train_step = train_step_fn()
+_NET_AND_TRAIN_STEP = """
+import torch as _torch
+from docs_snippets.glue import Net as _Net, train_step_fn as _train_step_fn
+_torch.manual_seed(0)
+model = _Net()
+train_step = _train_step_fn()
 """
 # accelerate configs (paths under tests/): the suite's own, and one with bf16 for the README's snippet
 _BF16_BLOCK = "docs_snippets/fsdp2_bf16.yaml"
 _BLOCK = "integrations/accelerate/scripts/fsdp2.yaml"  # fp32, one group per Block
 _HF = "integrations/transformers/scripts/fsdp2_sharded.yaml"  # fp32, groups from the model's _no_split_modules
 _LIGHTNING = """
-from docs_snippets.glue import lightning_module, loader as _loader
-model, loader = lightning_module(), _loader()
+from docs_snippets.glue import lightning_module as _lightning_module, loader as _loader
+model, loader = _lightning_module(), _loader()
 """
 _NET_AND_BATCH = """
-import torch
-from docs_snippets.glue import Net
-torch.manual_seed(0)
-model, batch = Net(), torch.randn(8, 16)
+import torch as _torch
+from docs_snippets.glue import Net as _Net
+_torch.manual_seed(0)
+model, batch = _Net(), _torch.randn(8, 16)
 """
+_PRETRAINED = "from docs_snippets.glue import pretrained_llama as _pretrained_llama\npretrained = _pretrained_llama()"
 
 GLUE: dict[tuple[str, str], Glue] = {
     ("README.md", "lightning"): Glue(
@@ -208,26 +218,28 @@ GLUE: dict[tuple[str, str], Glue] = {
         "model = model.net\n" + _SHARDED,
     ),
     ("README.md", "fabric"): Glue(
-        setup=_CLASSIFIER + "optimizer = torch.optim.AdamW(model.parameters())",
+        setup=_CLASSIFIER + _OPTIMIZER,
         check=_SHARDED + "from pathlib import Path\nassert Path('ckpt/step-1/.metadata').is_file()",
     ),
     ("README.md", "accelerate"): Glue(
-        setup=_CLASSIFIER + "optimizer = torch.optim.AdamW(model.parameters())",
+        setup=_CLASSIFIER + _OPTIMIZER,
         check=_SHARDED + "assert str(accelerator.distributed_type) == 'DistributedType.FSDP'\n"
         "from pathlib import Path\nassert (Path('ckpt') / '.metadata').is_file()",
         launch="accelerate",
         config=_BF16_BLOCK,
     ),
     ("README.md", "hf-trainer"): Glue(
-        setup="from docs_snippets.glue import tiny_llama, lm_dataset\nmodel, dataset = tiny_llama(), lm_dataset()",
+        setup="from docs_snippets.glue import tiny_llama as _tiny_llama, lm_dataset as _lm_dataset\n"
+        "model, dataset = _tiny_llama(), _lm_dataset()",
         check="assert trainer.state.global_step == 3\n"
         "from pathlib import Path\nassert Path('out/model.safetensors').is_file()\n" + _SHARDED,
         launch="accelerate",
         config=_HF,
     ),
     ("README.md", "trl"): Glue(
-        setup="from helpers.models import word_tokenizer\nfrom docs_snippets.glue import tiny_llama, text_dataset\n"
-        "tokenizer = word_tokenizer()\nmodel, text_dataset = tiny_llama(len(tokenizer)), text_dataset()",
+        setup="from helpers.models import word_tokenizer as _word_tokenizer\n"
+        "from docs_snippets.glue import tiny_llama as _tiny_llama, text_dataset as _text_dataset\n"
+        "tokenizer = _word_tokenizer()\nmodel, text_dataset = _tiny_llama(len(tokenizer)), _text_dataset()",
         check="assert trainer.state.global_step == 3\n" + _SHARDED,
         launch="accelerate",
         config=_HF,
@@ -239,28 +251,46 @@ GLUE: dict[tuple[str, str], Glue] = {
     ("docs/get-started/quickstart.md", "train-script"): Glue(
         check="assert checkpointer.latest_step() == 9 and step == 9\n" + _SHARDED,
     ),
+    ("docs/integrations/lightning.md", "complete"): Glue(
+        check="assert trainer.global_step == 4, trainer.global_step\n"
+        "from pathlib import Path\nassert Path('final.ckpt/.metadata').is_file()\nmodel = model.net\n" + _SHARDED,
+    ),
     ("docs/integrations/lightning.md", "trainer"): Glue(
         setup=_LIGHTNING,
         check="assert trainer.global_step == 3\nfrom pathlib import Path\nassert Path('last.ckpt/.metadata').is_file()\n"
         "model = model.net\n" + _SHARDED,
     ),
+    ("docs/integrations/fabric.md", "complete"): Glue(
+        check=_SHARDED + "assert remainder == {'step': 2}, remainder",
+    ),
     ("docs/integrations/fabric.md", "loop"): Glue(
-        setup=_CLASSIFIER + "optimizer = torch.optim.AdamW(model.parameters())",
+        setup=_CLASSIFIER + _OPTIMIZER,
         check=_SHARDED + "assert remainder == {'step': 100}, remainder",
     ),
+    ("docs/integrations/accelerate.md", "complete"): Glue(
+        check=_SHARDED + "from pathlib import Path\nassert (Path('ckpt') / '.metadata').is_file()",
+        launch="accelerate",
+        config=_BLOCK,
+    ),
     ("docs/integrations/accelerate.md", "loop"): Glue(
-        setup=_CLASSIFIER + "optimizer = torch.optim.AdamW(model.parameters())\n"
-        "scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)",
+        setup=_CLASSIFIER + _OPTIMIZER + "scheduler = _torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)",
         check=_SHARDED + "from pathlib import Path\nassert (Path('ckpt') / '.metadata').is_file()\n"
         "assert Path('weights/model.safetensors').is_file()",
         launch="accelerate",
         config=_BF16_BLOCK,
     ),
     ("docs/integrations/pytorch.md", "loop"): Glue(setup=_CLASSIFIER, check=_SHARDED),
+    ("docs/integrations/transformers.md", "complete"): Glue(
+        check="assert trainer.state.global_step == 4\nfrom pathlib import Path\n"
+        "assert Path('out/model.safetensors').is_file()\n" + _SHARDED,
+        launch="accelerate",
+        config=_HF,
+    ),
     ("docs/integrations/transformers.md", "trainer"): Glue(
-        setup="from transformers import TrainingArguments\nfrom docs_snippets.glue import tiny_llama, lm_dataset\n"
-        "model, train, evals = tiny_llama(), lm_dataset(), lm_dataset()[:4]\n"
-        "training_args = TrainingArguments('out', max_steps=2, report_to=[])",
+        setup="from transformers import TrainingArguments as _TrainingArguments\n"
+        "from docs_snippets.glue import tiny_llama as _tiny_llama, lm_dataset as _lm_dataset\n"
+        "model, train, evals = _tiny_llama(), _lm_dataset(), _lm_dataset()[:4]\n"
+        "training_args = _TrainingArguments('out', max_steps=2, report_to=[])",
         check="assert trainer.state.global_step == 2\nfrom pathlib import Path\nassert Path('out/model.safetensors').is_file()\n"
         + _SHARDED,
         launch="accelerate",
@@ -271,47 +301,43 @@ GLUE: dict[tuple[str, str], Glue] = {
         launch="python",
     ),
     ("docs/guides/accumulation.md", "core"): Glue(
-        setup=_CLASSIFIER + "import fsdp2_strategy as f2\nf2.init_distributed()",
+        setup=_CLASSIFIER,
         check=_SHARDED + "assert 'keep_gathered' in str(f2.sharding_plan(model))",
     ),
     ("docs/guides/checkpoints.md", "save-load"): Glue(
-        setup=_SHARDED_CLASSIFIER,
+        setup=_NET_AND_TRAIN_STEP,
         check="assert extra['step'] == 9 and ckpt.latest_step() == 9",
     ),
-    ("docs/guides/security.md", "trust"): Glue(
-        setup=_SHARDED_CLASSIFIER + "from docs_snippets.glue import Settings\n",
-        check="assert extra['settings'].lr == 3e-4\n"
-        "try:\n    ckpt.load(model=model)\n    raise AssertionError('a type of its own loaded without a switch')\n"
-        "except f2.UntrustedCheckpointError as exc:\n    assert 'Settings' in str(exc), exc",
-    ),
     ("docs/guides/preemption.md", "exit-if-preempted"): Glue(
-        setup=_SHARDED_CLASSIFIER,
+        setup=_NET_AND_TRAIN_STEP,
         check="assert ckpt.latest_step() == 9",
     ),
     ("docs/guides/peft.md", "lora"): Glue(
-        setup="import torch\nimport fsdp2_strategy as f2\nf2.init_distributed()\n"
-        "from docs_snippets.glue import tiny_bert\nmodel = tiny_bert()\n"
+        setup="import torch as _torch\nfrom docs_snippets.glue import tiny_bert as _tiny_bert\nmodel = _tiny_bert()\n"
         "def train_step(model, optimizer):\n"
-        "    ids = torch.randint(0, 64, (4, 8))\n"
-        "    model(input_ids=ids, labels=torch.randint(0, 2, (4,))).loss.backward()\n"
+        "    ids = _torch.randint(0, 64, (4, 8))\n"
+        "    model(input_ids=ids, labels=_torch.randint(0, 2, (4,))).loss.backward()\n"
         "    optimizer.step()\n"
         "    optimizer.zero_grad()",
         check="from pathlib import Path\nassert Path('adapter/adapter_model.safetensors').is_file()\n"
         "assert Path('ckpts/step-000001/.metadata').is_file()\nassert any(Path('merged').glob('*.safetensors'))",
     ),
     ("docs/guides/qlora.md", "qlora"): Glue(
-        setup="import fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import pretrained_llama\n"
-        "pretrained = pretrained_llama()",
+        setup=_PRETRAINED,
         check="plan = str(f2.sharding_plan(model))\nassert '4-bit weights sharded as packed bytes' in plan, plan\n"
         "packed = f2.shard.quantised_param_names(model)\n"
         "assert packed and all(type(p).__name__ == 'DTensor' for n, p in model.named_parameters() if n in packed)",
     ),
     ("docs/guides/qlora.md", "quantise-on-load"): Glue(
-        setup="import fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import pretrained_llama\n"
-        "pretrained = pretrained_llama()",
+        setup=_PRETRAINED,
         check="assert all(f2.shard.pending_4bit(m) is None for m in model.modules())\n"
         "assert 'lm_head' not in ' '.join(f2.shard.quantised_param_names(model))\n"
         "assert len(f2.shard.quantised_param_names(model)) == 14",
+    ),
+    ("docs/guides/generation.md", "generate"): Glue(
+        setup="import torch as _torch\nfrom docs_snippets.glue import tiny_llama as _tiny_llama\nmodel = _tiny_llama()\n"
+        "input_ids = _torch.randint(3, 32, (1, 8), generator=_torch.Generator().manual_seed(0))",
+        check=_SHARDED + "assert tokens.shape[0] == 1 and tokens.shape[1] > 8, tokens.shape",
     ),
     ("docs/guides/tuner.md", "tune"): Glue(
         setup=_NET_AND_BATCH,
@@ -323,25 +349,24 @@ GLUE: dict[tuple[str, str], Glue] = {
         launch="python",
     ),
     ("docs/guides/memory-planner.md", "auto"): Glue(
-        setup="import fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import tiny_llama\nmodel = tiny_llama()",
+        setup="from docs_snippets.glue import tiny_llama as _tiny_llama\nmodel = _tiny_llama()",
         check=_SHARDED,
     ),
     ("docs/guides/metrics.md", "core"): Glue(
-        setup="import torch\nimport fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import tiny_llama\n"
-        "model = f2.shard_model(tiny_llama())\noptimizer = torch.optim.AdamW(model.parameters())\n"
-        "loader = [torch.randint(3, 32, (4, 12)) for _ in range(11)]  # the first step starts the clock, 10 more: one report",
+        setup="import torch as _torch\nfrom docs_snippets.glue import tiny_llama as _tiny_llama\nmodel = _tiny_llama()\n"
+        "loader = [_torch.randint(3, 32, (4, 12)) for _ in range(11)]  # the first step starts the clock, 10 more: one report",
         check="assert tracker.meter.last is not None and tracker.meter.last.tokens_per_s > 0",
     ),
     ("docs/migration/fsdp1.md", "replicate"): Glue(
-        setup="import torch\nimport fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import GPTLike\n"
-        "torch.manual_seed(0)\nmodel = GPTLike()\nloss_fn = torch.nn.functional.cross_entropy\n"
-        "x0, x1, y0, y1 = torch.randn(8, 16), torch.randn(8, 16), torch.randint(0, 4, (8,)), torch.randint(0, 4, (8,))",
+        setup="import torch as _torch\nfrom docs_snippets.glue import GPTLike as _GPTLike\n"
+        "_torch.manual_seed(0)\nmodel = _GPTLike()\nloss_fn = _torch.nn.functional.cross_entropy\n"
+        "x0, x1 = _torch.randn(8, 16), _torch.randn(8, 16)\ny0, y1 = _torch.randint(0, 4, (8,)), _torch.randint(0, 4, (8,))",
         check="assert 'REPLICATED' in str(f2.sharding_plan(model))",
     ),
     ("docs/migration/fsdp1.md", "ddp"): Glue(
-        setup="import torch\nimport fsdp2_strategy as f2\nf2.init_distributed()\nfrom docs_snippets.glue import GPTLike\n"
-        "torch.manual_seed(0)\nmodel = GPTLike()\nf2.fully_shard(model.gpt_layers)",
-        check="model(torch.randn(8, 16)).sum().backward()\nassert model.module.embed.weight.grad is not None",
+        setup="import torch as _torch\nfrom docs_snippets.glue import GPTLike as _GPTLike\n"
+        "_torch.manual_seed(0)\nmodel = _GPTLike()",
+        check="import torch\nmodel(torch.randn(8, 16)).sum().backward()\nassert model.module.embed.weight.grad is not None",
     ),
     ("docs/guides/mixed-precision.md", "precision-forms"): Glue(
         check="assert with_bn.module_overrides and custom.mixed_precision['reduce_dtype'] == 'bf16'",
@@ -360,17 +385,18 @@ GLUE: dict[tuple[str, str], Glue] = {
         check="assert trainer.global_step > 0\nmodel = model.net\n" + _SHARDED,
     ),
     ("docs/migration/accelerate.md", "accelerator-swap"): Glue(
-        setup=_UNLABELLED + "optimizer = torch.optim.AdamW(model.parameters())",
+        setup=_UNLABELLED + _OPTIMIZER,
         check=_SHARDED + "from pathlib import Path\nassert (Path('ckpt') / '.metadata').is_file()",
         launch="accelerate",
         config=_BLOCK,
     ),
     ("docs/migration/deepspeed.md", "hf-trainer"): Glue(
-        setup="import json, os\nfrom transformers import TrainingArguments\n"
-        "from docs_snippets.glue import tiny_llama, lm_dataset\nmodel, data = tiny_llama(), lm_dataset()\n"
-        "ds = {'zero_optimization': {'stage': 2}, 'train_micro_batch_size_per_gpu': 'auto'}\n"
-        "tmp = f'ds_config.json.{os.getpid()}'\njson.dump(ds, open(tmp, 'w'))\n"
-        "os.replace(tmp, 'ds_config.json')  # each rank writes the same file whole",
+        setup="import json as _json, os as _os\n"
+        "from docs_snippets.glue import tiny_llama as _tiny_llama, lm_dataset as _lm_dataset\n"
+        "model, data = _tiny_llama(), _lm_dataset()\n"
+        "_ds = {'zero_optimization': {'stage': 2}, 'train_micro_batch_size_per_gpu': 'auto'}\n"
+        "_tmp = f'ds_config.json.{_os.getpid()}'\n_json.dump(_ds, open(_tmp, 'w'))\n"
+        "_os.replace(_tmp, 'ds_config.json')  # the user's DeepSpeed config file; each rank writes the same file whole",
         check="assert trainer.state.global_step == 2\n"
         "assert trainer.accelerator.fsdp2_config.sharding_strategy == 'SHARD_GRAD_OP'\n" + _SHARDED,
         launch="accelerate",
@@ -381,10 +407,21 @@ GLUE: dict[tuple[str, str], Glue] = {
         reason="needs a DeepSpeed checkpoint, which DeepSpeed (not in this environment) writes; "
         "tests/core/migrate/test_convert_deepspeed.py runs these lines on DeepSpeed's own ZeRO-1/2/3 saves",
     ),
-    ("docs/concepts/fsdp2.md", "sharding-plan"): Glue(setup=_UNLABELLED, check=_SHARDED),
+    ("docs/concepts/fsdp2.md", "sharding-plan"): Glue(
+        setup="import torch as _torch\nfrom docs_snippets.glue import Net as _Net\n_torch.manual_seed(0)\nmodel = _Net()",
+        check=_SHARDED,
+    ),
     ("docs/concepts/memory-model.md", "estimate-fields"): Glue(
         setup=_NET_AND_BATCH,
         check="assert est.peak_bytes > 0",
         launch="python",
+    ),
+    ("docs/guides/security.md", "trust"): Glue(
+        # last in the launch: the process group is the one earlier snippets started
+        setup="import torch as _torch\nfrom docs_snippets.glue import Net as _Net, Settings\n"
+        "model = _Net()\noptimizer = _torch.optim.AdamW(model.parameters())",
+        check="assert extra['settings'].lr == 3e-4\n"
+        "try:\n    ckpt.load(model=model)\n    raise AssertionError('a type of its own loaded without a switch')\n"
+        "except f2.UntrustedCheckpointError as exc:\n    assert 'Settings' in str(exc), exc",
     ),
 }

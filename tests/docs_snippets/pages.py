@@ -7,6 +7,8 @@ the rendered page); `glue.GLUE` says, per `(page, NAME)`, what a user would have
 
 from __future__ import annotations
 
+import ast
+import builtins
 import re
 from pathlib import Path
 
@@ -36,3 +38,81 @@ def snippets(page: str) -> dict[str, str]:
             raise ValueError(f"{page}:{line}: snippet name {mark.group(1)!r} used twice")
         found[mark.group(1)] = match.group(1)
     return found
+
+
+_IDENT = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*)(?:\([^`]*\))?`")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z`(\[])")
+_DECLARES = re.compile(r"\b(?:are|is) yours\b")
+
+
+def user_names(page: str) -> set[str]:
+    """The names `page` says are the user's: every `identifier` in backticks of a sentence (outside
+    code blocks) saying "... are yours" or "... is yours", e.g. "`model` and `loader` are yours"."""
+    text = re.sub(r"^```.*?^```\s*$", "", (ROOT / page).read_text(), flags=re.S | re.M)
+    names: set[str] = set()
+    for paragraph in re.split(r"\n\s*\n", text):
+        for sentence in _SENTENCE_END.split(" ".join(paragraph.split())):
+            if _DECLARES.search(sentence):
+                names.update(_IDENT.findall(sentence))
+    return names
+
+
+def _stored(node: ast.AST) -> set[str]:
+    """Every name `node` binds anywhere inside it (assignments, loop and `with` targets, imports,
+    definitions and their arguments, comprehension variables, `except ... as`)."""
+    out: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+            out.add(sub.id)
+        elif isinstance(sub, (ast.Import, ast.ImportFrom)):
+            out.update((alias.asname or alias.name).split(".")[0] for alias in sub.names)
+        elif isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(sub.name)
+        elif isinstance(sub, ast.arg):
+            out.add(sub.arg)
+        elif isinstance(sub, ast.ExceptHandler) and sub.name:
+            out.add(sub.name)
+    return out
+
+
+def _loaded(node: ast.AST) -> set[str]:
+    return {sub.id for sub in ast.walk(node) if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load)}
+
+
+def free_names(code: str) -> set[str]:
+    """The names a snippet reads that it neither defines (before use, statement by statement) nor
+    imports, builtins aside: what must come from the user."""
+    bound = set(dir(builtins))
+    free: set[str] = set()
+    for stmt in ast.parse(code).body:
+        if isinstance(stmt, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            value = stmt.value if stmt.value is not None else ast.Constant(None)
+            # the right-hand side runs first: `model = f2.shard_model(model)` reads the user's `model`
+            inner = _stored(value)
+            free |= _loaded(value) - bound - inner
+            if isinstance(stmt, ast.AugAssign):
+                free |= _loaded(stmt.target) - bound
+        else:
+            free |= _loaded(stmt) - bound - _stored(stmt)
+        bound |= _stored(stmt)
+    return free
+
+
+def names_bound(code: str) -> set[str]:
+    """The module-level names a piece of glue set-up binds (what it could hand a snippet): not the
+    arguments or locals of the functions and lambdas it defines."""
+    out: set[str] = set()
+    todo: list[ast.AST] = [ast.parse(code)]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+            continue
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        todo.extend(ast.iter_child_nodes(node))
+    return out
