@@ -199,6 +199,7 @@ train_step = _train_step_fn()
 _BF16_BLOCK = "docs_snippets/fsdp2_bf16.yaml"
 _BLOCK = "integrations/accelerate/scripts/fsdp2.yaml"  # fp32, one group per Block
 _HF = "integrations/transformers/scripts/fsdp2_sharded.yaml"  # fp32, groups from the model's _no_split_modules
+_EXAMPLE = "../examples/accelerate_fsdp2.yaml"  # the one the pages name: auto wrap, any model
 _LIGHTNING = """
 from docs_snippets.glue import lightning_module as _lightning_module, loader as _loader
 model, loader = _lightning_module(), _loader()
@@ -226,7 +227,7 @@ GLUE: dict[tuple[str, str], Glue] = {
         check=_SHARDED + "assert str(accelerator.distributed_type) == 'DistributedType.FSDP'\n"
         "from pathlib import Path\nassert (Path('ckpt') / '.metadata').is_file()",
         launch="accelerate",
-        config=_BF16_BLOCK,
+        config=_EXAMPLE,
     ),
     ("README.md", "hf-trainer"): Glue(
         setup="from docs_snippets.glue import tiny_llama as _tiny_llama, lm_dataset as _lm_dataset\n"
@@ -234,7 +235,7 @@ GLUE: dict[tuple[str, str], Glue] = {
         check="assert trainer.state.global_step == 3\n"
         "from pathlib import Path\nassert Path('out/model.safetensors').is_file()\n" + _SHARDED,
         launch="accelerate",
-        config=_HF,
+        config=_EXAMPLE,
     ),
     ("README.md", "trl"): Glue(
         setup="from helpers.models import word_tokenizer as _word_tokenizer\n"
@@ -242,7 +243,7 @@ GLUE: dict[tuple[str, str], Glue] = {
         "tokenizer = _word_tokenizer()\nmodel, text_dataset = _tiny_llama(len(tokenizer)), _text_dataset()",
         check="assert trainer.state.global_step == 3\n" + _SHARDED,
         launch="accelerate",
-        config=_HF,
+        config=_EXAMPLE,
     ),
     ("README.md", "pytorch"): Glue(
         setup=_CLASSIFIER,
@@ -270,7 +271,7 @@ GLUE: dict[tuple[str, str], Glue] = {
     ("docs/integrations/accelerate.md", "complete"): Glue(
         check=_SHARDED + "from pathlib import Path\nassert (Path('ckpt') / '.metadata').is_file()",
         launch="accelerate",
-        config=_BLOCK,
+        config=_EXAMPLE,
     ),
     ("docs/integrations/accelerate.md", "loop"): Glue(
         setup=_CLASSIFIER + _OPTIMIZER + "scheduler = _torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)",
@@ -284,7 +285,7 @@ GLUE: dict[tuple[str, str], Glue] = {
         check="assert trainer.state.global_step == 4\nfrom pathlib import Path\n"
         "assert Path('out/model.safetensors').is_file()\n" + _SHARDED,
         launch="accelerate",
-        config=_HF,
+        config=_EXAMPLE,
     ),
     ("docs/integrations/transformers.md", "trainer"): Glue(
         setup="from transformers import TrainingArguments as _TrainingArguments\n"

@@ -248,3 +248,15 @@ def test_every_cited_docs_path_exists():
 
 # examples/ is being edited beside this change (issue 64, point 4); its owner fixes this comment there.
 CITATIONS_BEING_FIXED = {"examples/peft_finetune.py: docs/" + "transformers.md"}
+
+
+def test_changelog_unreleased_says_what_changed_for_users():
+    """The CHANGELOG's Unreleased entries say what changed for a user: no measurements' narration,
+    device-suite parts, test layout or test files (those live in benchmarks/results/ and the commits)."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    unreleased = text.split("## [Unreleased]", 1)[1].split("\n## [", 1)[0]
+    internal = re.compile(r"device suite|device_suite|\btests/|test layout|laid out like|Found on the GPU image", re.I)
+    hits = [
+        m.group(0) for m in (*CHATTER.finditer(unreleased), *WHEN.finditer(unreleased), *internal.finditer(unreleased))
+    ]
+    assert not hits, f"CHANGELOG.md, Unreleased: internal work or run history: {hits[:8]}"
