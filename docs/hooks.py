@@ -7,7 +7,7 @@ error messages, read (with `ast`, nothing imported) from the bad-input tables th
 asserts: `tests/core/test_bad_inputs*.py` and `tests/core/cli/test_bad_inputs_cli.py`, one row per
 bad input, with the call, the exception and the phrases its message must hold. A page holding
 `<!-- generated: accelerate-keys -->` gets the table of accelerate config keys the Accelerate adapter
-reads (`integrations/accelerate/keys.py`).
+reads (`integrations/accelerate/keys.py`). The plots of benchmarks/results/ are published as `plots/*.png`.
 """
 
 from __future__ import annotations
@@ -30,6 +30,16 @@ TABLE_TITLES = {
     "WORLD_ROWS": "Inside a process group",
     "CLI_ROWS": "Command line (exit status, message on stderr)",
 }
+
+
+def on_files(files, config):
+    """The plots under benchmarks/results/ become site files `plots/NAME.png`, so the pages show them
+    where they explain (`![...](../plots/accumulation.png)`) without a copy under docs/."""
+    from mkdocs.structure.files import File
+
+    for png in sorted((ROOT / "benchmarks" / "results").glob("*.png")):
+        files.append(File.generated(config, f"plots/{png.name}", abs_src_path=str(png)))
+    return files
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:  # noqa: ARG001 (mkdocs' signature)
