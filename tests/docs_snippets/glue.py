@@ -288,10 +288,8 @@ GLUE: dict[tuple[str, str], Glue] = {
         config=_EXAMPLE,
     ),
     ("docs/integrations/transformers.md", "trainer"): Glue(
-        setup="from transformers import TrainingArguments as _TrainingArguments\n"
-        "from docs_snippets.glue import tiny_llama as _tiny_llama, lm_dataset as _lm_dataset\n"
-        "model, train, evals = _tiny_llama(), _lm_dataset(), _lm_dataset()[:4]\n"
-        "training_args = _TrainingArguments('out', max_steps=2, report_to=[])",
+        setup="from docs_snippets.glue import tiny_llama as _tiny_llama, lm_dataset as _lm_dataset\n"
+        "model, train, evals = _tiny_llama(), _lm_dataset(), _lm_dataset()[:4]",
         check="assert trainer.state.global_step == 2\nfrom pathlib import Path\nassert Path('out/model.safetensors').is_file()\n"
         + _SHARDED,
         launch="accelerate",
