@@ -260,3 +260,44 @@ def test_changelog_unreleased_says_what_changed_for_users():
         m.group(0) for m in (*CHATTER.finditer(unreleased), *WHEN.finditer(unreleased), *internal.finditer(unreleased))
     ]
     assert not hits, f"CHANGELOG.md, Unreleased: internal work or run history: {hits[:8]}"
+
+
+FLOOR = re.compile(
+    r"\b(torch|Ray Train|Ray|Lightning|Accelerate|transformers|PEFT|TRL|bitsandbytes)"
+    r"(?: \(| )?(?:>= ?(\d+\.\d+(?:\.\d+)?)|(\d+\.\d+(?:\.\d+)?) or newer)",
+    re.I,
+)
+
+
+def _declared_floors() -> dict[str, str]:
+    """{distribution (lower case): its floor} from pyproject.toml's dependencies and extras."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = [*project["dependencies"], *(s for extra in project["optional-dependencies"].values() for s in extra)]
+    floors = {}
+    for spec in specs:
+        match = re.match(r"([A-Za-z0-9_-]+)(?:\[[^]]*\])?>=([\d.]+)", spec)
+        if match:
+            floors[match.group(1).lower()] = match.group(2)
+    return floors
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = [int(p) for p in version.split(".")]
+    while len(parts) > 2 and parts[-1] == 0:
+        parts.pop()
+    return tuple(parts)
+
+
+def test_stated_version_floors_match_pyproject():
+    """ "Ray Train >= 2.60", "torch 2.11 or newer": a floor a page states is the one pyproject.toml declares."""
+    floors = _declared_floors()
+    wrong = []
+    for page in USER_PAGES:
+        for match in FLOOR.finditer((ROOT / page).read_text()):
+            name = match.group(1).lower().removesuffix(" train")
+            stated = match.group(2) or match.group(3)
+            if name in floors and _release(stated) != _release(floors[name]):
+                wrong.append(f"{page}: {match.group(0)!r}, pyproject.toml says {name}>={floors[name]}")
+    assert not wrong, "\n".join(wrong)
