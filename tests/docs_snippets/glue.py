@@ -322,10 +322,11 @@ GLUE: dict[tuple[str, str], Glue] = {
         "assert Path('ckpts/step-000001/.metadata').is_file()\nassert any(Path('merged').glob('*.safetensors'))",
     ),
     ("docs/guides/qlora.md", "qlora"): Glue(
-        setup=_PRETRAINED,
+        setup=_PRETRAINED + "\nimport torch as _torch\nloader = [_torch.randint(3, 64, (2, 12)) for _ in range(2)]",
         check="plan = str(f2.sharding_plan(model))\nassert '4-bit weights sharded as packed bytes' in plan, plan\n"
         "packed = f2.shard.quantised_param_names(model)\n"
-        "assert packed and all(type(p).__name__ == 'DTensor' for n, p in model.named_parameters() if n in packed)",
+        "assert packed and all(type(p).__name__ == 'DTensor' for n, p in model.named_parameters() if n in packed)\n"
+        "from pathlib import Path\nassert Path('adapter/adapter_model.safetensors').is_file()",
     ),
     ("docs/guides/qlora.md", "quantise-on-load"): Glue(
         setup=_PRETRAINED,
