@@ -301,3 +301,19 @@ def test_stated_version_floors_match_pyproject():
             if name in floors and _release(stated) != _release(floors[name]):
                 wrong.append(f"{page}: {match.group(0)!r}, pyproject.toml says {name}>={floors[name]}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_pages_say_4bit_weights_are_sharded():
+    """A 4-bit (QLoRA) base is sharded as packed bytes by default (`quantised_weights="shard"`): a page
+    saying quantised weights are kept whole names the switch that does that (`"replicate"`) or means
+    the small quantisation state."""
+    stale = []
+    for page in USER_PAGES:
+        for block in re.split(r"\n\s*\n|\n(?=\|)", (ROOT / page).read_text()):
+            text = " ".join(block.split())
+            if re.search(r"quantis|4-bit|bitsandbytes", text, re.I) and re.search(
+                r"kept whole|never (?:split|sharded)|not sharded", text, re.I
+            ):
+                if not re.search(r"replicate|quantisation state", text, re.I):
+                    stale.append(f"{page}: {text[:160]}")
+    assert not stale, "pages saying quantised weights are never sharded:\n" + "\n".join(stale)
