@@ -317,3 +317,19 @@ def test_pages_say_4bit_weights_are_sharded():
                 if not re.search(r"replicate|quantisation state", text, re.I):
                     stale.append(f"{page}: {text[:160]}")
     assert not stale, "pages saying quantised weights are never sharded:\n" + "\n".join(stale)
+
+
+def test_pages_say_what_gathered_does_over_its_budget():
+    """`f2.gathered` over its memory budget holds the groups that fit (shard/gathered.py): every
+    paragraph about its budget, on the pages and in the CHANGELOG, says so."""
+    stale = []
+    for page in [*USER_PAGES, "CHANGELOG.md"]:
+        for block in re.split(r"\n\s*\n|\n(?=- )", (ROOT / page).read_text()):
+            text = " ".join(block.split())
+            if (
+                "gathered" in text
+                and re.search(r"over (?:the|its) (?:memory )?budget", text, re.I)
+                and "fit" not in text
+            ):
+                stale.append(f"{page}: {text[:160]}")
+    assert not stale, "f2.gathered over its budget holds the groups that fit:\n" + "\n".join(stale)
