@@ -160,7 +160,7 @@ def run_hf(args: argparse.Namespace, train_set: TensorDataset, test_set: TensorD
         shutil.rmtree(out_dir)  # a fresh run; the other ranks write nothing before the first save
     model = build_model(args.model_dir, not args.full)
     # BERT's forward takes **kwargs, so the Trainer would scale its mean loss by the process count
-    # (see docs/transformers.md): declare that the loss ignores num_items_in_batch.
+    # (see docs/integrations/transformers.md): declare that the loss ignores num_items_in_batch.
     model.accepts_loss_kwargs = False
     training_args = TrainingArguments(
         output_dir=str(out_dir),

@@ -98,7 +98,7 @@ def _stand_in(module: str, name: str) -> type[DeepSpeedObject]:
     return type(name, (DeepSpeedObject,), {"__module__": module})
 
 
-_STAND_INS = [(_stand_in(*full.rsplit(".", 1)), full) for full in DEEPSPEED_GLOBALS]
+_STAND_INS: list[Any] = [(_stand_in(*full.rsplit(".", 1)), full) for full in DEEPSPEED_GLOBALS]
 
 
 class _Unpickler(pickle.Unpickler):

@@ -82,14 +82,7 @@ def test_unnamed_python_block_is_refused(tmp_path, monkeypatch):
         pages.snippets("page.md")
 
 
-def _declares_mark(page: str):
-    # docs/guides/security.md is edited beside this change; it declares its names in its own commit
-    if page == "docs/guides/security.md" and not user_names(page):
-        return pytest.mark.xfail(strict=True, reason="security.md does not yet say which names are the user's")
-    return ()
-
-
-@pytest.mark.parametrize("page", [pytest.param(p, marks=_declares_mark(p)) for p in sorted({p for p, _ in GLUE})])
+@pytest.mark.parametrize("page", sorted({p for p, _ in GLUE}))
 def test_snippets_use_only_names_the_page_declares(page):
     """Run as displayed: what a snippet reads and neither imports nor defines is a name its page says is
     the user's ("`model` and `loader` are yours"), and the glue binds nothing else for it: no import, no
@@ -140,7 +133,7 @@ def _pages() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize(
     "page, launch",
-    [pytest.param(page, launch, marks=_declares_mark(page)) for page, launch in _pages()],
+    _pages(),
     ids=lambda v: v.replace("/", "-").replace(":", "-"),
 )
 def test_snippets_run(page, launch, shared_launch):
@@ -238,16 +231,7 @@ def test_every_cited_docs_path_exists():
         for cited in sorted(set(DOCS_PATH.findall(path.read_text(errors="replace"))))
         if not (ROOT / cited).exists()
     }
-    assert not missing - CITATIONS_BEING_FIXED, "cited docs paths that do not exist:\n" + "\n".join(
-        sorted(missing - CITATIONS_BEING_FIXED)
-    )
-    assert CITATIONS_BEING_FIXED <= missing, (
-        f"fixed: remove from CITATIONS_BEING_FIXED {CITATIONS_BEING_FIXED - missing}"
-    )
-
-
-# examples/ is being edited beside this change (issue 64, point 4); its owner fixes this comment there.
-CITATIONS_BEING_FIXED = {"examples/peft_finetune.py: docs/" + "transformers.md"}
+    assert not missing, "cited docs paths that do not exist:\n" + "\n".join(sorted(missing))
 
 
 def test_changelog_unreleased_says_what_changed_for_users():
