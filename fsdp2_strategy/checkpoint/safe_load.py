@@ -76,8 +76,8 @@ NUMPY_GLOBALS = (
 TRUST_HINT = (
     "If you trust where this checkpoint came from (you wrote it), admit this one type with "
     "torch.serialization.add_safe_globals([...]), or trust the whole checkpoint: trusted=True "
-    "(Checkpointer.load, load_step_dir, convert_*_checkpoint), weights_only=False (Lightning's "
-    "trainer.fit(ckpt_path=...), fabric.load; accelerator.load_state(dir, load_kwargs={'weights_only': False})), "
+    "(Checkpointer.load, load_step_dir, convert_*_checkpoint), weights_only=False (fabric.load, "
+    "LightningModule.load_from_checkpoint; accelerator.load_state(dir, load_kwargs={'weights_only': False})), "
     "--trust (the convert commands)."
 )
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"

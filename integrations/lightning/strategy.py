@@ -365,7 +365,9 @@ class FSDP2Strategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded directory (any world size: DCP reshards) or a full file; return the rest.
         A directory is read as data (`f2.UntrustedCheckpointError` for another type) unless
-        `weights_only=False` (`trainer.fit(ckpt_path=..., weights_only=False)`)."""
+        `weights_only=False`; Lightning does not pass `fit`'s `weights_only` on to a strategy that
+        restores after setup (this one, as `ModelParallelStrategy`): admit types with
+        `torch.serialization.add_safe_globals` there."""
         self.wait_for_checkpoint()
         path = Path(self.broadcast(checkpoint_path))
         if is_checkpointer_step(path):

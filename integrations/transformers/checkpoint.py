@@ -23,11 +23,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 from fsdp2_strategy.checkpoint import directory as cdir
+from fsdp2_strategy.checkpoint import load_small_file
 from fsdp2_strategy.distributed import barrier, log_rank_zero, rank
 
 from ..accelerate import _compat as accelerate_compat
@@ -193,11 +193,11 @@ def save_checkpoint(trainer: Any, trial: Any) -> str:
     return str(path)
 
 
-def load_scheduler(trainer: Any, checkpoint: str) -> None:
-    """The Trainer's scheduler from `scheduler.pt` (model and optimizer came with `load_state`)."""
+def read_scheduler(checkpoint: str) -> dict | None:
+    """The state in `scheduler.pt` (None if absent), read as data: `f2.UntrustedCheckpointError` for a
+    type the reader does not admit (`torch.serialization.add_safe_globals` admits one)."""
     path = Path(checkpoint) / compat.SCHEDULER_NAME
-    if trainer.lr_scheduler is not None and path.is_file():
-        trainer.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+    return load_small_file(path, name=path) if path.is_file() else None
 
 
 def load_model_weights(trainer: Any, checkpoint: str) -> None:

@@ -304,12 +304,20 @@ class FSDP2TrainerMixin:
         return super()._finalize_training(trial, *args, **kwargs)  # type: ignore[misc]
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        path = checkpoint.check_resumable(resume_from_checkpoint)
+        # Read as data before anything loads: a refused scheduler.pt leaves the model unchanged.
+        self._f2_scheduler_state = checkpoint.read_scheduler(path)
         # Model, optimizer, accelerate's RNG and step: all prepared objects, resharded to this world size.
-        self.accelerator.load_state(checkpoint.check_resumable(resume_from_checkpoint))
+        self.accelerator.load_state(path)
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
-        if checkpoint_dir is not None:
-            checkpoint.load_scheduler(self, checkpoint_dir)
+        # The optimizer came with load_state; the scheduler from what _load_from_checkpoint read.
+        state, self._f2_scheduler_state = getattr(self, "_f2_scheduler_state", None), None
+        if checkpoint_dir is None or self.lr_scheduler is None:
+            return
+        state = state if state is not None else checkpoint.read_scheduler(checkpoint_dir)
+        if state is not None:
+            self.lr_scheduler.load_state_dict(state)
 
     def _load_best_model(self) -> None:
         self.accelerator.wait_for_checkpoint()  # the best may be the save still being written

@@ -3,6 +3,7 @@ them: the payload creates a marker file, so a test sees whether any reader ran i
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -21,11 +22,35 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+class OwnType:
+    """A user's own harmless class in a checkpoint: refused by default, admitted by torch's safe globals."""
+
+    def __init__(self, value: float = 0.5) -> None:
+        self.value = value
+
+
 def plant(path: Path, marker: Path, *, checksums: bool = True) -> None:
-    """Add a `payload` entry to the dict in torch file `path` (this test's own file, read with the full
-    unpickler); `checksums`: rewrite `checksums.json` beside it to match, as whoever crafted it can."""
+    """Add a `payload` entry that runs `touch MARKER` to the dict in torch file `path` (`add_entry`)."""
+    add_entry(path, "payload", Payload(marker), checksums=checksums)
+
+
+def add_entry(path: Path, key: str, value: object, *, checksums: bool = True) -> None:
+    """Add `key: value` to the dict in torch file `path` (this test's own file, read with the full
+    unpickler); `checksums`: rewrite `checksums.json` beside it to match, as whoever crafted it can.
+    One process's work (no collective): call it on one rank."""
     state = torch.load(path, map_location="cpu", weights_only=False)
-    state["payload"] = Payload(marker)
+    state[key] = value
     torch.save(state, path)
     if checksums:
-        assert integrity.write_checksums(path.parent, 0) is None
+        rewrite_checksums(path.parent)
+
+
+def rewrite_checksums(directory: Path) -> None:
+    """`checksums.json` of `directory` made to match its files now, every rank's shards included."""
+    ranks = {int(p.name[2:].split("_")[0]) for p in directory.glob("__*_*.distcp")} | {0}
+    files: dict = {}
+    for rank in sorted(ranks):
+        files.update(integrity.local_entries(directory, rank))
+    data = json.loads((directory / integrity.CHECKSUMS_FILE).read_text())
+    data["files"] = dict(sorted(files.items()))
+    (directory / integrity.CHECKSUMS_FILE).write_text(json.dumps(data, indent=1))

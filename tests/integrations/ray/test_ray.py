@@ -23,9 +23,11 @@ else:
 import ray.cloudpickle  # noqa: E402
 from helpers import ROOT
 from helpers import ray_fns as fns  # noqa: E402
+from helpers.untrusted import plant  # noqa: E402
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
 
+import fsdp2_strategy as f2  # noqa: E402
 from fsdp2_strategy.checkpoint.directory import committed_steps, is_committed  # noqa: E402
 from fsdp2_strategy.integrations.accelerate.config_file import accelerate_config_env  # noqa: E402
 
@@ -200,3 +202,17 @@ def test_ray_train_example_runs_as_documented(tmp_path):
     assert "attempt starting at step 0" in out, out[-4000:]
     assert "'step': 6}; latest checkpoint" in out and "step-000006" in out, out[-4000:]
     assert sorted(committed_steps(tmp_path / "fsdp2_steps")) == [4, 6]  # keep_last=2
+
+
+def test_the_restore_reads_lightnings_step_as_data(tmp_path):
+    """Which checkpoint a restarted Ray run resumes is chosen by the step in its meta.pt, read as data:
+    a meta.pt that runs code is refused naming it, and nothing runs."""
+    from fsdp2_strategy.integrations.ray.lightning import _global_step
+
+    marker = tmp_path / "ran"
+    torch.save({"global_step": 7, "epoch": 1}, tmp_path / "meta.pt")
+    assert _global_step(tmp_path) == 7
+    plant(tmp_path / "meta.pt", marker, checksums=False)
+    with pytest.raises(f2.UntrustedCheckpointError, match=r"meta\.pt holds the type (posix|os)\.system"):
+        _global_step(tmp_path)
+    assert not marker.exists()

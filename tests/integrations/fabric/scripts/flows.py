@@ -677,7 +677,7 @@ def untrusted(out: dict, work: Path) -> None:
     _train(fabric, model2, optimizer2, batches=BATCHES[1:2])  # momentum state the load would overwrite
     before = full_state(model2, optimizer2)
     state = {"model": model2, "optimizer": optimizer2, "step": 0}
-    out["error"] = check.raises(
+    out["refusal"] = check.raises(
         "refused naming meta.pt, the type and the switch",
         lambda: fabric.load(ck, state),
         f2.UntrustedCheckpointError,

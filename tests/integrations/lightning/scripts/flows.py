@@ -43,7 +43,7 @@ from helpers.comm import collective_dtypes, count_collectives
 from helpers.models import ResidualBlock
 from helpers.precision import policy_grads, true_precision_update
 from helpers.slow_staging import copied_by, differing, full_state, slow_staging
-from helpers.untrusted import plant
+from helpers.untrusted import OwnType, add_entry, plant
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
@@ -657,7 +657,7 @@ def checkpoints(out: dict, work: Path) -> None:
     check.equal("the damaged checkpoint refused on every rank", out["damaged_errors_all_ranks"], [True, True])
 
     # A meta.pt that runs code when unpickled (checksums rewritten to match): refused on every rank,
-    # nothing run or changed; weights_only=False (the user trusts it) resumes it exactly.
+    # nothing run or changed; admitted (the user trusts it), it resumes exactly.
     untrusted, marker = work / "untrusted.ckpt", work / "untrusted_ran"
     if torch.distributed.get_rank() == 0:
         shutil.copytree(ckpt_dir / "last.ckpt", untrusted)
@@ -671,7 +671,7 @@ def checkpoints(out: dict, work: Path) -> None:
         f2.UntrustedCheckpointError,
         "meta.pt",
         "system",
-        "weights_only=False",
+        "add_safe_globals",
     )
     out["untrusted_errors_all_ranks"] = gather(out["untrusted_error"] is not None)
     out["untrusted_ran"] = marker.exists()
@@ -679,12 +679,25 @@ def checkpoints(out: dict, work: Path) -> None:
     check.equal("refused on every rank", out["untrusted_errors_all_ranks"], [True, True])
     check.that("the payload did not run", not out["untrusted_ran"])
     check.equal("the model is unchanged", out["untrusted_changed"], 0.0)
+    # A type of the user's own in meta.pt: refused, then admitted with torch's safe globals (Lightning
+    # does not pass fit's weights_only to a strategy that restores after setup, as ModelParallelStrategy).
+    own = work / "own_type.ckpt"
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(ckpt_dir / "last.ckpt", own)
+        add_entry(own / "meta.pt", "settings", OwnType(0.25))
+    torch.distributed.barrier()
+    model, _ = _fresh(seed=7, optimizer="adam")
+    check.raises(
+        "a type of the user's own is refused, naming it",
+        lambda: trainer(max_epochs=2).fit(model, loader(BATCH), ckpt_path=own),
+        f2.UntrustedCheckpointError,
+        "OwnType",
+    )
     trusted, _ = _fresh(seed=7, optimizer="adam")
-    trainer(max_epochs=2).fit(trusted, loader(BATCH), ckpt_path=untrusted, weights_only=False)
-    out["trusted_ran"] = marker.exists()
+    with torch.serialization.safe_globals([OwnType]):
+        trainer(max_epochs=2).fit(trusted, loader(BATCH), ckpt_path=own)
     out["trusted_diff"] = max_rel_diff(full_params(trusted), ref_params)
-    check.that("weights_only=False loads it (and so runs it: the user trusted it)", out["trusted_ran"])
-    check.below("... and resumes exactly (relative)", out["trusted_diff"], 1e-6)
+    check.below("admitted with safe_globals, it resumes exactly (relative)", out["trusted_diff"], 1e-6)
 
 
 class LitLoRA(LitMLP):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -36,7 +37,9 @@ from common import (
     vector_rel_diff,
 )
 from helpers.checks import Checks
+from helpers.untrusted import plant
 
+import fsdp2_strategy as f2
 from fsdp2_strategy.integrations.accelerate import FSDP2Plugin
 from fsdp2_strategy.integrations.transformers import FSDP2Trainer, committed_checkpoints, latest_checkpoint
 
@@ -197,6 +200,26 @@ def checkpoints(entry: dict, work: Path) -> None:
         FileNotFoundError,
         "not a committed FSDP2Trainer checkpoint",
     )
+    # A scheduler.pt that runs code when unpickled (checksums rewritten to match): refused on every
+    # rank naming the file, nothing run, the model unchanged.
+    untrusted, marker = work / "untrusted", work / "untrusted_ran"
+    if _rank0():
+        shutil.copytree(run2 / "checkpoint-4", untrusted / "checkpoint-4")
+        plant(untrusted / "checkpoint-4" / "scheduler.pt", marker)
+    dist.barrier()
+    before = full_params(resumed.model)
+    entry["untrusted_error"] = check.raises(
+        "a scheduler.pt that runs code is refused, naming the file, the type and the switch",
+        lambda: resumed.train(resume_from_checkpoint=str(untrusted / "checkpoint-4")),
+        f2.UntrustedCheckpointError,
+        "scheduler.pt",
+        "system",
+        "add_safe_globals",
+    )
+    entry["untrusted_ran"] = marker.exists()
+    entry["untrusted_changed"] = vector_rel_diff(full_params(resumed.model), before)
+    check.that("the payload did not run", not entry["untrusted_ran"])
+    check.equal("the model is unchanged", entry["untrusted_changed"], 0.0)
     resumed.train(resume_from_checkpoint=True)
     entry["resume_rel_diff"] = vector_rel_diff(snaps2.params[6], snaps.params[6])
     entry["resume_global_step"] = resumed.state.global_step
