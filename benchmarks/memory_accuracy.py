@@ -7,6 +7,7 @@ to the median measured peak of the five settings, the setting the planner picks 
 (least communication whose estimate fits) must have a measured peak within the budget.
 
     OMP_NUM_THREADS=1 python benchmarks/memory_accuracy.py --models gpt convnet --worlds 2 4 --ks 1 4
+    python benchmarks/memory_accuracy.py --plot benchmarks/results/memory_accuracy.png   # the stored rows, no runs
 """
 
 from __future__ import annotations
@@ -107,6 +108,32 @@ def summary(rows: list[dict]) -> None:
     )
 
 
+def plot(rows: list[dict], out: str) -> None:
+    """Estimated against measured peak, one point per case (log scales), the y = x line and a 10 % band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for model in sorted({r["model"] for r in rows}):
+        mine = [r for r in rows if r["model"] == model]
+        measured, estimated = [r["measured"] / 2**20 for r in mine], [r["estimate"] / 2**20 for r in mine]
+        ax.scatter(measured, estimated, s=14, label=model, zorder=3)
+    low = min(min(r["measured"], r["estimate"]) for r in rows) / 2**20 * 0.8
+    high = max(max(r["measured"], r["estimate"]) for r in rows) / 2**20 * 1.25
+    ax.fill_between([low, high], [low * 0.9, high * 0.9], [low * 1.1, high * 1.1], color="0.9", label="within 10 %")
+    ax.plot([low, high], [low, high], color="k", linewidth=0.8, label="estimate = measured")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured peak per rank (MiB)")
+    ax.set_ylabel("estimated peak per rank (MiB)")
+    ax.set_title(f"Memory planner vs measured ({len(rows)} cases)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["gpt", "convnet", "minilm"])
@@ -118,8 +145,12 @@ def main() -> None:
         action="store_true",
         help="recompute the estimates of the stored measurements (no runs), e.g. after an estimator change",
     )
+    parser.add_argument("--plot", default=None, help="write the stored rows (--out) as a PNG here, running nothing")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.plot:
+        plot(json.loads(out.read_text()), args.plot)
+        return
     if args.reestimate:
         reestimate(out)
         return

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from fsdp2_strategy.checkpoint import integrity
+from fsdp2_strategy.checkpoint import UntrustedCheckpointError, integrity
 
 
 class Payload:
@@ -54,3 +56,25 @@ def rewrite_checksums(directory: Path) -> None:
     data = json.loads((directory / integrity.CHECKSUMS_FILE).read_text())
     data["files"] = dict(sorted(files.items()))
     (directory / integrity.CHECKSUMS_FILE).write_text(json.dumps(data, indent=1))
+
+
+def assert_refused_then_trusted(convert: Callable[..., object], command: str, source: Path, marker: Path) -> None:
+    """`source` holds a payload (`plant`): the converter `convert(source, target)` and the command line
+    `command` refuse it naming the file, the type and `--trust`, with nothing run or written;
+    `trusted=True` and `--trust` convert it (and so run it: the user trusted it)."""
+    import pytest  # here: the flow scripts that plant payloads run without pytest
+
+    from fsdp2_strategy.cli import main
+
+    work = marker.parent
+    with pytest.raises(
+        UntrustedCheckpointError, match=rf"{re.escape(source.name)} holds the type (posix|os)\.system.*--trust"
+    ):
+        convert(source, work / "out")
+    assert main([command, str(source), str(work / "out")]) == 2
+    assert not marker.exists() and not (work / "out").exists()
+    convert(source, work / "out", trusted=True, progress=False)
+    assert marker.exists()
+    marker.unlink()
+    assert main([command, str(source), str(work / "cli"), "--trust", "--no-progress"]) == 0
+    assert marker.exists()

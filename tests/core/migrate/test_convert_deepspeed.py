@@ -34,7 +34,7 @@ from helpers.deepspeed_models import (
     worst_difference,
 )
 from helpers.harness import launch, run_distributed
-from helpers.untrusted import plant
+from helpers.untrusted import assert_refused_then_trusted, plant
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.cli import main
@@ -210,17 +210,7 @@ def test_a_file_that_runs_code_is_refused_and_trust_converts_it(deepspeed_run, t
     marker = tmp_path / "ran"
     crafted = _copy_tag(deepspeed_run, 2, tmp_path / "crafted")
     plant(crafted / "mp_rank_00_model_states.pt", marker, checksums=False)
-    with pytest.raises(
-        f2.UntrustedCheckpointError, match=r"mp_rank_00_model_states\.pt holds the type (posix|os)\.system.*--trust"
-    ):
-        f2.convert_deepspeed_checkpoint(crafted, tmp_path / "out")
-    assert main(["convert-deepspeed", str(crafted), str(tmp_path / "out")]) == 2
-    assert not marker.exists() and not (tmp_path / "out").exists()
-    f2.convert_deepspeed_checkpoint(crafted, tmp_path / "out", trusted=True, progress=False)
-    assert marker.exists()
-    marker.unlink()
-    assert main(["convert-deepspeed", str(crafted), str(tmp_path / "cli"), "--trust", "--no-progress"]) == 0
-    assert marker.exists()
+    assert_refused_then_trusted(f2.convert_deepspeed_checkpoint, "convert-deepspeed", crafted, marker)
 
 
 def test_the_deepspeed_comparison_runs_as_the_device_suite_runs_it(deepspeed_path, tmp_path):

@@ -36,7 +36,7 @@ from helpers.deepspeed_models import (
 )
 from helpers.fsdp1_sources import save_sources
 from helpers.harness import run_distributed
-from helpers.untrusted import plant
+from helpers.untrusted import assert_refused_then_trusted, plant
 
 import fsdp2_strategy as f2
 from fsdp2_strategy.cli import main
@@ -232,15 +232,7 @@ def test_a_file_that_runs_code_is_refused_and_trust_converts_it(fsdp1_run, tmp_p
     marker, crafted = tmp_path / "ran", tmp_path / "crafted.ckpt"
     shutil.copy(fsdp1_run / "lightning_full.ckpt", crafted)
     plant(crafted, marker, checksums=False)
-    with pytest.raises(f2.UntrustedCheckpointError, match=r"crafted\.ckpt holds the type (posix|os)\.system.*--trust"):
-        f2.convert_fsdp1_checkpoint(crafted, tmp_path / "out")
-    assert main(["convert-fsdp1", str(crafted), str(tmp_path / "out")]) == 2
-    assert not marker.exists() and not (tmp_path / "out").exists()
-    f2.convert_fsdp1_checkpoint(crafted, tmp_path / "out", trusted=True, progress=False)
-    assert marker.exists()
-    marker.unlink()
-    assert main(["convert-fsdp1", str(crafted), str(tmp_path / "cli"), "--trust", "--no-progress"]) == 0
-    assert marker.exists()
+    assert_refused_then_trusted(f2.convert_fsdp1_checkpoint, "convert-fsdp1", crafted, marker)
 
 
 # ---------------------------------------------------------------------- resumed by the trainers
