@@ -58,17 +58,20 @@ def rewrite_checksums(directory: Path) -> None:
     (directory / integrity.CHECKSUMS_FILE).write_text(json.dumps(data, indent=1))
 
 
-def assert_refused_then_trusted(convert: Callable[..., object], command: str, source: Path, marker: Path) -> None:
-    """`source` holds a payload (`plant`): the converter `convert(source, target)` and the command line
-    `command` refuse it naming the file, the type and `--trust`, with nothing run or written;
-    `trusted=True` and `--trust` convert it (and so run it: the user trusted it)."""
+def assert_refused_then_trusted(
+    convert: Callable[..., object], command: str, source: Path, marker: Path, planted: Path | None = None
+) -> None:
+    """`source` (or its file `planted`) holds a payload (`plant`): the converter `convert(source, target)`
+    and the command line `command` refuse it naming that file, the type and `--trust`, with nothing run or
+    written; `trusted=True` and `--trust` convert it (and so run it: the user trusted it)."""
     import pytest  # here: the flow scripts that plant payloads run without pytest
 
     from fsdp2_strategy.cli import main
 
     work = marker.parent
     with pytest.raises(
-        UntrustedCheckpointError, match=rf"{re.escape(source.name)} holds the type (posix|os)\.system.*--trust"
+        UntrustedCheckpointError,
+        match=rf"{re.escape((planted or source).name)} holds the type (posix|os)\.system.*--trust",
     ):
         convert(source, work / "out")
     assert main([command, str(source), str(work / "out")]) == 2

@@ -209,8 +209,9 @@ def test_a_file_that_runs_code_is_refused_and_trust_converts_it(deepspeed_run, t
     data: every other test here converts real saves without the switch."""
     marker = tmp_path / "ran"
     crafted = _copy_tag(deepspeed_run, 2, tmp_path / "crafted")
-    plant(crafted / "mp_rank_00_model_states.pt", marker, checksums=False)
-    assert_refused_then_trusted(f2.convert_deepspeed_checkpoint, "convert-deepspeed", crafted, marker)
+    planted = crafted / "mp_rank_00_model_states.pt"
+    plant(planted, marker, checksums=False)
+    assert_refused_then_trusted(f2.convert_deepspeed_checkpoint, "convert-deepspeed", crafted, marker, planted)
 
 
 def test_the_deepspeed_comparison_runs_as_the_device_suite_runs_it(deepspeed_path, tmp_path):
