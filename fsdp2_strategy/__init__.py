@@ -35,6 +35,7 @@ from .migrate import (
 )
 from .precision import native_low_precision
 from .preemption import PREEMPTION_EXIT_CODE, PreemptionWatch
+from .sequence import ContextParallelBatch, context_parallel
 from .shard import ShardingPlan, gathered, replicate, sharding_plan, to_4bit
 from .train import (
     AccumulationMode,
@@ -60,6 +61,8 @@ from .versions import __version__ as __version__
 from .versions import warn_untested_versions
 
 __all__ = [
+    "ContextParallelBatch",
+    "context_parallel",
     "AccumulationMode",
     "Checkpointer",
     "UntrustedCheckpointError",

@@ -31,6 +31,11 @@ reads FSDP2's private state, and a few other private torch helpers; only through
   "overlap" save's copy until `save()` returns; completing the stream-ordered one);
   `DefaultSavePlanner._cached_plans_key` and `SavePlanner`'s plan caches (one plan cache per
   asynchronous saver, dropped when it closes).
+- Context parallelism (`sequence`): torch's ring attention, `_templated_ring_attention` and
+  `_templated_ring_attention_backward`, its dispatcher table `custom_ops` and options
+  `_cp_options` (of `torch.distributed.tensor.experimental._context_parallel._attention`), to
+  register the CPU flash-attention kernel torch's ring leaves out; `DeviceMesh._flatten` (FSDP's
+  data x context parallel dim, as torchtitan builds it).
 
 `check_private_api()` runs when this module is imported (so at `import fsdp2_strategy`) and raises
 ImportError naming every name that moved and the torch releases known to work
@@ -51,6 +56,7 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from ._torch_backports import StagerKeepingBuffers, reset_iter_state_before_2_13
@@ -92,6 +98,11 @@ tree_map_only = _private("torch.utils._pytree", "tree_map_only")
 WrapPolicy = _private("torch.distributed.fsdp.wrap", "_Policy")
 ModuleWrapPolicy = _private("torch.distributed.fsdp.wrap", "ModuleWrapPolicy")
 MixedPrecision = _private("torch.distributed.fsdp", "MixedPrecision")
+_CP = "torch.distributed.tensor.experimental._context_parallel._attention"
+ring_attention = _private(_CP, "_templated_ring_attention")
+ring_attention_backward = _private(_CP, "_templated_ring_attention_backward")
+cp_dispatch_table = _private(_CP, "custom_ops")
+cp_options = _private(_CP, "_cp_options")
 
 
 def _declares(owner: Any, name: str) -> bool:
@@ -148,6 +159,9 @@ _ATTRIBUTES = (
     (torch, "_foreach_mul_"),
     (torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"),
     (torch.UntypedStorage, "_cdata"),
+    (torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"),
+    (cp_options, "enable_load_balance"),
+    (DeviceMesh, "_flatten"),
     (nn.Module, "_parameters"),
     (nn.Module, "_buffers"),
     (DefaultStager, "_stage"),
@@ -218,6 +232,11 @@ def check_private_api() -> None:
     missing = missing_private_names()
     if missing:
         raise private_api_error("fsdp2_strategy", "torch", torch.__version__, missing)
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """`mesh`'s dims as one dim called `name`, which its root mesh can then be sliced by."""
+    return mesh._flatten(name)
 
 
 # --------------------------------------------------------------------------- FSDP2 state

@@ -36,6 +36,7 @@ from .config_checks import (
     check_bool,
     check_choice,
     check_compile,
+    check_context_parallel,
     check_frozen_dtype,
     check_tensor_parallel,
     did_you_mean,
@@ -215,6 +216,15 @@ class ShardingOptions:
     the rest is data parallel: FSDP (or HSDP) over `world_size // tensor_parallel_size` ranks.
     TP groups are consecutive ranks (inside a node), applied before FSDP."""
 
+    context_parallel_size: int = 1
+    """Ranks each sequence is split across (1: none): context parallelism, for sequences whose
+    activations do not fit one rank. The world size must be a multiple of
+    `context_parallel_size * tensor_parallel_size`. Attention runs as a ring over the "cp" ranks
+    inside `f2.context_parallel(model, batch)`, which hands each rank its part of every sequence;
+    FSDP shards parameters over the data-parallel x context-parallel ranks and averages gradients
+    over them. Needs a model whose attention calls `scaled_dot_product_attention` (Hugging Face:
+    `attn_implementation="sdpa"`) with a causal mask or none."""
+
     tensor_parallel_plan: Any = "auto"
     """With `tensor_parallel_size > 1`, how modules are split: "auto" (the plan a Hugging Face
     model declares in `base_model_tp_plan` / `_tp_plan`), a dict of module-name globs to
@@ -328,6 +338,7 @@ class FSDP2Config(ChoiceOptions, CheckpointOptions, HostOptions, ShardingOptions
         self._check_checkpoint(errors)
         errors.raise_if_any()
         check_tensor_parallel(self)  # reads several fields: only once they are all valid
+        check_context_parallel(self)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> FSDP2Config:

@@ -281,3 +281,34 @@ def check_tensor_parallel(config: Any) -> None:
                 f"with tensor_parallel_size={size} every group shares one (data parallel x tensor parallel) mesh. "
                 "Drop those sharding_strategy overrides (reshard, precision and offload overrides are fine)."
             )
+
+
+def check_context_parallel(config: Any) -> None:
+    """`FSDP2Config.context_parallel_size`, and what it excludes ("auto" and replicate-only strategies,
+    per-module strategy overrides)."""
+    size = config.context_parallel_size
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(
+            f"FSDP2Config.context_parallel_size={size!r} is invalid; use an int >= 1 (1: no context parallelism)."
+        )
+    if size == 1:
+        return
+    if config.sharding_strategy == "auto":
+        raise ValueError(
+            f"FSDP2Config(sharding_strategy='auto', context_parallel_size={size}): 'auto' picks a strategy for "
+            "whole sequences; name a sharding_strategy (FULL_SHARD, HYBRID_SHARD, ...)."
+        )
+    if strategies.strategy(config.sharding_strategy).layout == "replicate":
+        raise ValueError(
+            f"FSDP2Config(sharding_strategy='NO_SHARD', context_parallel_size={size}): the context-parallel ranks "
+            "shard parameters between them; use FULL_SHARD, SHARD_GRAD_OP or a HYBRID_SHARD strategy."
+        )
+    changed = [
+        p for p, o in config.module_overrides.items() if o.sharding_strategy not in (None, config.sharding_strategy)
+    ]
+    if changed:
+        raise ValueError(
+            f"FSDP2Config.module_overrides {changed} change the sharding strategy, which needs another mesh; "
+            f"with context_parallel_size={size} every group shares one (data parallel x context parallel) mesh. "
+            "Drop those sharding_strategy overrides (reshard, precision and offload overrides are fine)."
+        )

@@ -11,10 +11,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from . import _torch_compat as tc
 from . import sharding_strategies as strategies
 from .tensor_parallel import TP_DIM
 
 REPLICATE_DIM, SHARD_DIM = "dp_replicate", "dp_shard"
+CP_DIM = "cp"
+"""Name of the context-parallel dim in meshes the core builds (Accelerate's and torchtitan's name)."""
+SHARD_CP_DIM = "dp_shard_cp"
+"""The flattened (dp_shard, cp) dim FSDP shards over with context parallelism (torchtitan's name)."""
 
 
 def default_reshard_after_forward(strategy: str) -> bool | None:
@@ -96,8 +101,11 @@ def check_reshard_factor(value, shard_size: int, field: str) -> None:
 class MeshCache:
     """Builds each mesh shape once per `shard_model` call (creating one is a collective).
 
-    With `tp_size > 1` every data-parallel mesh is a sub-mesh of one (data..., "tp") mesh, and
-    `tp_mesh` is its "tp" sub-mesh (FSDP2 needs both to share that parent).
+    With `tp_size > 1` or `cp_size > 1` every data-parallel mesh is a sub-mesh of one (data...,
+    "cp"?, "tp"?) mesh: FSDP shards over the data-parallel dims with the last one flattened with
+    "cp" (a sequence's ranks hold different tokens, so their gradients are averaged like data
+    parallel ones), and `tp_mesh` / `cp_mesh` are its "tp" / "cp" sub-meshes (FSDP2 needs them to
+    share that parent).
     """
 
     def __init__(
@@ -106,11 +114,13 @@ class MeshCache:
         given: DeviceMesh | None = None,
         tp_size: int = 1,
         tp_mesh: DeviceMesh | None = None,
+        cp_size: int = 1,
+        cp_mesh: DeviceMesh | None = None,
     ):
         self.device_type = device_type or mesh_device_type()
         self.given = given
-        self.tp_size = tp_size
-        self.tp_mesh = tp_mesh
+        self.tp_size, self.tp_mesh = tp_size, tp_mesh
+        self.cp_size, self.cp_mesh = cp_size, cp_mesh
         self._meshes: dict[tuple[int, ...], DeviceMesh] = {}
 
     def get(self, strategy: str, mesh_shape: tuple[int, ...] | None) -> DeviceMesh:
@@ -120,23 +130,79 @@ class MeshCache:
                 "first (torchrun sets the environment; a single process can use world_size=1)."
             )
         world = dist.get_world_size()
-        if world % self.tp_size:
-            raise ValueError(
-                f"FSDP2Config.tensor_parallel_size={self.tp_size} does not divide the world size {world}; use a divisor "
-                f"of it: {[d for d in range(1, world + 1) if world % d == 0]}."
-            )
-        shape = strategy_mesh_shape(strategy, mesh_shape, world // self.tp_size)
+        _check_divides(world, self.tp_size, self.cp_size)
+        shape = strategy_mesh_shape(strategy, mesh_shape, world // (self.tp_size * self.cp_size))
         if self.given is not None and tuple(self.given.shape) == shape:
             return self.given
         if shape not in self._meshes:
             names = (SHARD_DIM,) if len(shape) == 1 else (REPLICATE_DIM, SHARD_DIM)
-            if self.tp_size == 1:
+            if self.tp_size == 1 and self.cp_size == 1:
                 self._meshes[shape] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
             else:
-                full = init_device_mesh(self.device_type, (*shape, self.tp_size), mesh_dim_names=(*names, TP_DIM))
-                self._meshes[shape] = full[names[0]] if len(names) == 1 else full[names]
-                self.tp_mesh = full[TP_DIM]
+                dims = [(n, s) for n, s in zip(names, shape)]
+                dims += [(CP_DIM, self.cp_size)] if self.cp_size > 1 else []
+                dims += [(TP_DIM, self.tp_size)] if self.tp_size > 1 else []
+                full = init_device_mesh(
+                    self.device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims)
+                )
+                self._meshes[shape] = fsdp_mesh_of(full, names, self.cp_size > 1)
+                self.tp_mesh = full[TP_DIM] if self.tp_size > 1 else None
+                self.cp_mesh = full[CP_DIM] if self.cp_size > 1 else None
         return self._meshes[shape]
+
+
+def _check_divides(world: int, tp_size: int, cp_size: int) -> None:
+    """ValueError naming the field when tensor x context parallel ranks do not divide the world."""
+    if world % (tp_size * cp_size) == 0:
+        return
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    if cp_size == 1:
+        raise ValueError(
+            f"FSDP2Config.tensor_parallel_size={tp_size} does not divide the world size {world}; use a divisor "
+            f"of it: {divisors}."
+        )
+    raise ValueError(
+        f"FSDP2Config.context_parallel_size={cp_size} x tensor_parallel_size={tp_size} does not divide the world "
+        f"size {world}; pick sizes whose product is one of {divisors}."
+    )
+
+
+def fsdp_mesh_of(full: DeviceMesh, dp_names: tuple[str, ...], cp: bool) -> DeviceMesh:
+    """The mesh FSDP shards over: `full`'s data-parallel dims `dp_names`, the last one flattened
+    with "cp" (named `SHARD_CP_DIM`) when `cp`."""
+    if not cp:
+        return full[dp_names[0]] if len(dp_names) == 1 else full[dp_names]
+    flat = tc.flatten_mesh(full[(dp_names[-1], CP_DIM)], SHARD_CP_DIM)
+    # With HSDP the (replicate, flattened) pair is sliced from the root, as torchtitan does.
+    return flat if len(dp_names) == 1 else full[(dp_names[0], SHARD_CP_DIM)]
+
+
+def split_parallel_mesh(
+    mesh: DeviceMesh, tp_size: int, cp_size: int
+) -> tuple[DeviceMesh, DeviceMesh | None, DeviceMesh | None]:
+    """(FSDP mesh, context-parallel mesh, tensor-parallel mesh) of a mesh given to `shard_model`.
+
+    Without tensor or context parallelism the mesh is FSDP's as it is. Otherwise its last dims must
+    be named "cp" (of `cp_size`, when > 1) then "tp" (of `tp_size`, when > 1), after one or two
+    data-parallel dims. Raises ValueError otherwise, with an example mesh.
+    """
+    if tp_size == 1 and cp_size == 1:
+        return mesh, None, None
+    tail = [(CP_DIM, cp_size)] * (cp_size > 1) + [(TP_DIM, tp_size)] * (tp_size > 1)
+    names = mesh.mesh_dim_names
+    dp = mesh.ndim - len(tail)
+    if names is None or not 1 <= dp <= 2 or list(zip(names[dp:], mesh.shape[dp:])) != tail:
+        fields = ", ".join(
+            f"FSDP2Config.{f}={s}" for f, s in (("context_parallel_size", cp_size), ("tensor_parallel_size", tp_size))
+        )
+        raise ValueError(
+            f"shard_model(mesh=...) with {fields} needs a mesh of one or two data-parallel dims followed by "
+            f"{', '.join(repr(n) for n, _ in tail)} of sizes {[s for _, s in tail]}, e.g. init_device_mesh(type, "
+            f"(dp, {', '.join(str(s) for _, s in tail)}), mesh_dim_names=('dp_shard', "
+            f"{', '.join(repr(n) for n, _ in tail)})); got shape {tuple(mesh.shape)}, names {names}."
+        )
+    fsdp_mesh = fsdp_mesh_of(mesh, tuple(names[:dp]), cp_size > 1)
+    return fsdp_mesh, mesh[CP_DIM] if cp_size > 1 else None, mesh[TP_DIM] if tp_size > 1 else None
 
 
 def shard_group_size(mesh: DeviceMesh) -> int:

@@ -62,19 +62,6 @@ def check_plan(plan: Any, field: str) -> None:
     )
 
 
-def split_mesh(mesh: DeviceMesh, tp_size: int) -> tuple[DeviceMesh, DeviceMesh]:
-    """(data-parallel sub-mesh, TP sub-mesh) of a mesh whose last dim is the TP dim."""
-    names = mesh.mesh_dim_names
-    if mesh.ndim < 2 or names is None or mesh.shape[-1] != tp_size:
-        raise ValueError(
-            f"shard_model(mesh=...) with FSDP2Config.tensor_parallel_size={tp_size} needs a named mesh whose last dim "
-            f"is the tensor-parallel one, of size {tp_size}, e.g. init_device_mesh(type, (dp, {tp_size}), "
-            f"mesh_dim_names=('dp', 'tp')); got shape {tuple(mesh.shape)}, names {names}."
-        )
-    data = names[:-1]
-    return (mesh[data[0]] if len(data) == 1 else mesh[data]), mesh[names[-1]]
-
-
 def declared_plan(model: nn.Module) -> dict[str, Any]:
     """The plan a Hugging Face model declares (`_tp_plan`, else its config's `base_model_tp_plan`
     under `base_model_prefix`); {} when it declares none."""

@@ -31,6 +31,12 @@ def add_parser(sub: Any) -> None:
     plan.add_argument(
         "--precision", choices=("bf16", "fp16", "fp32"), default=None, help="mixed precision (default: fp32)"
     )
+    plan.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="ranks each sequence is split across (activations per rank of 1/N of every sequence)",
+    )
     plan.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd_plain, adagrad, rmsprop or none")
     plan.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
     plan.add_argument(
@@ -70,7 +76,9 @@ def _hugging_face(folder: Path, batch_size: int | None, seq_len: int | None) -> 
 
 def run(args: argparse.Namespace) -> int:
     model, batch = load_model(args.model, args.batch_size, args.seq_len)
-    config = {"mixed_precision": args.precision} if args.precision else {}
+    config: dict[str, Any] = {"mixed_precision": args.precision} if args.precision else {}
+    if args.context_parallel_size != 1:
+        config["context_parallel_size"] = args.context_parallel_size
     comparison = compare_strategies(
         model,
         config,

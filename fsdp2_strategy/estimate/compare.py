@@ -18,6 +18,7 @@ from torch import nn
 
 from ..config import SHARDING_STRATEGIES, FSDP2Config
 from ..config_checks import parse_bytes
+from ..sharding_strategies import strategy as strategy_spec
 from .memory import MemoryEstimate, estimate_memory, human_bytes
 from .step_time import StepTimeModel, StepTimePrediction
 
@@ -163,6 +164,8 @@ def compare_strategies(
     budget = parse_bytes(device_memory, "device_memory")
     time_model = _time_model(time)
     rows = []
+    if base.context_parallel_size > 1:  # the context-parallel ranks shard parameters between them
+        strategies = tuple(s for s in strategies if strategy_spec(s).layout != "replicate")
     for strategy in strategies:
         for off in offload:
             for ac in checkpointing:

@@ -200,6 +200,8 @@ def estimate_memory(
             or a callable `params -> optimizer`; its state is measured by stepping it on meta tensors.
         example_batch: One rank's micro-batch: a tensor, a tuple of positional inputs, or a dict of
             keyword inputs (tensors may be real, meta or fake); None estimates without activations.
+            With `context_parallel_size=N` its whole sequences (dim 1): each rank's activations are
+            measured on 1/N of every sequence.
         loss_fn: `loss_fn(model, batch)` returns the loss (default: the output's `.loss`, else the
             first output tensor's mean).
         accumulation: The gradient accumulation mode (None: the config's `accumulation`).
@@ -235,7 +237,9 @@ def estimate_memory(
     root = specs[0].settings
     shard, _ = _shard_and_replicate(root.strategy, config, world_size, nodes)
     compute_dtype = root.mp_policy.param_dtype
-    sim_model, batch = meta_copy(model, example_batch, compute_dtype, root.mp_policy.cast_forward_inputs)
+    sim_model, batch = meta_copy(
+        model, example_batch, compute_dtype, root.mp_policy.cast_forward_inputs, config.context_parallel_size
+    )
     sizes = group_sizes(
         model,
         specs,

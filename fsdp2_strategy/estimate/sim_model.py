@@ -13,9 +13,10 @@ from .. import _torch_compat as tc
 from .sim_quantised import compute_as_dense, dense_stand_in, quantised_kind
 
 
-def meta_copy(model: nn.Module, batch: Any, compute_dtype: torch.dtype | None, cast_inputs: bool):
+def meta_copy(model: nn.Module, batch: Any, compute_dtype: torch.dtype | None, cast_inputs: bool, seq_split: int = 1):
     """A meta-device copy of `model` (floating parameters in `compute_dtype`; bitsandbytes layers as
-    the dense layers they compute like) and of `batch`."""
+    the dense layers they compute like) and of `batch`, whose tensors with a sequence dim (dim 1)
+    hold 1/`seq_split` of it: one context-parallel rank's part (`FSDP2Config.context_parallel_size`)."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
         if quantised_kind(p):
@@ -31,7 +32,10 @@ def meta_copy(model: nn.Module, batch: Any, compute_dtype: torch.dtype | None, c
 
     def to_meta(t: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype if cast_inputs and compute_dtype is not None and t.is_floating_point() else t.dtype
-        return torch.empty_like(t, device="meta", dtype=dtype)
+        shape = list(t.shape)
+        if seq_split > 1 and len(shape) > 1:
+            shape[1] //= seq_split
+        return torch.empty(shape, device="meta", dtype=dtype)
 
     return sim, (None if batch is None else tc.tree_map_only(torch.Tensor, to_meta, batch))
 

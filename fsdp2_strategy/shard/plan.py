@@ -19,8 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from ..config import FSDP2Config
 from ..groups import GroupSpec, ignored_names, resolve_groups, top_level
-from ..mesh import MeshCache, check_reshard_factor, mesh_device, shard_group_size
-from ..tensor_parallel import split_mesh
+from ..mesh import MeshCache, check_reshard_factor, mesh_device, shard_group_size, split_parallel_mesh
 from ..train import AccumulationMode, accumulation_mode, find_scalar_params
 from ..wrap_policy import describe_auto_choice
 from .materialize import check_initialisable, has_meta_tensors
@@ -45,6 +44,9 @@ class ResolvedPlan:
     """The root group's mesh (replicated parameters and materialisation use it too)."""
     tp_mesh: DeviceMesh | None
     """The tensor-parallel mesh (`tensor_parallel_size` > 1), else None."""
+    cp_mesh: DeviceMesh | None
+    """The context-parallel mesh (`context_parallel_size` > 1), else None: `f2.context_parallel`
+    runs attention as a ring over it."""
     tensor_parallel_plan: Any
     """`FSDP2Config.tensor_parallel_plan`, applied on `tp_mesh` before FSDP."""
     ignored: tuple[str, ...]
@@ -93,10 +95,15 @@ def plan_sharding(model: nn.Module, config: FSDP2Config, *, mesh: DeviceMesh | N
     Raises:
         ValueError: A setting does not fit the model, the world size or `mesh` (named as in the config).
     """
-    tp = config.tensor_parallel_size
-    dp_mesh, tp_mesh = split_mesh(mesh, tp) if mesh is not None and tp > 1 else (mesh, None)
+    tp, cp = config.tensor_parallel_size, config.context_parallel_size
+    dp_mesh, cp_mesh, tp_mesh = split_parallel_mesh(mesh, tp, cp) if mesh is not None else (None, None, None)
     meshes = MeshCache(
-        device_type=mesh.device_type if mesh is not None else None, given=dp_mesh, tp_size=tp, tp_mesh=tp_mesh
+        device_type=mesh.device_type if mesh is not None else None,
+        given=dp_mesh,
+        tp_size=tp,
+        tp_mesh=tp_mesh,
+        cp_size=cp,
+        cp_mesh=cp_mesh,
     )
     ignored = ignored_names(model, config)
     specs = resolve_groups(model, config, ignored)
@@ -125,6 +132,7 @@ def plan_sharding(model: nn.Module, config: FSDP2Config, *, mesh: DeviceMesh | N
         groups=tuple(groups),
         root_mesh=root_mesh,
         tp_mesh=meshes.tp_mesh if tp > 1 else None,
+        cp_mesh=meshes.cp_mesh if cp > 1 else None,
         tensor_parallel_plan=config.tensor_parallel_plan,
         ignored=tuple(ignored),
         scalars=tuple(find_scalar_params(model, left_out)),

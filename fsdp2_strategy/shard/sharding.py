@@ -86,6 +86,7 @@ def apply_plan(model: nn.Module, plan: ResolvedPlan) -> nn.Module:
     mark_replaced_params(params_before, model)
     record_mode(model, plan.accumulation)
     engine_state(model).wrap_choice = plan.wrap_choice
+    engine_state(model).cp_mesh = plan.cp_mesh
     install_ring_comms(model, plan.collectives)
     apply_host_allocator(plan.host_allocator, plan.root_mesh.device_type)
 

@@ -25,7 +25,7 @@ from .replicated import ReplicatedParams
 class EngineState:
     """What the engine remembers about one module.
 
-    The first five fields belong to the model `shard_model` (or `f2.replicate`) returned, the others
+    The first six fields belong to the model `shard_model` (or `f2.replicate`) returned, the others
     to the modules inside it; a field that does not apply keeps its default.
     """
 
@@ -40,6 +40,9 @@ class EngineState:
     (`train.accumulation` says why that is needed)."""
     wrap_choice: str = ""
     """What `wrap_policy="auto"` chose for this model and why ("" for any other policy)."""
+    cp_mesh: Any = None
+    """The context-parallel mesh of a model sharded with `context_parallel_size > 1`
+    (`f2.context_parallel` runs attention as a ring over it), else None."""
     group: GroupSettings | None = None
     """The settings of the `fully_shard` call this module received (its group's first module)."""
     ring_comms: bool = False
