@@ -182,27 +182,35 @@ def split_parallel_mesh(
 ) -> tuple[DeviceMesh, DeviceMesh | None, DeviceMesh | None]:
     """(FSDP mesh, context-parallel mesh, tensor-parallel mesh) of a mesh given to `shard_model`.
 
-    Without tensor or context parallelism the mesh is FSDP's as it is. Otherwise its last dims must
-    be named "cp" (of `cp_size`, when > 1) then "tp" (of `tp_size`, when > 1), after one or two
-    data-parallel dims. Raises ValueError otherwise, with an example mesh.
+    Without tensor or context parallelism the mesh is FSDP's as it is. Otherwise it is named, with
+    one or two data-parallel dims, then a dim named "cp" of `cp_size` (when > 1), then the
+    tensor-parallel dim of `tp_size` (when > 1; the last, whatever its name: Lightning calls it
+    "tensor_parallel"). Raises ValueError otherwise, with an example mesh.
     """
     if tp_size == 1 and cp_size == 1:
         return mesh, None, None
-    tail = [(CP_DIM, cp_size)] * (cp_size > 1) + [(TP_DIM, tp_size)] * (tp_size > 1)
-    names = mesh.mesh_dim_names
-    dp = mesh.ndim - len(tail)
-    if names is None or not 1 <= dp <= 2 or list(zip(names[dp:], mesh.shape[dp:])) != tail:
+    names, shape = mesh.mesh_dim_names, tuple(mesh.shape)
+    dp = mesh.ndim - (cp_size > 1) - (tp_size > 1)
+    fits = (
+        names is not None
+        and 1 <= dp <= 2
+        and (tp_size == 1 or shape[-1] == tp_size)
+        and (cp_size == 1 or (names[dp] == CP_DIM and shape[dp] == cp_size))
+    )
+    if not fits:
+        tail = [(CP_DIM, cp_size)] * (cp_size > 1) + [(TP_DIM, tp_size)] * (tp_size > 1)
         fields = ", ".join(
             f"FSDP2Config.{f}={s}" for f, s in (("context_parallel_size", cp_size), ("tensor_parallel_size", tp_size))
         )
         raise ValueError(
-            f"shard_model(mesh=...) with {fields} needs a mesh of one or two data-parallel dims followed by "
-            f"{', '.join(repr(n) for n, _ in tail)} of sizes {[s for _, s in tail]}, e.g. init_device_mesh(type, "
+            f"shard_model(mesh=...) with {fields} needs a named mesh of one or two data-parallel dims followed by "
+            f"{' and '.join(f'{n!r} of size {s}' for n, s in tail)}, e.g. init_device_mesh(type, "
             f"(dp, {', '.join(str(s) for _, s in tail)}), mesh_dim_names=('dp_shard', "
-            f"{', '.join(repr(n) for n, _ in tail)})); got shape {tuple(mesh.shape)}, names {names}."
+            f"{', '.join(repr(n) for n, _ in tail)})); got shape {shape}, names {names}."
         )
+    assert names is not None
     fsdp_mesh = fsdp_mesh_of(mesh, tuple(names[:dp]), cp_size > 1)
-    return fsdp_mesh, mesh[CP_DIM] if cp_size > 1 else None, mesh[TP_DIM] if tp_size > 1 else None
+    return fsdp_mesh, mesh[CP_DIM] if cp_size > 1 else None, mesh[names[-1]] if tp_size > 1 else None
 
 
 def shard_group_size(mesh: DeviceMesh) -> int:

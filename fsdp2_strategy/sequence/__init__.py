@@ -5,21 +5,11 @@ context parallel ranks); `context_parallel(model, batch)` runs a step on this ra
 sequence, with `ContextParallelBatch.loss` over all the sequences' tokens. torch's ring attention
 runs on accelerators as torch ships it and on CPUs through the kernel `ring` registers.
 
-Others may use: `context_parallel`, `ContextParallelBatch`, `context_mesh`, `shift_labels`,
-`check_sdpa_attention`, `check_split`, `ring_attention` (torch's
-`context_parallel` on any device, for the adapters' context managers).
+Others may use: `context_parallel`, `ContextParallelBatch`, `context_mesh` (the model's "cp" mesh),
+`ring_attention` (torch's `context_parallel` on any device, for the adapters' context managers).
 """
 
-from .batch import IGNORE_INDEX, ContextParallelBatch, shift_labels
-from .context import check_sdpa_attention, check_split, context_mesh, context_parallel, ring_attention
+from .batch import ContextParallelBatch
+from .context import context_mesh, context_parallel, ring_attention
 
-__all__ = [
-    "IGNORE_INDEX",
-    "ContextParallelBatch",
-    "check_sdpa_attention",
-    "check_split",
-    "context_mesh",
-    "context_parallel",
-    "ring_attention",
-    "shift_labels",
-]
+__all__ = ["ContextParallelBatch", "context_mesh", "context_parallel", "ring_attention"]

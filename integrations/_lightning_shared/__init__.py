@@ -16,6 +16,7 @@ from .config import (
     parallel_sizes,
     process_group_backend,
     register_all,
+    sampler_kwargs,
 )
 from .launch import ShutdownAfterWorker
 from .model_parallel import ModelParallelArgs, model_parallel_args
@@ -34,6 +35,7 @@ __all__ = [
     "core_mesh",
     "effective_config",
     "is_sharded_checkpoint",
+    "sampler_kwargs",
     "mixed_scaler",
     "model_parallel_args",
     "not_committed_error",

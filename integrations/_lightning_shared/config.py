@@ -74,7 +74,7 @@ def effective_config(
     if strategy(config.sharding_strategy).layout == "hybrid" and config.mesh_shape is None:
         # Replicate across nodes, shard within one: Lightning's launcher may not set the
         # LOCAL_WORLD_SIZE the core would otherwise read.
-        changes["mesh_shape"] = (num_nodes, num_processes)
+        changes["mesh_shape"] = (num_nodes, num_processes // config.context_parallel_size)
     if module is not None and config.tensor_parallel_size > 1 and not core_applies_tensor_parallel(config, module):
         changes.update(own_tensor_parallel(config, module, data_parallel_size))
     if module is not None and config.tensor_parallel_size == 1:
@@ -141,24 +141,43 @@ def parallel_sizes(
 ) -> tuple[int, int]:
     """Lightning's ("data_parallel", "tensor_parallel") mesh sizes: TP from the config, data
     parallelism every other rank ("auto"; `ModelParallelStrategy`'s "auto" is the node count, which
-    shards nothing on one node) or as given. Raises ValueError naming the sizes that do not fit."""
+    shards nothing on one node) or as given. With context parallelism the "data_parallel" dim holds
+    the data x context parallel ranks, and a given `data_parallel_size` counts the ranks that take
+    different batches. Raises ValueError naming the sizes that do not fit."""
     check_tensor_parallel_layout(owner, config)
     world = num_nodes * num_processes
-    tp = config.tensor_parallel_size
-    if world % tp:
+    tp, cp = config.tensor_parallel_size, config.context_parallel_size
+    if cp > 1 and tp > 1:
         raise ValueError(
-            f"{owner}(tensor_parallel_size={tp}) does not divide the {world} processes "
+            f"{owner}(context_parallel_size={cp}, tensor_parallel_size={tp}) is not supported: Lightning's device "
+            "mesh is (data_parallel, tensor_parallel), with no context-parallel dim. Use one of them here, or the "
+            "core (f2.shard_model) or FSDP2Accelerator for data x context x tensor parallelism."
+        )
+    if world % (tp * cp):
+        field = "tensor_parallel_size" if cp == 1 else "context_parallel_size"
+        raise ValueError(
+            f"{owner}({field}={tp * cp}) does not divide the {world} processes "
             f"({num_nodes} node(s) x {num_processes}); use a divisor of {world}."
         )
     if data_parallel_size == "auto":
         return world // tp, tp
-    if data_parallel_size * tp != world:
+    if data_parallel_size * tp * cp != world:
         raise ValueError(
-            f"{owner}(data_parallel_size={data_parallel_size}, tensor_parallel_size={tp}) needs "
-            f"{data_parallel_size * tp} processes, but there are {world}; their product must equal the "
-            "number of processes."
+            f"{owner}(data_parallel_size={data_parallel_size}, tensor_parallel_size={tp}"
+            + (f", context_parallel_size={cp}" if cp > 1 else "")
+            + f") needs {data_parallel_size * tp * cp} processes, but there are {world}; their product must equal "
+            "the number of processes."
         )
-    return data_parallel_size, tp
+    return data_parallel_size * cp, tp
+
+
+def sampler_kwargs(config: f2.FSDP2Config, global_rank: int, world_size: int) -> dict[str, int] | None:
+    """With context parallelism, the distributed sampler's replicas: the ranks of one "cp" group
+    (consecutive) take the same batch. None without (Lightning's own kwargs hold)."""
+    cp = config.context_parallel_size
+    if cp == 1:
+        return None
+    return {"num_replicas": world_size // cp, "rank": global_rank // cp}
 
 
 def check_tensor_parallel_layout(owner: str, config: f2.FSDP2Config) -> None:
@@ -179,8 +198,8 @@ def core_mesh(config: f2.FSDP2Config, device_mesh: Any) -> Any:
     with tensor parallelism (its last dim is the TP one), else its 1-D "data_parallel" sub-mesh
     for 1-D strategies; None lets the core build hybrid (2-D) meshes and meshes of an explicit
     `mesh_shape`."""
-    if strategy(config.sharding_strategy).two_dim or config.mesh_shape is not None:
-        return None
+    if strategy(config.sharding_strategy).two_dim or config.mesh_shape is not None or config.context_parallel_size > 1:
+        return None  # the core builds it (with context parallelism: its (data, "cp") mesh)
     return device_mesh if config.tensor_parallel_size > 1 else device_mesh["data_parallel"]
 
 

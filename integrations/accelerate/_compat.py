@@ -20,6 +20,9 @@ Accelerate has no plugin interface for a sharding engine, so the adapter relies 
   an `FSDP2Plugin` by name. Where stock Accelerate reads the plugin differs between releases (1.15
   read `fsdp_version` in `Accelerator.__init__`, 1.16 only in `AcceleratorState` on accelerators and
   wraps CPU processes in DDP without reading it), so the refusal does not wait for a read.
+- `accelerate.big_modeling._attach_context_parallel_hooks(model)`: what stock `prepare` does to a
+  model under `ParallelismConfig(cp_size>1)` (drop each attention's mask, ask for a causal one),
+  applied to ours the same way; `Accelerator.maybe_context_parallel`, which ours replaces.
 
 Each is checked by behaviour, signature or attribute, never by the text of Accelerate's source.
 `check_private_api()` runs at import and raises ImportError naming what moved;
@@ -35,6 +38,7 @@ from typing import Any
 
 import accelerate
 from accelerate import Accelerator
+from accelerate import big_modeling as _big_modeling
 from accelerate import checkpointing as _checkpointing
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
@@ -78,6 +82,7 @@ save_accelerator_state = _checkpointing.save_accelerator_state
 load_accelerator_state = _checkpointing.load_accelerator_state
 save_custom_state = _checkpointing.save_custom_state
 CUSTOM_STATE_FILE = "custom_checkpoint_{}.pkl"
+attach_context_parallel_hooks = getattr(_big_modeling, "_attach_context_parallel_hooks", None)
 
 
 def _problems() -> list[str]:
@@ -91,7 +96,16 @@ def _problems() -> list[str]:
         have = list(inspect.signature(func).parameters)
         if have[: len(params)] != list(params):
             problems.append(f"accelerate.checkpointing.{name}{tuple(params)} (found {tuple(have)})")
-    for method in ("prepare_data_loader", "prepare_optimizer", "prepare_scheduler", "no_sync", "unscale_gradients"):
+    if not callable(attach_context_parallel_hooks):
+        problems.append("accelerate.big_modeling._attach_context_parallel_hooks")
+    for method in (
+        "prepare_data_loader",
+        "prepare_optimizer",
+        "prepare_scheduler",
+        "no_sync",
+        "unscale_gradients",
+        "maybe_context_parallel",
+    ):
         if not callable(getattr(Accelerator, method, None)):
             problems.append(f"Accelerator.{method}")
     fields = getattr(FullyShardedDataParallelPlugin, "__dataclass_fields__", {})

@@ -27,7 +27,7 @@ from fsdp2_strategy.train import parameters_by_name, rebind_optimizer
 from fsdp2_strategy.tuning import example_batch_from
 
 from . import _compat as compat
-from . import checkpoint, throughput
+from . import checkpoint, context_parallel, throughput
 from .deepspeed_env import apply_to_accelerator, clip_before_each_step, log_summary
 from .device_map import check_quantised_device_map
 from .env import accelerate_cpu_requested
@@ -131,6 +131,7 @@ class FSDP2Accelerator(Accelerator):
             fsdp_plugin.fsdp2_config = apply_parallelism_config(
                 fsdp_plugin.fsdp2_config, parallelism, torch.distributed.get_world_size()
             )
+            context_parallel.set_rotation(parallelism)
         # Accelerate must not build its own FSDP plugin from the environment (it parses the
         # same variables with FSDP1 defaults) nor autocast: FSDP2 policies do the casting.
         # Nor DeepSpeed (a DEEPSPEED launch's config was translated into the plugin's).
@@ -291,9 +292,24 @@ class FSDP2Accelerator(Accelerator):
             shard_with_rank0_weights(model, config, mesh=self._fsdp2_mesh)
         else:
             f2.shard_model(model, self.fsdp2_config, mesh=self._fsdp2_mesh, example_batch=batch)
+        if context_parallel.cp_mesh(self._fsdp2_mesh) is not None:
+            context_parallel.prepare_for_context_parallel(model)
         compat.registries(self).models.append(model)
         model._is_accelerate_prepared = True
         return model
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(
+        self,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ) -> Iterator[None]:
+        """Accelerate's `maybe_context_parallel`: with `ParallelismConfig(cp_size=N)`, `buffers` split
+        in place along `buffer_seq_dims` to this rank's part (restored on exit unless in
+        `no_restore_buffers`) and attention a ring over the "cp" ranks inside; else no effect."""
+        with context_parallel.maybe_context_parallel(self._fsdp2_mesh, buffers, buffer_seq_dims, no_restore_buffers):
+            yield
 
     # ------------------------------------------------------------------ training step
     @contextlib.contextmanager

@@ -36,6 +36,7 @@ from .._lightning_shared import (
     plugin_property,
     process_group_backend,
     register_all,
+    sampler_kwargs,
 )
 from . import checkpoint as ckpt
 from ._compat import BackwardSyncControl, OptimizedModule, ShutdownMultiProcessingLauncher
@@ -139,6 +140,13 @@ class FSDP2FabricStrategy(ModelParallelStrategy):
         super().setup_environment()
 
     # ------------------------------------------------------------------ model and optimizers
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Lightning's, except that the ranks of a context-parallel group take one batch."""
+        return (
+            sampler_kwargs(self.fsdp2_config, self.global_rank, self.world_size) or super().distributed_sampler_kwargs
+        )
+
     def _parallelize(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         """`ModelParallelStrategy`'s `parallelize_fn`: the user's function first, then the core's
         `shard_model` on what it left (a root it `fully_shard`-ed is kept as it is; a module it

@@ -53,9 +53,11 @@ from .._lightning_shared import (
     process_group_backend,
     read_meta,
     register_all,
+    sampler_kwargs,
     trusts,
 )
 from ._compat import FullStateMultiProcessingLauncher, SubprocessScriptLauncher, optimizers_to_device
+from .context_parallel import ContextParallelSteps
 from .converted import lightning_state
 from .precision import FSDP2Precision, to_fsdp2_precision
 from .tuning import throughput_inputs
@@ -86,7 +88,7 @@ def _check_state_dict_type(state_dict_type: Any, save_distributed_checkpoint: bo
         )
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class FSDP2Strategy(ContextParallelSteps, ModelParallelStrategy):
     """Lightning strategy that shards the LightningModule with `fsdp2_strategy.shard_model`.
 
     Args:
@@ -218,6 +220,13 @@ class FSDP2Strategy(ModelParallelStrategy):
             **throughput_inputs(self, self.fsdp2_config),
         )
 
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Lightning's, except that the ranks of a context-parallel group take one batch."""
+        return (
+            sampler_kwargs(self.fsdp2_config, self.global_rank, self.world_size) or super().distributed_sampler_kwargs
+        )
+
     def _core_mesh(self, config: f2.FSDP2Config):
         """What `shard_model` shards on (see `_lightning_shared.core_mesh`)."""
         return core_mesh(config, self.device_mesh)
@@ -325,6 +334,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     def teardown(self) -> None:
         """Commit the last asynchronous save (not after a failure: the other ranks may be gone), then
         Lightning's teardown; after a preemption save, end the process with 143 (`f2.shutdown`)."""
+        self.close_split()
         if self._saver is not None and not self._failed:
             self._saver.close()
         self._saver = None

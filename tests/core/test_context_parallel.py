@@ -18,14 +18,13 @@ VOCAB = 64
 
 
 def _llama(**config):
-    return tiny_llama(
-        VOCAB,
+    fields = dict(
         num_attention_heads=4,
         num_key_value_heads=2,  # grouped-query attention
         max_position_embeddings=SEQ,
         attn_implementation="sdpa",
-        **config,
     )
+    return tiny_llama(VOCAB, **{**fields, **config})
 
 
 def _batch(step: int, rows: int) -> dict[str, torch.Tensor]:
@@ -153,6 +152,19 @@ def _world_cp2(root: str) -> dict:
         "FULL_SHARD",
     )
 
+    checks = Checks(report.setdefault("memory", {}))
+    # Activation memory per rank: the peak of one forward and backward on 1024-token sequences.
+    long_batch = {k: v.repeat(1, 4) for k, v in _batch(0, rows=2).items()}
+    peaks = {
+        cp: _step_peak(
+            f2.shard_model(_llama(max_position_embeddings=4 * SEQ), context_parallel_size=cp, log_plan=False),
+            long_batch,
+        )
+        for cp in (1, 2)
+    }
+    report["memory"]["peaks"] = peaks
+    checks.within("activation memory per rank with cp=2, of cp=1's (MemTracker)", peaks[2] / peaks[1], 0.4, 0.65)
+
     checks = Checks(report.setdefault("resume", {}))
     # Saved with cp=2, loaded with cp=1 (FSDP over both ranks, whole sequences): the same parameters.
     f2.Checkpointer(f"{root}/ckpt").save(1, model=model)
@@ -166,6 +178,20 @@ def _world_cp2(root: str) -> dict:
         1e-7,
     )
     return report
+
+
+def _step_peak(model, batch: dict) -> int:
+    """Peak live bytes (torch's MemTracker) of one forward and backward inside `f2.context_parallel`."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import fsdp2_strategy as f2
+
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker, f2.context_parallel(model, batch) as part:
+        logits = model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits
+        part.loss(logits).backward()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
 def _chunks(rank: int, cp: int) -> list[int]:
@@ -197,10 +223,10 @@ def _world_dp2_cp2(root: str) -> dict:
 @pytest.fixture(scope="module")
 def cp2(tmp_path_factory) -> FlowReports:
     root = str(tmp_path_factory.mktemp("cp2"))
-    return FlowReports(run_distributed(_world_cp2, 2, root, timeout=TIMEOUT))
+    return FlowReports(run_distributed(_world_cp2, 2, root, timeout=TIMEOUT), per_rank=["memory.peaks"])
 
 
-@pytest.mark.parametrize("flow", ["parity", "layout", "errors", "resume"])
+@pytest.mark.parametrize("flow", ["parity", "layout", "errors", "memory", "resume"])
 def test_two_cp_ranks(cp2: FlowReports, flow: str) -> None:
     cp2.assert_passed(flow)
 
@@ -209,3 +235,18 @@ def test_dp2_x_cp2_equals_one_process(tmp_path) -> None:
     reports = FlowReports(run_distributed(_world_dp2_cp2, 4, str(tmp_path), timeout=TIMEOUT))
     reports.assert_passed("dp2_cp2")
     reports.assert_passed("hsdp_cp2")
+
+
+def test_the_planner_counts_activations_of_one_cp_ranks_part() -> None:
+    """`estimate_memory` with context_parallel_size=2 measures activations on half of each sequence."""
+    import fsdp2_strategy as f2
+
+    batch = {k: v.repeat(1, 4) for k, v in _batch(0, rows=2).items()}
+    model = _llama(max_position_embeddings=4 * SEQ)
+    peaks = {
+        cp: f2.estimate_memory(
+            model, {"context_parallel_size": cp}, world_size=2, example_batch=batch
+        ).activation_peak_bytes
+        for cp in (1, 2)
+    }
+    assert 0.4 <= peaks[2] / peaks[1] <= 0.65, peaks

@@ -173,6 +173,13 @@ model, loader = _Net(), _loader()
 loss_fn = _torch.nn.functional.cross_entropy
 """
 _OPTIMIZER = "optimizer = _torch.optim.AdamW(model.parameters())\n"
+_LONG_LLAMA = (
+    "import torch as _torch\nfrom docs_snippets.glue import tiny_llama as _tiny_llama\n"
+    "model = _tiny_llama(max_position_embeddings=64, attn_implementation='sdpa')\n"
+    "_ids = _torch.randint(3, 32, (2, 64), generator=_torch.Generator().manual_seed(0))\n"
+)
+"""A Hugging Face Llama with SDPA attention and two 64-token sequences (docs/guides/long-sequences.md)."""
+
 _SHARDED = """
 import torch.distributed as _dist
 from torch.distributed.tensor import DTensor as _DTensor
@@ -338,6 +345,18 @@ GLUE: dict[tuple[str, str], Glue] = {
         setup="import torch as _torch\nfrom docs_snippets.glue import tiny_llama as _tiny_llama\nmodel = _tiny_llama()\n"
         "input_ids = _torch.randint(3, 32, (1, 8), generator=_torch.Generator().manual_seed(0))",
         check=_SHARDED + "assert tokens.shape[0] == 1 and tokens.shape[1] > 8, tokens.shape",
+    ),
+    ("docs/guides/long-sequences.md", "core"): Glue(
+        setup=_LONG_LLAMA + "loader = [{'input_ids': _ids, 'labels': _ids.clone()}]",
+        check=_SHARDED + "assert tuple(part['input_ids'].shape) == (2, 32), part['input_ids'].shape\n"
+        "assert _torch.isfinite(loss)",
+    ),
+    ("docs/guides/long-sequences.md", "accelerate"): Glue(
+        setup=_LONG_LLAMA + "loader = _torch.utils.data.DataLoader([{'input_ids': i, 'labels': i.clone(), "
+        "'shift_labels': _torch.roll(i, -1), 'position_ids': _torch.arange(64)} for i in _ids], batch_size=2)",
+        check=_SHARDED + "assert tuple(batch['input_ids'].shape) == (2, 32), batch['input_ids'].shape",
+        launch="accelerate",
+        config=_EXAMPLE,
     ),
     ("docs/guides/tuner.md", "tune"): Glue(
         setup=_NET_AND_BATCH,

@@ -53,6 +53,21 @@ def test_plan_command_prints_one_row_per_setting(capsys):
     assert main(["plan", "test_planner:gpt_with_batch", "--world-size", "2", "--device-memory", "1KiB"]) == 1
 
 
+def test_context_parallel_plans_count_one_ranks_part_of_each_sequence(capsys):
+    """With context_parallel_size=2 every row's activations are those of half of each sequence, and
+    NO_SHARD (the cp ranks share parameters' shards) is not offered; `plan` takes the size too."""
+    batch = torch.randint(0, 512, (8, 64))
+    whole = f2.compare_strategies(gpt(), world_size=4, example_batch=batch)
+    split = f2.compare_strategies(gpt(), {"context_parallel_size": 2}, world_size=4, example_batch=batch)
+    by_label = {r.label: r.estimate.activation_peak_bytes for r in whole.rows}
+    assert split.rows and not any(r.strategy == "NO_SHARD" for r in split.rows)
+    for row in split.rows:
+        assert 0.4 <= row.estimate.activation_peak_bytes / by_label[row.label] <= 0.65, row.label
+    assert main(["plan", "test_planner:gpt_with_batch", "--world-size", "2", "--context-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "FULL_SHARD" in out and "NO_SHARD" not in out
+
+
 def test_memory_budget_is_validated():
     assert f2.FSDP2Config(sharding_strategy="auto", memory_budget="2GiB").memory_budget == 2 * 2**30
     with pytest.raises(ValueError, match="FSDP2Config.memory_budget"):

@@ -1,7 +1,8 @@
 """Accelerate's ParallelismConfig through FSDP2Accelerator: dp_shard 2 x tp 2 on 4 CPU ranks (one
 torchrun launch of tests/integrations/accelerate/scripts/tensor_parallel.py, every rank reporting) equals one
-process, given as an object and as `accelerate launch`'s PARALLELISM_CONFIG_* environment; cp and a
-wrong product are refused with the field named. The script checks (`helpers.checks.Checks`); this file
+process, given as an object and as `accelerate launch`'s PARALLELISM_CONFIG_* environment; Accelerate's
+context-parallel recipe (dp_shard 2 x cp 2) equals one process on whole sequences; sp and a wrong
+product are refused with the field named. The script checks (`helpers.checks.Checks`); this file
 launches it and reports its checks."""
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def flows(tmp_path_factory) -> FlowReports:
 @pytest.mark.parametrize("flow", ["object", "env"])
 def test_dp2_tp2_matches_one_process_and_sizes_become_config_and_mesh(flows, flow):
     flows.assert_passed(flow)
+
+
+def test_accelerates_context_parallel_recipe_matches_one_process(flows):
+    flows.assert_passed("cp_recipe")
 
 
 def test_unsupported_sizes_are_refused(flows):

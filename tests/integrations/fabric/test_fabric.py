@@ -232,3 +232,7 @@ def test_overlap_save_holds_the_state_of_the_call_and_load_commits_it(flows):
 
 def test_a_checkpoint_that_runs_code_is_refused_and_weights_only_false_trusts_it(flows):
     flows.assert_passed("untrusted")
+
+
+def test_context_parallel_halves_every_sequence_and_matches_one_process(flows):
+    flows.assert_passed("context_parallel")

@@ -295,3 +295,7 @@ def test_sigterm_to_one_rank_saves_an_hpc_checkpoint_exits_143_and_resumes_exact
     out = tmp_path / "resume.json"
     launch("torchrun", "preempt.py", "resume", out, tmp_path, cwd=SCRIPTS, timeout=180, reports=out)
     FlowReports(rank_reports(out, 2)).assert_passed("resume_from_hpc")
+
+
+def test_context_parallel_halves_every_sequence_and_matches_one_process(flows):
+    flows.assert_passed("context_parallel")

@@ -1,6 +1,8 @@
 """Accelerate's ParallelismConfig on 4 CPU ranks (torchrun): dp_shard=2 x tp=2 through
 `FSDP2Accelerator` equals one process, given as an object and as the environment `accelerate
-launch` sets from a config file; unsupported sizes are refused with the field named.
+launch` sets from a config file; Accelerate's own context-parallel recipe (dp_shard=2 x cp=2,
+`maybe_context_parallel`) on a Hugging Face Llama equals one process on whole sequences;
+unsupported sizes are refused with the field named.
 
 Each flow checks what it claims on every rank (`helpers.checks.Checks`) and every rank writes its report
 (`helpers.collect.run_flows`); tests/integrations/accelerate/test_accelerate_tp.py launches and reports.
@@ -21,7 +23,7 @@ from helpers.checks import Checks
 from helpers.collect import full_params, gather, max_rel_diff, run_flows
 from helpers.models import TP_PLAN as PLAN  # the 2-D tests' small GPT (separate q/k/v)
 from helpers.models import TPGPT as GPT
-from helpers.models import lm_data, lm_loss, sgd_reference
+from helpers.models import lm_data, lm_loss, sgd_reference, tiny_llama
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -116,14 +118,85 @@ def env(entry: dict, work: Path) -> None:
     check_dp2_tp2(entry)
 
 
+CP_SEQ, CP_ROWS, CP_STEPS = 256, 2, 2
+
+
+def packed_sequences(step: int, rows: int) -> dict[str, torch.Tensor]:
+    """`rows` packed training sequences, as Accelerate's recipe feeds them: pre-shifted labels (every
+    token has a target) and position ids."""
+    g = torch.Generator().manual_seed(50 + step)
+    tokens = torch.randint(3, VOCAB, (rows, CP_SEQ + 1), generator=g)
+    ids = tokens[:, :-1].contiguous()
+    return {
+        "input_ids": ids,
+        "labels": ids.clone(),
+        "shift_labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.arange(CP_SEQ).expand(rows, CP_SEQ).contiguous(),
+    }
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 2 * CP_ROWS * CP_STEPS
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        batch = packed_sequences(i // (2 * CP_ROWS), 2 * CP_ROWS)
+        return {k: v[i % (2 * CP_ROWS)] for k, v in batch.items()}
+
+
+def llama():
+    return tiny_llama(
+        VOCAB, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CP_SEQ, attn_implementation="sdpa"
+    )
+
+
+def cp_reference() -> dict[str, torch.Tensor]:
+    """One process on whole sequences: each step's global batch (both data-parallel groups' rows)."""
+    model = llama()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(CP_STEPS):
+        model(**packed_sequences(step, 2 * CP_ROWS)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def cp_recipe(entry: dict, work: Path) -> None:
+    """Accelerate's own context-parallel recipe, FSDP2Accelerator in place of Accelerator."""
+    check = Checks(entry)
+    acc = FSDP2Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2))
+    model = llama()
+    model, opt, loader = acc.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=LR), DataLoader(PackedDataset(), batch_size=CP_ROWS)
+    )
+    shapes = []
+    for batch in loader:
+        buffers = [batch["input_ids"], batch["labels"], batch["shift_labels"], batch["position_ids"]]
+        with acc.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1, 1], no_restore_buffers=set(buffers)):
+            shapes.append(list(batch["input_ids"].shape))
+            acc.backward(model(**batch).loss)
+        opt.step()
+        opt.zero_grad()
+    mesh = acc.state.device_mesh
+    check.equal(
+        "mesh dp_shard x cp = 2 x 2", [list(mesh.mesh_dim_names), list(mesh.shape)], [["dp_shard", "cp"], [2, 2]]
+    )
+    check.equal("each rank holds half of every sequence", shapes, [[CP_ROWS, CP_SEQ // 2]] * CP_STEPS)
+    check.below(
+        "parameters equal one process on whole sequences (relative)",
+        max_rel_diff(full_params(model), cp_reference()),
+        TOL,
+    )
+
+
 def errors(entry: dict, work: Path) -> None:
     check = Checks(entry)
-    entry["cp"] = check.raises(
-        "cp is refused naming cp_size",
-        lambda: FSDP2Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2)),
+    entry["sp"] = check.raises(
+        "sp is refused naming sp_size",
+        lambda: FSDP2Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, sp_size=2)),
         ValueError,
-        "cp_size=2",
-        "cp_size=1",
+        "sp_size=2",
+        "sp_size=1",
     )
     entry["product"] = check.raises(
         "a wrong product is refused naming the sizes and processes",
@@ -136,7 +209,9 @@ def errors(entry: dict, work: Path) -> None:
 
 
 def main(out: str) -> None:
-    run_flows([as_object, env, errors], out, Path(out).parent)  # every rank writes its report (OUT.rankN.json)
+    run_flows(
+        [as_object, env, cp_recipe, errors], out, Path(out).parent
+    )  # every rank writes its report (OUT.rankN.json)
     f2.shutdown()
 
 

@@ -34,6 +34,7 @@ from common import (
 from helpers.checks import Checks
 from helpers.collect import run_flows
 from helpers.comm import collective_dtypes, count_collectives
+from helpers.models import tiny_llama
 from helpers.precision import policy_grads, true_precision_update
 from helpers.slow_staging import copied_by, differing, full_state, slow_staging
 from helpers.untrusted import plant
@@ -696,6 +697,51 @@ def untrusted(out: dict, work: Path) -> None:
     check.equal("... restoring the step", out["step"], 1)
 
 
+CP_SEQ = 128
+
+
+def context_parallel(out: dict, work: Path) -> None:
+    """`FSDP2FabricStrategy(context_parallel_size=2)`: the loop's `f2.context_parallel(model, batch)`
+    on Fabric's module holds half of every sequence per rank; the sampler gives both ranks one
+    batch; 2 steps equal one process on whole sequences (a Hugging Face Llama, SDPA, GQA)."""
+    check = Checks(out)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 64, (4, CP_SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, :20] = -100  # the ranks' token counts differ
+    rows = [{"input_ids": ids[i], "labels": labels[i]} for i in range(4)]
+
+    def llama():
+        return tiny_llama(
+            64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CP_SEQ, attn_implementation="sdpa"
+        )
+
+    reference = llama()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(2):
+        reference(**torch.utils.data.default_collate(rows[2 * step : 2 * step + 2])).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    fabric = Fabric(strategy=FSDP2FabricStrategy(context_parallel_size=2))
+    model = fabric.setup_module(llama())
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5))
+    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(rows, batch_size=2))
+    shapes = []
+    for batch in loader:
+        with f2.context_parallel(model, batch) as part:
+            shapes.append(list(part["input_ids"].shape))
+            logits = model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits
+            fabric.backward(part.loss(logits))
+        optimizer.step()
+        optimizer.zero_grad()
+    check.equal("each rank holds half of every sequence, both ranks one batch", shapes, [[2, CP_SEQ // 2]] * 2)
+    check.below(
+        "parameters after 2 steps equal one process on whole sequences (relative)",
+        max_rel_diff(full_params(model.module), {n: p.detach() for n, p in reference.named_parameters()}),
+        TOL,
+    )
+
+
 FLOWS = [
     parity,
     validate_first,
@@ -708,6 +754,7 @@ FLOWS = [
     overlap_save,
     untrusted,
     model_parallel,
+    context_parallel,
 ]
 
 

@@ -40,7 +40,7 @@ from common import (
 from helpers.checks import Checks
 from helpers.collect import full, run_flows
 from helpers.comm import collective_dtypes, count_collectives
-from helpers.models import ResidualBlock
+from helpers.models import ResidualBlock, tiny_llama
 from helpers.precision import policy_grads, true_precision_update
 from helpers.slow_staging import copied_by, differing, full_state, slow_staging
 from helpers.untrusted import OwnType, add_entry, plant
@@ -1060,6 +1060,65 @@ def resume_other_world_sizes(out: dict, work: Path) -> None:
     check_resumed(check, "1 -> 2", from_one, two)
 
 
+CP_SEQ = 128
+
+
+def _cp_rows() -> list[dict]:
+    """4 sequences; the first 20 labels of row 0 have no target (the ranks' token counts differ)."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 64, (4, CP_SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, :20] = -100
+    return [{"input_ids": ids[i], "labels": labels[i]} for i in range(4)]
+
+
+def _cp_llama():
+    return tiny_llama(
+        64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CP_SEQ, attn_implementation="sdpa"
+    )
+
+
+class LitLlama(pl.LightningModule):
+    """A Hugging Face Llama whose training_step uses the batch the strategy hands it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _cp_llama()
+        self.shapes: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.shapes.append(list(batch["input_ids"].shape))
+        logits = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+        return batch.loss(logits)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def context_parallel(out: dict, work: Path) -> None:
+    """`FSDP2Strategy(context_parallel_size=2)`: each rank's training_step gets half of every
+    sequence; 2 steps equal one process on whole sequences."""
+    check = Checks(out)
+    rows = _cp_rows()
+    reference = _cp_llama()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(2):
+        batch = torch.utils.data.default_collate(rows[2 * step : 2 * step + 2])
+        reference(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model = LitLlama()
+    trainer(FSDP2Strategy(context_parallel_size=2), max_steps=2).fit(
+        model, torch.utils.data.DataLoader(rows, batch_size=2)
+    )
+    check.equal("each rank's step holds half of every sequence", model.shapes, [[2, CP_SEQ // 2]] * 2)
+    check.below(
+        "parameters after 2 steps equal one process on whole sequences (relative)",
+        max_rel_diff(full_params(model.model), {n: p.detach() for n, p in reference.named_parameters()}),
+        TOL,
+    )
+
+
 FLOWS = [
     one_step_parity,
     registry_variants,
@@ -1077,6 +1136,7 @@ FLOWS = [
     auto_strategy,
     throughput_monitor,
     resume_other_world_sizes,
+    context_parallel,
 ]
 
 
