@@ -228,7 +228,8 @@ class ShardingOptions:
     tensor_parallel_plan: Any = "auto"
     """With `tensor_parallel_size > 1`, how modules are split: "auto" (the plan a Hugging Face
     model declares in `base_model_tp_plan` / `_tp_plan`), a dict of module-name globs to
-    "colwise", "rowwise", "sequence_parallel" (or "colwise_rep"/"rowwise_rep") or a torch
+    "colwise", "rowwise", "sequence_parallel" (or "colwise_rep"/"rowwise_rep", and Hugging Face's
+    "colwise_gather_output"/"embedding_rowwise"/"embedding_colwise") or a torch
     `ParallelStyle`, or a callable `(model, tp_mesh)` that parallelises the model itself.
     Modules whose parameters are DTensors already (parallelised by the user) are left alone."""
     accumulation: str = "sync_last"

@@ -34,8 +34,14 @@ STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "sequence_parallel": SequenceParallel,
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
     "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    # What transformers >= 5.25 puts in a model's `_tp_plan` for the embeddings and the LM head.
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
 }
 """Plan strings (Hugging Face's names) and the torch style each means."""
+_KIND = {"colwise_gather_output": "colwise", "embedding_rowwise": "rowwise", "embedding_colwise": "colwise"}
+"""The split (colwise, rowwise) of a plan string that does not name it plainly."""
 
 # Which weight dim a style splits, per module type: the size that must divide by the TP size.
 _SPLIT_DIM = {
@@ -105,7 +111,7 @@ def check_sizes(model: nn.Module, plan: Mapping[str, tuple[str, ParallelStyle]],
     problems = []
     for name, (label, _) in plan.items():
         module = model.get_submodule(name)
-        kind = label.removesuffix("_rep")
+        kind = _KIND.get(label, label.removesuffix("_rep"))
         dim = next((d for (k, cls), d in _SPLIT_DIM.items() if k == kind and isinstance(module, cls)), None)
         weight = cast(torch.Tensor, module.weight) if dim is not None else None
         if dim is not None and weight is not None and weight.shape[dim] % tp_size:

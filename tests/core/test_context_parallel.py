@@ -81,7 +81,8 @@ def _parity(checks: Checks, cp: int, dp: int, **config) -> object:
     batches = [_batch(step, rows=2 * dp) for step in range(2)]
     ref_grads, ref_params = _reference(batches, groups=dp)
     model = f2.shard_model(_llama(), context_parallel_size=cp, log_plan=False, **config)
-    grads, shapes = _train(model, batches, dp_rank=dist.get_rank() // cp, dp_size=dp)
+    model_parallel = cp * config.get("tensor_parallel_size", 1)
+    grads, shapes = _train(model, batches, dp_rank=dist.get_rank() // model_parallel, dp_size=dp)
     checks.below("gradients equal one process (relative)", max(map(max_rel_diff, grads, ref_grads)), 1e-5)
     checks.below(
         "parameters after 2 steps equal one process (relative)",
@@ -217,6 +218,8 @@ def _world_dp2_cp2(root: str) -> dict:
     report: dict = {}
     _parity(Checks(report.setdefault("dp2_cp2", {})), cp=2, dp=2)
     _parity(Checks(report.setdefault("hsdp_cp2", {})), cp=2, dp=2, sharding_strategy="HYBRID_SHARD", mesh_shape=(2, 1))
+    # 3-D: data x context x tensor parallel (the Llama's declared TP plan), dp=1 on 4 ranks.
+    _parity(Checks(report.setdefault("cp2_tp2", {})), cp=2, dp=1, tensor_parallel_size=2)
     return report
 
 
@@ -235,6 +238,7 @@ def test_dp2_x_cp2_equals_one_process(tmp_path) -> None:
     reports = FlowReports(run_distributed(_world_dp2_cp2, 4, str(tmp_path), timeout=TIMEOUT))
     reports.assert_passed("dp2_cp2")
     reports.assert_passed("hsdp_cp2")
+    reports.assert_passed("cp2_tp2")
 
 
 def test_the_planner_counts_activations_of_one_cp_ranks_part() -> None:
