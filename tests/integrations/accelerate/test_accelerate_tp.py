@@ -38,3 +38,24 @@ def test_accelerates_context_parallel_recipe_matches_one_process(flows):
 
 def test_unsupported_sizes_are_refused(flows):
     flows.assert_passed("errors")
+
+
+def test_an_accelerate_config_files_cp_size_becomes_context_parallel_size(monkeypatch):
+    """The `parallelism_config` section of an accelerate config file, as `accelerate launch` passes it
+    (PARALLELISM_CONFIG_*), sets the core's context_parallel_size and FSDP's data-parallel dims."""
+    import fsdp2_strategy as f2
+    from fsdp2_strategy.integrations.accelerate.parallelism import (
+        apply_parallelism_config,
+        requested_parallelism_config,
+    )
+
+    for name, value in {
+        "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+        "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
+        "PARALLELISM_CONFIG_CP_SIZE": "2",
+    }.items():
+        monkeypatch.setenv(name, value)
+    config = apply_parallelism_config(f2.FSDP2Config(), requested_parallelism_config(None), 4)
+    assert (config.context_parallel_size, config.mesh_shape, config.tensor_parallel_size) == (2, (2,), 1)
+    with pytest.raises(ValueError, match="context_parallel_size=4.*cp_size=2"):
+        apply_parallelism_config(f2.FSDP2Config(context_parallel_size=4), requested_parallelism_config(None), 4)
