@@ -360,7 +360,8 @@ GLUE: dict[tuple[str, str], Glue] = {
     ),
     ("docs/guides/long-sequences.md", "lightning"): Glue(
         setup=_LONG_LLAMA + "dataset = [{'input_ids': i, 'labels': i.clone()} for i in _ids.repeat(2, 1)]",
-        check="assert trainer.global_step == 2, trainer.global_step\nmodel = trainer.lightning_module.model\n" + _SHARDED,
+        check="assert trainer.global_step == 2, trainer.global_step\nmodel = trainer.lightning_module.model\n"
+        + _SHARDED,
     ),
     ("docs/guides/tuner.md", "tune"): Glue(
         setup=_NET_AND_BATCH,
