@@ -3,8 +3,9 @@ six layouts, each loaded on five and trained on, against one process trained wit
 
 Sources (where each was saved): one process without a process group; 1-D FSDP on 2 ranks; NO_SHARD
 on 2 ranks; FSDP with `accumulation="keep_gathered"` (2 micro-batches a step) on 2 ranks; HSDP 2x2;
-FSDP x TP 2x2. Targets: one process without a process group (a plain model), FSDP on 2 ranks, FSDP on
-3 ranks (uneven shards, and a parameter with an empty shard), HSDP 2x2, FSDP x TP 2x2.
+FSDP x TP 2x2; FSDP x context parallel 2x2 (each sequence split across 2 ranks). Targets: one process
+without a process group (a plain model), FSDP on 2 ranks, FSDP on 3 ranks (uneven shards, and a
+parameter with an empty shard), HSDP 2x2, FSDP x TP 2x2, FSDP x CP 2x2.
 
 Every cell loads model and optimizer (SGD with momentum: exact, where Adam would amplify float
 noise), trains `MORE` steps on the global batches `SAVE_AT..SAVE_AT+MORE-1` split by data-parallel
@@ -21,7 +22,6 @@ import contextlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 from helpers.harness import run_distributed
 from helpers.models import TP_PLAN, TPGPT
 from torch import nn
@@ -44,9 +44,10 @@ LAYOUTS: dict[str, dict] = {  # name -> (world size, shard_model kwargs, micro-b
     "fsdp3": {"world": 3, "shard": {}},
     "hsdp2x2": {"world": 4, "shard": {"sharding_strategy": "HYBRID_SHARD", "mesh_shape": (2, 2)}},
     "tp2x2": {"world": 4, "shard": {"tensor_parallel_size": 2, "tensor_parallel_plan": TP_PLAN}},
+    "cp2x2": {"world": 4, "shard": {"context_parallel_size": 2}},
 }
-SOURCES = ("one", "fsdp2", "noshard2", "keep_gathered2", "hsdp2x2", "tp2x2")
-TARGETS = ("one", "fsdp2", "fsdp3", "hsdp2x2", "tp2x2")
+SOURCES = ("one", "fsdp2", "noshard2", "keep_gathered2", "hsdp2x2", "tp2x2", "cp2x2")
+TARGETS = ("one", "fsdp2", "fsdp3", "hsdp2x2", "tp2x2", "cp2x2")
 
 
 class MatrixGPT(TPGPT):
@@ -72,19 +73,17 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx, torch.roll(idx, -1, dims=1)
 
 
-def _loss(model: nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(idx).reshape(-1, VOCAB), target.reshape(-1))
-
-
 def _data_rank(layout: str) -> tuple[int, int]:
-    """(this rank's index among the data-parallel ranks, their number): TP ranks of one group share data."""
+    """(this rank's index among the data-parallel ranks, their number): the TP or CP ranks of one group
+    share data."""
     import torch.distributed as dist
 
     if LAYOUTS[layout]["shard"] is None:
         return 0, 1
     rank, world = dist.get_rank(), dist.get_world_size()
-    tp = LAYOUTS[layout]["shard"].get("tensor_parallel_size", 1)
-    return rank // tp, world // tp
+    shard = LAYOUTS[layout]["shard"]
+    group = shard.get("tensor_parallel_size", 1) * shard.get("context_parallel_size", 1)
+    return rank // group, world // group
 
 
 def _build(layout: str, seed: int, groups: str = "two", vocab: int = VOCAB) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -118,8 +117,9 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, layout: str, first: int
         for m in range(micro):
             part = slice(m * per_rank // micro, (m + 1) * per_rank // micro)
             ctx = f2.no_sync(model) if m < micro - 1 else contextlib.nullcontext()
-            with ctx:
-                (_loss(model, idx[part], target[part]) / micro).backward()
+            with ctx, f2.context_parallel(model, {"idx": idx[part], "target": target[part]}) as cp:
+                # The loss over every token of the sequences (each rank holds part of each with cp).
+                (cp.loss(model(cp["idx"]), labels=cp["target"]) / micro).backward()
         opt.step()
         opt.zero_grad()
 
@@ -222,7 +222,7 @@ def matrix(tmp_path_factory):
     refusals: list[dict] = []
     for world, sources, targets, load_from, refuse_on in (
         (2, ("fsdp2", "noshard2", "keep_gathered2"), (), (), ""),
-        (4, ("hsdp2x2", "tp2x2"), ("hsdp2x2", "tp2x2"), SOURCES, ""),
+        (4, ("hsdp2x2", "tp2x2", "cp2x2"), ("hsdp2x2", "tp2x2", "cp2x2"), SOURCES, ""),
         (3, (), ("fsdp3",), SOURCES, "fsdp3"),
         (2, (), ("fsdp2",), SOURCES, ""),
     ):
