@@ -244,6 +244,32 @@ def nothing_fits_message(rows: list[PlanRow], budget: int, world_size: int) -> s
     )
 
 
+def context_parallel_proposal(
+    model: nn.Module, config: FSDP2Config, budget: int, world_size: int, nodes: int, inputs: dict[str, Any]
+) -> str:
+    """When whole sequences do not fit: the smallest `context_parallel_size` with which FULL_SHARD
+    (the config's offload and checkpointing) fits, as a sentence ("" without an example batch, with
+    context parallelism already on, or when no size fits).
+
+    Proposed, not chosen: with context parallelism the ranks of a "cp" group take the same batch,
+    which the data loader must know before the first step (`f2.context_parallel`, the adapters)."""
+    if inputs.get("example_batch") is None or config.context_parallel_size != 1:
+        return ""
+    for cp in (n for n in range(2, world_size + 1) if world_size % (n * config.tensor_parallel_size) == 0):
+        try:
+            candidate = dataclasses.replace(config, sharding_strategy="FULL_SHARD", context_parallel_size=cp)
+            estimate = estimate_memory(model, candidate, world_size=world_size, nodes=nodes, **inputs)
+        except ValueError:
+            continue
+        if estimate.peak_bytes <= budget:
+            return (
+                f" Or split each sequence across ranks: with context_parallel_size={cp} FULL_SHARD peaks at "
+                f"{human_bytes(estimate.peak_bytes)} per rank (each rank holds 1/{cp} of every sequence; run each "
+                "step inside f2.context_parallel, and give the ranks of a cp group the same batch)."
+            )
+    return ""
+
+
 def resolve_auto(
     model: nn.Module,
     config: FSDP2Config,
@@ -297,6 +323,7 @@ def resolve_auto(
         raise ValueError(
             "FSDP2Config(sharding_strategy='auto'): "
             + nothing_fits_message(comparison.rows + extra.rows, budget, world_size)
+            + context_parallel_proposal(model, base, budget, world_size, nodes, inputs)
         )
     best = comparison.recommended
     counted = "with the example batch's activations" if example_batch is not None else "without activations"

@@ -111,6 +111,16 @@ def test_step_time_benchmark_runs_and_both_loops_agree():
     assert _value(out, "max difference over all steps") < 1e-5  # same weights, same data: same losses
 
 
+def test_long_sequences_benchmark_halves_the_activations_per_rank():
+    out = _output(
+        "torchrun", "benchmarks/long_sequences.py", "--layers", "2", "--hidden", "64", "--heads", "4",
+        "--vocab", "256", "--seqs", "512", "1024", "--budget-seqs", "1024", "--rounds", "1",
+    )  # fmt: skip
+    # At 1024 tokens activations dominate: cp=2's peak per rank is well under cp=1's.
+    assert _value(out, "cp=2/cp=1 peak per rank at 1024 tokens:") < 0.7, out[-2000:]
+    assert "longest sequence cp=1 1024, cp=2 1024" in out, out[-2000:]
+
+
 def test_collectives_benchmark_counts_skipped_reductions():
     out = _output(
         "torchrun", "benchmarks/collectives.py", "--dim", "32", "--layers", "2", "--steps", "1", "--accumulate", "4"

@@ -135,3 +135,31 @@ def test_auto_picks_the_least_communication_that_fits_and_explains_when_nothing_
     assert error is not None and "smallest peak" in error and "ranks" in error and "memory_budget" in error
     assert by_batch[0] == ["SHARD_GRAD_OP", "FULL_SHARD"]
     assert by_batch[1][0] == "SHARD_GRAD_OP" and "smallest peak" in by_batch[1][1] and "memory_budget" in by_batch[1][1]
+
+
+def test_when_whole_sequences_fit_no_setting_the_planner_proposes_context_parallelism():
+    """`sharding_strategy="auto"` under a budget below every whole-sequence setting (offload and
+    checkpointing included) but above FULL_SHARD with each sequence split in two: the error proposes
+    context_parallel_size=2 with its peak (proposed, not chosen: the loader must know the cp groups)."""
+    from helpers.models import tiny_llama
+
+    from fsdp2_strategy.estimate import resolve_auto
+
+    model = tiny_llama(64, max_position_embeddings=2048, attn_implementation="sdpa")
+    ids = torch.zeros(4, 2048, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids}
+    whole = f2.compare_strategies(
+        model, {"activation_checkpointing": "auto"}, world_size=4, example_batch=batch, offload=(False, True)
+    )
+    split = f2.estimate_memory(
+        model, {"activation_checkpointing": "auto", "context_parallel_size": 2}, world_size=4, example_batch=batch
+    )
+    smallest = min(r.estimate.peak_bytes for r in whole.rows)
+    assert split.peak_bytes < smallest, (split.peak_bytes, smallest)
+    config = f2.FSDP2Config(
+        sharding_strategy="auto", memory_budget=(split.peak_bytes + smallest) // 2, activation_checkpointing="auto"
+    )
+    with pytest.raises(
+        ValueError, match=f"context_parallel_size=2 FULL_SHARD peaks at {human_bytes(split.peak_bytes)}"
+    ):
+        resolve_auto(model, config, 4, 1, example_batch=batch)
