@@ -12,6 +12,8 @@ methods of it (their stock bodies call Accelerate's FSDP1-shaped helpers or buil
   crash-safely before it runs);
 - `_has_mixed_mesh_grads` (the Trainer clips by its own per-mesh norm when it sees gradients on
   several meshes; the core's `clip_grad_norm_` spans meshes itself);
+- `_prepare_context_parallel_inputs` and `get_cp_size` (they read Accelerate's parallelism_config,
+  which FSDP2Accelerator leaves None; the adapter's own read its mesh);
 - the file names `TRAINER_STATE_NAME`, `SCHEDULER_NAME`, `TRAINING_ARGS_NAME` of `transformers.trainer`.
 
 And `accelerate.state.AcceleratorState._reset_state`: `TrainingArguments` sets up Accelerate's state
@@ -41,6 +43,8 @@ TRAINER_METHODS = (
     "_get_output_dir",
     "_push_from_checkpoint",
     "_finalize_training",
+    "_prepare_context_parallel_inputs",
+    "get_cp_size",
 )
 for _name in TRAINER_METHODS:
     find_private(f"transformers.trainer:Trainer.{_name}", _missing)

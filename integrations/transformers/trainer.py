@@ -18,6 +18,7 @@ from fsdp2_strategy.distributed import log_rank_zero
 from ..accelerate import FSDP2Accelerator, FSDP2Plugin
 from . import _compat as compat
 from . import checkpoint, rl
+from .context_parallel import context_parallel_inputs, cp_size
 
 __all__ = ["FSDP2Trainer", "FSDP2TrainerMixin", "fsdp2_trainer"]
 
@@ -239,6 +240,14 @@ class FSDP2TrainerMixin:
         built.pop("deepspeed_plugin", None)  # None: refused above
         built.pop("fsdp_plugin", None)
         return built
+
+    def get_cp_size(self) -> int:
+        """The context-parallel size of the accelerator (`TrainingArguments(parallelism_config=...)`)."""
+        return cp_size(self.accelerator)
+
+    def _prepare_context_parallel_inputs(self, model: Any, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The step's context-parallel split (the stock method reads Accelerate's parallelism_config)."""
+        return context_parallel_inputs(self.accelerator, model, inputs)
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's `log`; training logs also get the last step's throughput (`log_throughput=True`)."""

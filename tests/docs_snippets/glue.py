@@ -363,6 +363,12 @@ GLUE: dict[tuple[str, str], Glue] = {
         check="assert trainer.global_step == 2, trainer.global_step\nmodel = trainer.lightning_module.model\n"
         + _SHARDED,
     ),
+    ("docs/guides/long-sequences.md", "transformers"): Glue(
+        setup=_LONG_LLAMA + "dataset = [{'input_ids': i, 'labels': i.clone()} for i in _ids.repeat(2, 1)]",
+        check="assert trainer.state.global_step == 2, trainer.state.global_step\nmodel = trainer.model\n" + _SHARDED,
+        launch="accelerate",
+        config=_EXAMPLE,
+    ),
     ("docs/guides/tuner.md", "tune"): Glue(
         setup=_NET_AND_BATCH,
         check=_SHARDED + "assert other.wrap_policy is not None",

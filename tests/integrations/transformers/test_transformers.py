@@ -98,6 +98,10 @@ def test_log_throughput_adds_per_step_metrics_to_the_training_logs(sharded):
     sharded.assert_passed("throughput")
 
 
+def test_context_parallel_halves_every_sequence_and_matches_one_process(sharded):
+    sharded.assert_passed("context_parallel")
+
+
 def test_sigterm_to_one_rank_saves_that_step_and_stops_every_rank(sharded):
     sharded.assert_passed("preemption")
 

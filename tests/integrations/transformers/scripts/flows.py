@@ -341,7 +341,77 @@ def throughput(entry: dict, work: Path) -> None:
             check.that(f"{at}: peak memory > 0", row.get("peak_memory_gib", 0) > 0, row.get("peak_memory_gib"))
 
 
-FLOWS = [parity, checkpoints, bf16, preemption, throughput]
+CP_SEQ = 128
+
+
+class LongRows(torch.utils.data.Dataset):
+    """4 sequences of a causal LM; the first 20 labels of row 0 have no target (uneven token counts)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.ids = torch.randint(3, 64, (4, CP_SEQ), generator=g)
+        self.labels = self.ids.clone()
+        self.labels[0, :20] = -100
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def context_parallel(entry: dict, work: Path) -> None:
+    """`TrainingArguments(parallelism_config=ParallelismConfig(cp_size=2))`: each rank's step holds
+    half of every sequence; 2 SGD steps equal one process on whole sequences (a Llama, SDPA, GQA)."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from helpers.models import tiny_llama
+
+    check = Checks(entry)
+
+    def llama():
+        return tiny_llama(
+            64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CP_SEQ, attn_implementation="sdpa"
+        )
+
+    data = LongRows()
+    shapes, rows = [], []
+    trainer = FSDP2Trainer(
+        model=llama(),
+        args=args(
+            work / "cp",
+            parallelism_config=ParallelismConfig(dp_shard_size=1, cp_size=2),
+            max_steps=2,
+            max_grad_norm=0.0,
+        ),
+        train_dataset=data,
+    )
+    stock_split, stock_loss = trainer._prepare_context_parallel_inputs, trainer.compute_loss
+
+    def whole(model, inputs):  # the whole batch, before the split: which rows this step trains on
+        rows.append([next(i for i in range(len(data)) if torch.equal(data.ids[i], r)) for r in inputs["input_ids"]])
+        return stock_split(model, inputs)
+
+    def split(model, inputs, *a, **kw):
+        shapes.append(list(inputs["input_ids"].shape))
+        return stock_loss(model, inputs, *a, **kw)
+
+    trainer._prepare_context_parallel_inputs, trainer.compute_loss = whole, split
+    trainer.train()
+    reference = llama()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in rows:  # one process on the same global batches, whole sequences
+        reference(input_ids=data.ids[step], labels=data.labels[step]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    check.equal("each rank's step holds half of every sequence", shapes, [[2, CP_SEQ // 2]] * 2)
+    check.below(
+        "parameters after 2 steps equal one process on whole sequences (relative)",
+        vector_rel_diff(full_params(trainer.model), {n: p.detach() for n, p in reference.named_parameters()}),
+        TOL,
+    )
+
+
+FLOWS = [parity, checkpoints, bf16, preemption, throughput, context_parallel]
 
 
 if __name__ == "__main__":

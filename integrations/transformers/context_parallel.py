@@ -1,0 +1,70 @@
+"""Context parallelism in the Hugging Face `Trainer`: `TrainingArguments(parallelism_config=
+ParallelismConfig(cp_size=N))` on FSDP2Accelerator.
+
+The stock Trainer reads the sizes from `accelerator.parallelism_config`, which FSDP2Accelerator
+leaves None (Accelerate's own TP/FSDP code paths must not run): the mixin asks `cp_size` here
+instead, and builds the step's context as the stock `_prepare_context_parallel_inputs` does:
+shifted labels and position ids made from the whole sequences, then the model inputs split by
+`accelerator.maybe_context_parallel` for the forward and the backward. The Trainer's own token
+count (`num_items_in_batch`, divided by the cp size) then makes the loss the one of whole sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100
+_SPLIT = ("input_ids", "labels", "shift_labels", "position_ids")
+"""The inputs split along the sequence (dim 1), as the stock Trainer splits them."""
+
+
+def cp_size(accelerator: Any) -> int:
+    """Ranks each sequence is split across (1 without context parallelism)."""
+    return accelerator.fsdp2_config.context_parallel_size
+
+
+def context_parallel_inputs(
+    accelerator: Any, model: nn.Module, inputs: dict[str, Any]
+) -> tuple[Callable[[], Any], dict[str, Any]]:
+    """(the step's context, its inputs): what the stock `_prepare_context_parallel_inputs` returns.
+
+    Raises:
+        ValueError: a model whose attention is not SDPA, or an attention mask with padding.
+    """
+    if cp_size(accelerator) == 1:
+        return contextlib.nullcontext, inputs
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
+    if implementation != "sdpa":
+        raise ValueError(
+            f"Context parallelism is supported only with SDPA attention, you are using {implementation}; load the "
+            "model with attn_implementation='sdpa'."
+        )
+    inputs = dict(inputs)
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        if not bool(mask.bool().all()):
+            raise ValueError(
+                "Context parallelism cannot split an attention_mask with padding; pack sequences to a common "
+                "length (labels=-100 where a token has no target) and drop the attention_mask."
+            )
+        del inputs["attention_mask"]  # all ones: no mask (Accelerate's hooks drop it in attention anyway)
+    if "labels" in inputs and "shift_labels" not in inputs:
+        padded = nn.functional.pad(inputs["labels"], (0, 1), value=IGNORE_INDEX)
+        inputs["shift_labels"] = padded[:, 1:].contiguous()
+    if "position_ids" not in inputs:
+        ids = inputs["input_ids"]
+        inputs["position_ids"] = torch.arange(ids.size(1), device=ids.device).expand(ids.size(0), -1).contiguous()
+    buffers = [inputs[k] for k in _SPLIT if isinstance(inputs.get(k), torch.Tensor)]
+    context = functools.partial(
+        accelerator.maybe_context_parallel,
+        buffers=buffers,
+        buffer_seq_dims=[1] * len(buffers),
+        no_restore_buffers=set(buffers),
+    )
+    return context, inputs
