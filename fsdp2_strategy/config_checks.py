@@ -272,15 +272,7 @@ def check_tensor_parallel(config: Any) -> None:
             "tensor parallelism yet; name a sharding_strategy (FULL_SHARD, HYBRID_SHARD, ...)."
         )
     if size > 1:
-        changed = [
-            p for p, o in config.module_overrides.items() if o.sharding_strategy not in (None, config.sharding_strategy)
-        ]
-        if changed:
-            raise ValueError(
-                f"FSDP2Config.module_overrides {changed} change the sharding strategy, which needs another mesh; "
-                f"with tensor_parallel_size={size} every group shares one (data parallel x tensor parallel) mesh. "
-                "Drop those sharding_strategy overrides (reshard, precision and offload overrides are fine)."
-            )
+        _check_one_mesh(config, "tensor_parallel_size", size, "data parallel x tensor parallel")
 
 
 def check_context_parallel(config: Any) -> None:
@@ -303,12 +295,17 @@ def check_context_parallel(config: Any) -> None:
             f"FSDP2Config(sharding_strategy='NO_SHARD', context_parallel_size={size}): the context-parallel ranks "
             "shard parameters between them; use FULL_SHARD, SHARD_GRAD_OP or a HYBRID_SHARD strategy."
         )
+    _check_one_mesh(config, "context_parallel_size", size, "data parallel x context parallel")
+
+
+def _check_one_mesh(config: Any, field: str, size: int, mesh: str) -> None:
+    """Refuse per-module sharding strategies where every group must share one multi-dim mesh."""
     changed = [
         p for p, o in config.module_overrides.items() if o.sharding_strategy not in (None, config.sharding_strategy)
     ]
     if changed:
         raise ValueError(
             f"FSDP2Config.module_overrides {changed} change the sharding strategy, which needs another mesh; "
-            f"with context_parallel_size={size} every group shares one (data parallel x context parallel) mesh. "
+            f"with {field}={size} every group shares one ({mesh}) mesh. "
             "Drop those sharding_strategy overrides (reshard, precision and offload overrides are fine)."
         )

@@ -6,10 +6,19 @@ sequence, with `ContextParallelBatch.loss` over all the sequences' tokens. torch
 runs on accelerators as torch ships it and on CPUs through the kernel `ring` registers.
 
 Others may use: `context_parallel`, `ContextParallelBatch`, `context_mesh` (the model's "cp" mesh),
-`ring_attention` (torch's `context_parallel` on any device, for the adapters' context managers).
+`ring_attention` (torch's `context_parallel` on any device, for the adapters' context managers),
+`prepare` (a batch of whole sequences with what a rank cannot derive from its part),
+`check_sdpa_attention` (a Hugging Face model's attention must be SDPA).
 """
 
-from .batch import ContextParallelBatch
-from .context import context_mesh, context_parallel, ring_attention
+from .batch import ContextParallelBatch, prepare
+from .context import check_sdpa_attention, context_mesh, context_parallel, ring_attention
 
-__all__ = ["ContextParallelBatch", "context_mesh", "context_parallel", "ring_attention"]
+__all__ = [
+    "ContextParallelBatch",
+    "check_sdpa_attention",
+    "context_mesh",
+    "context_parallel",
+    "prepare",
+    "ring_attention",
+]

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp2_strategy.sequence import check_sdpa_attention, prepare
+
 IGNORE_INDEX = -100
 _SPLIT = ("input_ids", "labels", "shift_labels", "position_ids")
 """The inputs split along the sequence (dim 1), as the stock Trainer splits them."""
@@ -39,27 +41,9 @@ def context_parallel_inputs(
     """
     if cp_size(accelerator) == 1:
         return contextlib.nullcontext, inputs
-    implementation = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
-    if implementation != "sdpa":
-        raise ValueError(
-            f"Context parallelism is supported only with SDPA attention, you are using {implementation}; load the "
-            "model with attn_implementation='sdpa'."
-        )
-    inputs = dict(inputs)
-    mask = inputs.get("attention_mask")
-    if isinstance(mask, torch.Tensor):
-        if not bool(mask.bool().all()):
-            raise ValueError(
-                "Context parallelism cannot split an attention_mask with padding; pack sequences to a common "
-                "length (labels=-100 where a token has no target) and drop the attention_mask."
-            )
-        del inputs["attention_mask"]  # all ones: no mask (Accelerate's hooks drop it in attention anyway)
-    if "labels" in inputs and "shift_labels" not in inputs:
-        padded = nn.functional.pad(inputs["labels"], (0, 1), value=IGNORE_INDEX)
-        inputs["shift_labels"] = padded[:, 1:].contiguous()
-    if "position_ids" not in inputs:
-        ids = inputs["input_ids"]
-        inputs["position_ids"] = torch.arange(ids.size(1), device=ids.device).expand(ids.size(0), -1).contiguous()
+    check_sdpa_attention(model)
+    # shift_labels and position_ids from the whole sequences; an all-ones attention_mask dropped, padding refused.
+    inputs = prepare(inputs, seq_dim=1, ignore_index=IGNORE_INDEX)
     buffers = [inputs[k] for k in _SPLIT if isinstance(inputs.get(k), torch.Tensor)]
     context = functools.partial(
         accelerator.maybe_context_parallel,
