@@ -13,6 +13,7 @@ For each model x world size x micro-batch count, one spawned gloo world:
    against (2)'s median; the tuner's cost against 1,000 steps of the pick.
 
     OMP_NUM_THREADS=1 python benchmarks/tune.py --models mlp8 gpt minilm --worlds 2 --ks 1 4
+    python benchmarks/tune.py --plot benchmarks/results/tune.png   # the stored cells (--out), no runs
 
 Models: `mlp8` the 8-block benchmark model (dim 512, batch 16, `_bench.Net`), `gpt` TinyGPT and
 `minilm` all-MiniLM-L6-v2 (batch 8, as `tests/helpers/memtrack.py` builds them).
@@ -234,6 +235,35 @@ def _paired_line(p: dict) -> str:
     )
 
 
+def plot(verdicts: list[dict], out: str) -> None:
+    """One panel per cell: each candidate's interleaved median s/step (bar, p25-p75 whiskers), the
+    tuner's prediction (dot) and its pick (dark bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(verdicts), 1, figsize=(6, 1.2 + 0.45 * sum(len(v["rows"]) for v in verdicts)))
+    for ax, v in zip([axes] if len(verdicts) == 1 else axes, verdicts):
+        rows = [r for r in v["rows"] if r["interleaved_s"] is not None]
+        y = range(len(rows))
+        medians = [r["interleaved_s"] for r in rows]
+        spread = [
+            [m - (r["interleaved_p25_p75"] or [m, m])[0] for m, r in zip(medians, rows)],
+            [(r["interleaved_p25_p75"] or [m, m])[1] - m for m, r in zip(medians, rows)],
+        ]
+        colors = ["0.25" if r["setting"] == v["pick"] else "0.7" for r in rows]
+        ax.barh(y, medians, xerr=spread, color=colors, capsize=2, label="measured (median, p25-p75)")
+        ax.scatter([r["predicted_s"] for r in rows], y, color="tab:red", s=14, zorder=3, label="predicted")
+        ax.set_yticks(list(y), [r["setting"] for r in rows], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("s/step", fontsize=8)
+        ax.set_title(f"{v['model']}, {v['world']} ranks, {v['k']} micro-batch(es): pick {v['pick']} (dark)", fontsize=8)
+    (axes if len(verdicts) == 1 else axes[0]).legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["mlp8"], choices=["mlp8", "gpt", "minilm"])
@@ -257,7 +287,11 @@ def main() -> None:
         help="seconds per cell (all-MiniLM-L6-v2 on 4 ranks at k=4 ran past 1,800 with --rounds 3 --steps 3)",
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tune.json"))
+    parser.add_argument("--plot", default=None, help="write the stored cells (--out) as a PNG here, running nothing")
     args = parser.parse_args()
+    if args.plot:
+        plot(json.loads(Path(args.out).read_text()), args.plot)
+        return
     verdicts = []
     for name in args.models:
         for world in args.worlds:
