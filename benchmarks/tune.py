@@ -242,25 +242,30 @@ def plot(verdicts: list[dict], out: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    fig, axes = plt.subplots(len(verdicts), 1, figsize=(6, 1.2 + 0.45 * sum(len(v["rows"]) for v in verdicts)))
+    heights = [1 + 0.4 * len(v["rows"]) for v in verdicts]
+    fig, axes = plt.subplots(len(verdicts), 1, figsize=(7.5, sum(heights) + 0.6), height_ratios=heights)
     for ax, v in zip([axes] if len(verdicts) == 1 else axes, verdicts):
         rows = [r for r in v["rows"] if r["interleaved_s"] is not None]
         y = range(len(rows))
         medians = [r["interleaved_s"] for r in rows]
-        spread = [
-            [m - (r["interleaved_p25_p75"] or [m, m])[0] for m, r in zip(medians, rows)],
-            [(r["interleaved_p25_p75"] or [m, m])[1] - m for m, r in zip(medians, rows)],
-        ]
-        colors = ["0.25" if r["setting"] == v["pick"] else "0.7" for r in rows]
-        ax.barh(y, medians, xerr=spread, color=colors, capsize=2, label="measured (median, p25-p75)")
-        ax.scatter([r["predicted_s"] for r in rows], y, color="tab:red", s=14, zorder=3, label="predicted")
+        quartiles = [r["interleaved_p25_p75"] or [m, m] for m, r in zip(medians, rows)]
+        spread = [[m - q[0] for m, q in zip(medians, quartiles)], [q[1] - m for m, q in zip(medians, quartiles)]]
+        colors = ["0.25" if r["setting"] == v["pick"] else "0.75" for r in rows]
+        ax.barh(y, medians, xerr=spread, color=colors, capsize=2)
+        ax.scatter([r["predicted_s"] for r in rows], y, color="tab:red", s=14, zorder=3)
         ax.set_yticks(list(y), [r["setting"] for r in rows], fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("s/step", fontsize=8)
-        ax.set_title(f"{v['model']}, {v['world']} ranks, {v['k']} micro-batch(es): pick {v['pick']} (dark)", fontsize=8)
-    (axes if len(verdicts) == 1 else axes[0]).legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
+        ax.set_title(f"{v['model']}, {v['world']} ranks, {v['k']} micro-batch(es) per step", fontsize=9)
+    legend = [
+        Patch(color="0.75", label="measured, interleaved (median, p25-p75)"),
+        Patch(color="0.25", label="the tuner's pick"),
+        plt.Line2D([], [], marker="o", color="tab:red", linestyle="", label="the tuner's prediction"),
+    ]
+    fig.legend(handles=legend, loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(out, dpi=120)
 
 
