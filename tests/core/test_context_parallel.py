@@ -112,6 +112,25 @@ def _world_cp2(root: str) -> dict:
         model(input_ids=part["input_ids"], position_ids=part["position_ids"])
     checks.equal("the caller's tensors keep their shape", tuple(_batch(0, rows=2)["input_ids"].shape), (2, SEQ))
 
+    checks = Checks(report.setdefault("full_attention", {}))
+    # causal=False (an encoder): each rank holds one chunk; gradients equal one process.
+    ids = _batch(0, rows=2)["input_ids"]
+    labels = torch.roll(ids, 1, dims=1)  # a target per token: no shift (an encoder's per-token labels)
+    reference = _Encoder()
+    torch.nn.functional.cross_entropy(reference(ids).reshape(-1, VOCAB), labels.reshape(-1)).backward()
+    encoder = f2.shard_model(_Encoder(), context_parallel_size=2, log_plan=False)
+    with f2.context_parallel(encoder, {"ids": ids, "labels": labels}, causal=False) as part:
+        checks.equal("one chunk per rank", part["ids"].shape[1], SEQ // 2)
+        part.loss(encoder(part["ids"]), labels=part["labels"]).backward()
+    checks.below(
+        "full attention: gradients equal one process (relative)",
+        max_rel_diff(
+            {n: full(p.grad) for n, p in encoder.named_parameters()},
+            {n: p.grad for n, p in reference.named_parameters()},
+        ),
+        1e-5,
+    )
+
     checks = Checks(report.setdefault("errors", {}))
     checks.raises(
         "a length the ranks cannot split",
@@ -181,6 +200,23 @@ def _world_cp2(root: str) -> dict:
     return report
 
 
+class _Encoder(torch.nn.Module):
+    """Token embedding, one full (non-causal) SDPA self-attention, a head: the same weights each time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        q, k, v = (t.unflatten(-1, (2, 8)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=False)
+        return self.head(x + y.transpose(1, 2).flatten(-2))
+
+
 def _step_peak(model, batch: dict) -> int:
     """Peak live bytes (torch's MemTracker) of one forward and backward inside `f2.context_parallel`."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -229,7 +265,7 @@ def cp2(tmp_path_factory) -> FlowReports:
     return FlowReports(run_distributed(_world_cp2, 2, root, timeout=TIMEOUT), per_rank=["memory.peaks"])
 
 
-@pytest.mark.parametrize("flow", ["parity", "layout", "errors", "memory", "resume"])
+@pytest.mark.parametrize("flow", ["parity", "layout", "full_attention", "errors", "memory", "resume"])
 def test_two_cp_ranks(cp2: FlowReports, flow: str) -> None:
     cp2.assert_passed(flow)
 
