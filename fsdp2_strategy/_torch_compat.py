@@ -32,8 +32,8 @@ reads FSDP2's private state, and a few other private torch helpers; only through
   `DefaultSavePlanner._cached_plans_key` and `SavePlanner`'s plan caches (one plan cache per
   asynchronous saver, dropped when it closes).
 - Context parallelism (`sequence`): torch's ring attention, `_templated_ring_attention` and
-  `_templated_ring_attention_backward`, its dispatcher table `custom_ops` and options
-  `_cp_options` (of `torch.distributed.tensor.experimental._context_parallel._attention`), to
+  `_templated_ring_attention_backward`, its dispatcher table `custom_ops`, options `_cp_options`
+  and `set_rotate_method` (of `torch.distributed.tensor.experimental._context_parallel._attention`), to
   register the CPU flash-attention kernel torch's ring leaves out; `DeviceMesh._flatten` (FSDP's
   data x context parallel dim, as torchtitan builds it).
 
@@ -103,6 +103,7 @@ ring_attention = _private(_CP, "_templated_ring_attention")
 ring_attention_backward = _private(_CP, "_templated_ring_attention_backward")
 cp_dispatch_table = _private(_CP, "custom_ops")
 cp_options = _private(_CP, "_cp_options")
+set_rotate_method = _private(_CP, "set_rotate_method")
 
 
 def _declares(owner: Any, name: str) -> bool:

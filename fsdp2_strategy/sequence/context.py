@@ -153,6 +153,18 @@ def context_parallel(
             )
 
 
+ROTATIONS = ("allgather", "alltoall")
+"""How the ring passes keys and values (torch's `set_rotate_method`; Accelerate's `cp_comm_strategy`)."""
+
+
+def set_ring_rotation(method: str) -> None:
+    """How every ring from now on passes keys and values around: "allgather" (torch's default) or
+    "alltoall". Raises ValueError for another name."""
+    if method not in ROTATIONS:
+        raise ValueError(f"ring rotation {method!r} is invalid; use one of {list(ROTATIONS)}.")
+    tc.set_rotate_method(method)
+
+
 @contextlib.contextmanager
 def ring_attention(
     mesh: DeviceMesh,

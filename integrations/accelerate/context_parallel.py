@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp2_strategy.distributed import log_rank_zero
 from fsdp2_strategy.mesh import CP_DIM
-from fsdp2_strategy.sequence import ring_attention
+from fsdp2_strategy.sequence import ring_attention, set_ring_rotation
 
 from . import _compat as compat
 
@@ -31,9 +31,7 @@ def set_rotation(parallelism: Any) -> None:
     handler = getattr(parallelism, "cp_handler", None)
     strategy = getattr(handler, "cp_comm_strategy", None)
     if strategy:
-        from torch.distributed.tensor.experimental._attention import set_rotate_method
-
-        set_rotate_method(strategy)
+        set_ring_rotation(strategy)
 
 
 def cp_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:

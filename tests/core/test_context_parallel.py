@@ -290,3 +290,17 @@ def test_the_planner_counts_activations_of_one_cp_ranks_part() -> None:
         for cp in (1, 2)
     }
     assert 0.4 <= peaks[2] / peaks[1] <= 0.65, peaks
+
+
+def test_ring_rotation_is_set_by_name_and_a_wrong_name_refused() -> None:
+    from fsdp2_strategy import _torch_compat as tc
+    from fsdp2_strategy.sequence import set_ring_rotation
+
+    with pytest.raises(ValueError, match=r"'ring'.*\['allgather', 'alltoall'\]"):
+        set_ring_rotation("ring")
+    try:
+        set_ring_rotation("alltoall")
+        assert tc.cp_options.rotate_method.name == "ALL_TO_ALL"
+    finally:
+        set_ring_rotation("allgather")
+    assert tc.cp_options.rotate_method.name == "ALL_GATHER"

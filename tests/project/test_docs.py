@@ -167,7 +167,7 @@ CHATTER = re.compile(
 WHEN = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b|\b[0-2]\d:[0-5]\d(?::[0-5]\d)? ?UTC\b")
 TEST_FILE = re.compile(r"\btests/[\w/.-]*\.py\b")
 RESULTS_PAGES = {"docs/gpu.md", "docs/benchmarks.md", "docs/compatibility.md"}
-# The reference is generated from the code and the tests (docs/reference/errors.md names its tables);
+# The reference is generated from the code and the tests (docs/hooks.py names the error tables);
 # the architecture page is for contributors.
 NOT_FOR_USERS = ("docs/reference/", "docs/concepts/architecture.md", "docs/changelog.md")
 
