@@ -29,6 +29,11 @@ def shift_labels(labels: torch.Tensor, seq_dim: int, ignore_index: int = IGNORE_
     return shifted
 
 
+def sequence_keys(batch: Mapping[str, Any], seq_dim: int) -> list[str]:
+    """The keys of `batch`'s tensors that have a sequence dim `seq_dim` (what the ranks split)."""
+    return [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > seq_dim]
+
+
 def prepare(batch: Mapping[str, Any], seq_dim: int, ignore_index: int) -> dict[str, Any]:
     """`batch` with "shift_labels" (from "labels", unless given) and "position_ids" (0..S-1 per row,
     unless given) added and an all-ones "attention_mask" dropped (it means no mask).
@@ -52,7 +57,7 @@ def prepare(batch: Mapping[str, Any], seq_dim: int, ignore_index: int) -> dict[s
                 "tokens without a target with labels=-100 instead) and drop the attention_mask."
             )
         del out["attention_mask"]  # all ones: the same attention as no mask
-    tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() > seq_dim}
+    tensors = {k: out[k] for k in sequence_keys(out, seq_dim)}
     if not tensors:
         raise ValueError(
             f"f2.context_parallel: the batch holds no tensor with a sequence dim {seq_dim} (keys: {sorted(out)}); "

@@ -24,7 +24,7 @@ from torch.distributed.tensor.experimental import context_parallel as torch_cont
 
 from .. import _torch_compat as tc
 from ..train import recorded_state
-from .batch import IGNORE_INDEX, ContextParallelBatch, prepare
+from .batch import IGNORE_INDEX, ContextParallelBatch, prepare, sequence_keys
 from .ring import register_cpu_ring
 
 SDPA_IMPLEMENTATIONS = (None, "sdpa")
@@ -132,7 +132,7 @@ def context_parallel(
         yield ContextParallelBatch(tensors, group=None, cp_size=1, ignore_index=ignore_index)
         return
     check_sdpa_attention(model)
-    names = [k for k, v in tensors.items() if isinstance(v, torch.Tensor) and v.dim() > seq_dim]
+    names = sequence_keys(tensors, seq_dim)
     check_split(tensors[names[0]].size(seq_dim), mesh.size(), causal)
     # Copies: torch resizes its buffers in place to this rank's part.
     buffers = [tensors[k].detach().clone() for k in names]
