@@ -10,6 +10,8 @@ Parts (`--parts`, in the order given; the default is the order below):
   tables);
 - `throughput`: `gpu_throughput.py`'s eight paths on the 1 B Llama-shaped model, interleaved rounds:
   tokens/s, MFU, peak memory, ratio to the hand-written `fully_shard` loop;
+- `levers`: the engine's default levers each alone, two interleaved rounds: the hand-written loop,
+  the core (chunked loss by default) and the core with the model's own loss (`chunked_loss=False`);
 - `compile`: the hand-written loop and the core with per-block `torch.compile`, two interleaved
   rounds (one round per machine could not tell the pair apart);
 - `float8`: the same with torchao's float8 linears too, one round, where torchao is installed and the
@@ -60,6 +62,7 @@ import qlora_step  # noqa: E402
 PARTS = (
     "tests",
     "throughput",
+    "levers",
     "compile",
     "float8",
     "checkpoint",
@@ -155,6 +158,10 @@ def _throughput(ctx: dict, paths: tuple[str, ...], rounds: int = 2) -> dict:
 
 def part_throughput(ctx: dict) -> dict:
     return _throughput(ctx, gpu_throughput.PATHS)
+
+
+def part_levers(ctx: dict) -> dict:
+    return _throughput(ctx, gpu_throughput.LEVERS)
 
 
 def part_compile(ctx: dict) -> dict:
@@ -273,6 +280,7 @@ def _table_rows(text: str) -> dict[str, list[str]]:
 RUNNERS = {
     "tests": part_tests,
     "throughput": part_throughput,
+    "levers": part_levers,
     "compile": part_compile,
     "float8": part_float8,
     "checkpoint": part_checkpoint,
@@ -285,6 +293,7 @@ RUNNERS = {
 LIMITS = {
     "tests": 240,
     "throughput": 240,
+    "levers": 150,
     "compile": 300,
     "float8": 200,
     "checkpoint": 200,
@@ -298,6 +307,7 @@ LIMITS = {
 MIN_START = {
     "tests": 60,
     "throughput": 60,
+    "levers": 60,
     "compile": 60,
     "float8": 60,
     "checkpoint": 30,
@@ -329,7 +339,7 @@ def report(results: dict) -> str:
 
 
 def _part_text(name: str, result) -> str:
-    if name in ("throughput", "compile", "float8"):
+    if name in ("throughput", "levers", "compile", "float8"):
         if "not_run" in result:
             return "not run: " + result["not_run"]
         peak = result["peak"]

@@ -18,7 +18,9 @@ optimizer step per batch, through:
 - `hf_trainer_fsdp2` / `hf_trainer_stock`: `transformers.Trainer` under the same launch, through
   `FSDP2Trainer` and the stock class;
 - `hand+compile`, `core+compile`: per-block `torch.compile` (`compile=True` for the core);
-  `...+float8`: torchao's float8 linears first (`FLOAT8`).
+  `...+float8`: torchao's float8 linears first (`FLOAT8`);
+- `core+own_loss`: the core with `chunked_loss=False` (the model's own loss on the full logits), to
+  measure the chunked loss alone against `core` (`LEVERS`).
 
 Each (path, round) is one fresh process (each framework starts its own world); rounds alternate
 the order (A..Z, Z..A). Per path: median seconds per step after `--warmup` steps, tokens/s, MFU
@@ -62,6 +64,9 @@ FLOAT8 = ("hand+compile+float8", "core+compile+float8")
 """torchao's float8 training (`convert_to_float8_training`, float8 all-gather with the scales
 precomputed after each optimizer step; the output layer kept in bf16, as torchtitan does), compiled:
 needs torchao and float8 tensor cores."""
+LEVERS = ("hand", "core", "core+own_loss")
+"""The engine's default speed levers, each alone: `core` (defaults: the chunked loss) against the
+same with the model's own loss, and the hand-written loop."""
 ACCELERATE_PATHS = ("fsdp2_accelerator", "stock_accelerator", "hf_trainer_fsdp2", "hf_trainer_stock")
 
 
@@ -190,7 +195,8 @@ def run_core(size: dict, data, clock: Clock, extras: frozenset = frozenset()):
     model = build_model(size, clock.device)
     if "float8" in extras:
         to_float8(model)
-    f2.shard_model(model, mixed_precision="bf16", compile="compile" in extras, log_plan=False)
+    chunked = False if "own_loss" in extras else "auto"
+    f2.shard_model(model, mixed_precision="bf16", compile="compile" in extras, chunked_loss=chunked, log_plan=False)
     _plain_loop(model, data, clock, extras)
     return model
 

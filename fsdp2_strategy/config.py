@@ -1,7 +1,7 @@
 """`FSDP2Config`: every setting of the engine in one validated dataclass, composed of sections by owner.
 
 `ShardingOptions` (here: how `shard_model` shards) and the sections of `config_options`
-(`HostOptions`, `CheckpointOptions`, `ChoiceOptions`) each hold their fields, documentation and
+(`HostOptions`, `CheckpointOptions`, `ChoiceOptions`, `StepOptions`) each hold their fields, documentation and
 checks; `FSDP2Config` inherits them all, so users still write one flat config. A config is built
 from keyword arguments, a dict (`FSDP2Config.from_dict`) or a YAML file (`FSDP2Config.from_yaml`).
 Validation happens once, in `__post_init__`, section by section into one error, and every error
@@ -49,6 +49,7 @@ from .config_options import (  # noqa: F401  (the sections' accepted values are 
     CheckpointOptions,
     ChoiceOptions,
     HostOptions,
+    StepOptions,
 )
 
 SHARDING_STRATEGIES = strategies.NAMES
@@ -322,12 +323,13 @@ class ShardingOptions:
 
 @_names_unknown_fields
 @dataclass
-class FSDP2Config(ChoiceOptions, CheckpointOptions, HostOptions, ShardingOptions):
+class FSDP2Config(StepOptions, ChoiceOptions, CheckpointOptions, HostOptions, ShardingOptions):
     """How `shard_model` applies FSDP2 to a model; every field is optional.
 
     One flat set of fields (keywords, `from_dict`, `from_yaml`, the adapters' keywords), composed of
     sections by owner: `ShardingOptions` (the core's sharding), `HostOptions` (the CPU runtime),
-    `CheckpointOptions` (the adapters' checkpoints) and `ChoiceOptions` (how "auto" is chosen).
+    `CheckpointOptions` (the adapters' checkpoints), `ChoiceOptions` (how "auto" is chosen) and
+    `StepOptions` (the training step's loss).
     """
 
     def __post_init__(self) -> None:
@@ -337,6 +339,7 @@ class FSDP2Config(ChoiceOptions, CheckpointOptions, HostOptions, ShardingOptions
         self._check_choice(errors, strategy)
         self._check_host(errors)
         self._check_checkpoint(errors)
+        self._check_step(errors)
         errors.raise_if_any()
         check_tensor_parallel(self)  # reads several fields: only once they are all valid
         check_context_parallel(self)

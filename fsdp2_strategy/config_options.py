@@ -9,7 +9,8 @@ say so in its signature:
   `shard.host_memory`);
 - `CheckpointOptions`: what the adapters' sharded checkpoints store and how they are written
   (`f2.Checkpointer` takes the same choices as arguments);
-- `ChoiceOptions`: how `sharding_strategy="auto"` is chosen (the memory planner or the tuner).
+- `ChoiceOptions`: how `sharding_strategy="auto"` is chosen (the memory planner or the tuner);
+- `StepOptions`: how the training step computes what the model does not decide (its loss).
 
 Each section's `_check_*` method adds its fields' errors to the config's one `FieldErrors`.
 """
@@ -101,6 +102,35 @@ class CheckpointOptions:
         errors.check(check_trainable_only, self.checkpoint_trainable_only, "FSDP2Config.checkpoint_trainable_only")
         errors.check(check_async_save, self.checkpoint_async_save, "FSDP2Config.checkpoint_async_save")
         errors.check(check_bool, self.checkpoint_on_preemption, "FSDP2Config.checkpoint_on_preemption")
+
+
+@dataclass
+class StepOptions:
+    """How the training step computes what the model itself does not decide."""
+
+    chunked_loss: bool | str = "auto"
+    """How a Hugging Face causal LM (a `*ForCausalLM`, or a PEFT model of one) computes its loss in
+    a training forward (`model.train()`, gradients enabled, `labels=` passed):
+
+    - "auto" (default): in chunks of tokens (`f2.chunked_causal_lm_loss`), never building the
+      tokens x vocabulary logits, where that gives the model's own numbers: its output layer is a
+      plain `nn.Linear`, its loss the standard causal-LM cross-entropy, its logits neither capped
+      nor scaled, no tensor parallelism. Elsewhere the model's own loss; the sharding plan says which.
+    - True: the chunked loss, or an error naming what is in the way.
+    - False: the model's own loss (the full logits, e.g. to read `outputs.logits` in training).
+
+    Why: the logits of 8,192 tokens x a 32,000-token vocabulary take 1 GiB in fp32 (4 GiB at Llama
+    3's 128,256), kept until backward; the chunked loss keeps one chunk's. In training the output's
+    `logits` is then a `LogitsNotBuilt`, which raises an error naming this switch when used;
+    evaluation, forwards without labels and generation are unchanged."""
+
+    def _check_step(self, errors: FieldErrors) -> None:
+        errors.check(_check_chunked_loss, self.chunked_loss)
+
+
+def _check_chunked_loss(value: Any) -> None:
+    if not (isinstance(value, bool) or value == "auto"):
+        raise ValueError(f"FSDP2Config.chunked_loss={value!r} is invalid; use 'auto', True or False.")
 
 
 @dataclass

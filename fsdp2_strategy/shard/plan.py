@@ -76,6 +76,8 @@ class ResolvedPlan:
     meta: bool
     """Whether the model is on the meta device (materialised after sharding)."""
     log_plan: bool
+    chunked_loss: bool | str
+    """`FSDP2Config.chunked_loss`."""
     wrap_choice: str
     """What `wrap_policy="auto"` chose and why ("" for another policy), for the plan."""
 
@@ -150,5 +152,6 @@ def plan_sharding(model: nn.Module, config: FSDP2Config, *, mesh: DeviceMesh | N
         host_allocator=config.host_allocator,
         meta=meta,
         log_plan=config.log_plan,
+        chunked_loss=config.chunked_loss,
         wrap_choice=describe_auto_choice(model) if config.wrap_policy == "auto" else "",
     )

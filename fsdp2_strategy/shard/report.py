@@ -65,6 +65,9 @@ class ShardingPlan:
     """Whether this process's malloc keeps freed host memory (`FSDP2Config.host_allocator`)."""
     wrap_choice: str = ""
     """What `wrap_policy="auto"` chose and why ("" for another policy)."""
+    loss: str = ""
+    """What computes a causal LM's training loss (`FSDP2Config.chunked_loss`; "" if not sharded by
+    `shard_model`)."""
 
     @property
     def total_params(self) -> int:
@@ -110,6 +113,8 @@ class ShardingPlan:
         lines.insert(1, "  ".join("-" * w for w in widths))
         if self.wrap_choice:
             lines.append(f"wrap policy: {self.wrap_choice}")
+        if self.loss:
+            lines.append(f"loss: {self.loss}")
         lines.append(f"gradient accumulation: {self.accumulation} ({accumulation_mode(self.accumulation).summary})")
         sharded = sum(g.strategy not in ("REPLICATED", "IGNORED") for g in self.groups)
         lines.append(
@@ -149,6 +154,7 @@ def sharding_plan(model: nn.Module) -> ShardingPlan:
         accumulation=mode_of(model).name,
         freed_memory_kept=freed_memory_kept(),
         wrap_choice=root.wrap_choice if root is not None else "",
+        loss=root.loss_choice if root is not None else "",
     )
     counts = _weight_counts(model)
     for name, module in model.named_modules():

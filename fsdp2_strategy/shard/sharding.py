@@ -23,6 +23,7 @@ from ..mesh import mesh_device
 from ..precision import first_emulation_warning
 from ..tensor_parallel import apply_tensor_parallel, user_parallelised_modules
 from ..train import ReplicatedParams, engine_state, mark_replaced_params, record_mode
+from .causal_lm import install_chunked_loss
 from .custom_methods import guard_custom_methods
 from .frozen import cast_frozen
 from .host_memory import apply_host_allocator
@@ -91,6 +92,8 @@ def apply_plan(model: nn.Module, plan: ResolvedPlan) -> nn.Module:
     apply_host_allocator(plan.host_allocator, plan.root_mesh.device_type)
 
     _set_prefetch(model, list(plan.blocks), plan.forward_prefetch, plan.backward_prefetch)
+    # Before the guard: it wraps whichever forward the model has, so the chunked loss's too.
+    engine_state(model).loss_choice = install_chunked_loss(model, plan.chunked_loss, plan.tp_mesh is not None)
     _guard_direct_forward(model)
     guard_custom_methods(model)
     _guard_save_pretrained(model)

@@ -25,7 +25,7 @@ from .replicated import ReplicatedParams
 class EngineState:
     """What the engine remembers about one module.
 
-    The first six fields belong to the model `shard_model` (or `f2.replicate`) returned, the others
+    The first seven fields belong to the model `shard_model` (or `f2.replicate`) returned, the others
     to the modules inside it; a field that does not apply keeps its default.
     """
 
@@ -43,6 +43,8 @@ class EngineState:
     cp_mesh: Any = None
     """The context-parallel mesh of a model sharded with `context_parallel_size > 1`
     (`f2.context_parallel` runs attention as a ring over it), else None."""
+    loss_choice: str = ""
+    """What computes a causal LM's training loss (`FSDP2Config.chunked_loss`), as the plan shows it."""
     group: GroupSettings | None = None
     """The settings of the `fully_shard` call this module received (its group's first module)."""
     ring_comms: bool = False

@@ -114,9 +114,9 @@ def test_sections_by_owner_compose_one_flat_config(tmp_path):
     import inspect
 
     from fsdp2_strategy.config import ShardingOptions
-    from fsdp2_strategy.config_options import CheckpointOptions, ChoiceOptions, HostOptions
+    from fsdp2_strategy.config_options import CheckpointOptions, ChoiceOptions, HostOptions, StepOptions
 
-    sections = (ShardingOptions, HostOptions, CheckpointOptions, ChoiceOptions)
+    sections = (ShardingOptions, HostOptions, CheckpointOptions, ChoiceOptions, StepOptions)
     names = [f.name for section in sections for f in dataclasses.fields(section)]
     assert [f.name for f in dataclasses.fields(f2.FSDP2Config)] == names  # each field once, sharding first
     assert list(inspect.signature(f2.FSDP2Config).parameters) == names  # what LightningCLI reads
@@ -127,6 +127,7 @@ def test_sections_by_owner_compose_one_flat_config(tmp_path):
     }
     assert {f.name for f in dataclasses.fields(HostOptions)} == {"collectives", "host_allocator"}
     assert {f.name for f in dataclasses.fields(ChoiceOptions)} == {"memory_budget", "objective"}
+    assert {f.name for f in dataclasses.fields(StepOptions)} == {"chunked_loss"}
     values = {"sharding_strategy": "auto", "collectives": "ring", "checkpoint_async_save": "overlap"}
     (tmp_path / "c.yaml").write_text("".join(f"{k}: {v}\n" for k, v in values.items()) + "memory_budget: 2GiB\n")
     for config in (f2.FSDP2Config(**values, memory_budget="2GiB"), f2.FSDP2Config.from_yaml(tmp_path / "c.yaml")):

@@ -346,6 +346,10 @@ GLUE: dict[tuple[str, str], Glue] = {
         "input_ids = _torch.randint(3, 32, (1, 8), generator=_torch.Generator().manual_seed(0))",
         check=_SHARDED + "assert tokens.shape[0] == 1 and tokens.shape[1] > 8, tokens.shape",
     ),
+    ("docs/guides/performance.md", "function"): Glue(
+        setup="import torch as _torch\ntokens = _torch.randint(0, 1000, (2, 16), generator=_torch.Generator().manual_seed(0))",
+        check=_SHARDED + "assert _torch.isfinite(loss) and loss.item() > 0",
+    ),
     ("docs/guides/long-sequences.md", "core"): Glue(
         setup=_LONG_LLAMA + "loader = [{'input_ids': _ids, 'labels': _ids.clone()}]",
         check=_SHARDED + "assert tuple(part['input_ids'].shape) == (2, 32), part['input_ids'].shape\n"

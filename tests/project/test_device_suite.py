@@ -25,6 +25,7 @@ def test_every_part_ran_and_left_its_files(dry_run):
     assert list(results["parts"]) == [
         "tests",
         "throughput",
+        "levers",
         "compile",
         "float8",
         "checkpoint",
@@ -79,6 +80,16 @@ def test_every_training_path_trains_the_same_model(dry_run):
     assert rows["hand"]["vs_hand"] == 1.0
 
 
+def test_levers_part_measures_the_chunked_loss_alone(dry_run):
+    rows = {row["path"]: row for row in dry_run[0]["parts"]["levers"]["result"]["rows"]}
+    assert set(rows) == {"hand", "core", "core+own_loss"}
+    assert all("error" not in row for row in rows.values()), rows
+    # The same model, seed and batch: the chunked loss (core) starts where the model's own loss does.
+    assert rows["core"]["first_loss"] == pytest.approx(rows["core+own_loss"]["first_loss"], rel=1e-3)
+    assert rows["core+own_loss"]["first_loss"] == pytest.approx(rows["hand"]["first_loss"], rel=1e-3)
+    assert rows["hand"]["vs_hand"] == 1.0 and rows["core+own_loss"]["tokens_per_s"] > 0
+
+
 def test_compiled_paths_and_float8_status(dry_run):
     result = dry_run[0]["parts"]["compile"]["result"]
     assert {row["path"] for row in result["rows"]} == {"hand+compile", "core+compile"}
@@ -107,10 +118,13 @@ def test_checkpoint_stall_and_overhead_per_mode(dry_run):
 
 def test_generation_rows(dry_run):
     rows = {r["run"]: r for r in dry_run[0]["parts"]["generation"]["result"]["rows"]}
-    assert list(rows) == ["sharded", "sharded, f2.gathered", "one process (unsharded)"]
+    assert list(rows) == ["sharded", "sharded, f2.gathered", "unsharded copy"]
     assert all(r["same_tokens"] for r in rows.values())  # greedy: every run the unsharded model's tokens
-    assert rows["one process (unsharded)"]["vs_one_process"] == 1.0
-    assert rows["sharded, f2.gathered"]["all_gathers_per_token"] == 0  # gathered once, before generate
+    assert rows["unsharded copy"]["vs_unsharded"] == 1.0
+    # Gathered once, before generate; generate's synced_gpus defaults to False inside: no collective.
+    assert rows["sharded, f2.gathered"]["all_gathers_per_token"] == 0
+    assert rows["sharded, f2.gathered"]["other_collectives_per_token"] == 0
+    assert len(dry_run[0]["parts"]["generation"]["result"]["gathered_vs_unsharded"]) == 1  # one rank on the device
 
 
 def test_planner_rows_against_measured_peaks(dry_run):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -119,6 +120,18 @@ def test_long_sequences_benchmark_halves_the_activations_per_rank():
     # At 1024 tokens activations dominate: cp=2's peak per rank is well under cp=1's.
     assert _value(out, "cp=2/cp=1 peak per rank at 1024 tokens:") < 0.7, out[-2000:]
     assert "longest sequence cp=1 1024, cp=2 1024" in out, out[-2000:]
+
+
+def test_chunked_loss_benchmark_agrees_and_lowers_the_peak(tmp_path):
+    out = _output(
+        "python", "benchmarks/chunked_loss.py", "--tokens", "256", "--hidden", "32", "--vocab", "4096",
+        "--rounds", "1", "--json", str(tmp_path / "c.json"),
+    )  # fmt: skip
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [row["what"] for row in rows] == ["loss step (hidden -> loss)", "Llama 2 layers, whole step"], out
+    for row in rows:
+        assert row["chunked_loss"] == pytest.approx(row["plain_loss"], rel=1e-5), row
+        assert row["chunked_peak_bytes"] < row["plain_peak_bytes"], row
 
 
 def test_collectives_benchmark_counts_skipped_reductions():
