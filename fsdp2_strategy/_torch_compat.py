@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.utils.hooks import RemovableHandle
 
 from ._torch_backports import StagerKeepingBuffers, reset_iter_state_before_2_13
 from .versions import minor, private_api_error
@@ -139,6 +140,9 @@ _PLAN_CACHES = (
 _ATTRIBUTES = (
     (FSDPModule, "_get_fsdp_state"),
     *((FSDPState, n) for n in ("_is_root", "_lazy_init", "_pre_forward", "_post_forward", "_modules")),
+    *((FSDPState, n) for n in ("_pre_forward_hook_handle", "_post_forward_hook_handle")),
+    (RemovableHandle, "hooks_dict_ref"),
+    (nn.Module, "_forward_pre_hooks"),
     *((FSDPParamGroup, n) for n in ("fsdp_params", "mesh_info", "post_forward_mesh_info", "device", "is_unsharded")),
     *(
         (FSDPParam, n)
@@ -403,6 +407,20 @@ def pre_forward(module: FSDPModule, args: tuple, kwargs: dict) -> Any:
 def post_forward(module: FSDPModule, args: tuple, output: Any) -> Any:
     """FSDP's post-forward for `module` (reshards as the group's choice says)."""
     return fsdp_state(module)._post_forward(module, args, output)
+
+
+def forward_hook_slots(module: nn.Module | FSDPModule) -> list[tuple[dict, int, bool]]:
+    """Where the forward hooks of `module`'s FSDP group sit: (hooks dict, key, whether a pre-hook) for
+    each, on every module of the group (`fully_shard([a, b])` hooks each)."""
+    state = fsdp_state(module)
+    pre_dicts = {id(m._forward_pre_hooks) for m in state._modules}
+    slots: dict[tuple[int, int], tuple[dict, int, bool]] = {}
+    for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
+        for one in getattr(handle, "handles", (handle,)):  # a group of modules: one handle of several
+            hooks = one.hooks_dict_ref()
+            if hooks is not None and one.id in hooks:
+                slots[(id(hooks), one.id)] = (hooks, one.id, id(hooks) in pre_dicts)
+    return list(slots.values())
 
 
 def post_forward_mesh_info(group: Any) -> Any:

@@ -8,18 +8,27 @@ collective at all; on exit each group's own reshard choices come back and every 
 When the whole gathered model would not fit the memory budget, the groups that fit are held (in
 forward order) and the others gathered at each forward as without the context: fewer all-gathers per
 token, not none, and a warning says so.
+
+With every group held, two more things change inside the context. FSDP's forward hooks, which still
+run for every module of every token (they find the group gathered, set state, register backward
+hooks), are replaced for forwards without gradients by what they then amount to: the mixed-precision
+casts of inputs and outputs (`IdleForwardHooks`). And a model's `generate` defaults to
+`synced_gpus=False`: Hugging Face turns it on for an FSDP-managed model, one all-reduce per token so
+that ranks run the same forwards, which a model that gathers nothing does not need.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import cast
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.utils._pytree import tree_map_only
 
 from .. import _torch_compat as tc
 from ..config_checks import parse_bytes
@@ -70,10 +79,11 @@ def gathered(*models: nn.Module, memory_budget: int | str | None = None) -> Iter
 
     Every rank must enter and leave it together (the first gather and the last reshard are
     collective); inside, forwards run without collectives, so ranks may even generate different
-    lengths: pass Hugging Face `generate` `synced_gpus=False` (its default on a sharded model is True,
-    one all-reduce per token so that every rank runs the same number of forwards, which only a
-    sharded forward needs). Use it around `model.generate(...)` or a hand-written decoding loop, not
-    around training steps (every group would stay gathered through backward).
+    lengths: the models' `generate` defaults to `synced_gpus=False` inside (Hugging Face's default on
+    a sharded model is True, one all-reduce per token so that every rank runs the same number of
+    forwards, which only a sharded forward needs), and forwards without gradients skip FSDP's hooks.
+    Use it around `model.generate(...)` or a hand-written decoding loop, not around training steps
+    (every group would stay gathered through backward).
 
     Args:
         *models: Models `shard_model` sharded (a model without FSDP groups is left as it is).
@@ -81,12 +91,12 @@ def gathered(*models: nn.Module, memory_budget: int | str | None = None) -> Iter
             None: the accelerator's total memory, or on CPU the available RAM divided by the local
             ranks, less a margin (`estimate.default_budget`). Above it only the groups that fit are
             held (the others gathered at each forward, so every rank must run the same forwards:
-            keep `synced_gpus`), and a warning says so.
+            `generate` keeps its own `synced_gpus` default, and FSDP's hooks run), and a warning says so.
 
     Example:
         ```python
         with f2.gathered(model), torch.no_grad():
-            tokens = model.generate(input_ids, max_new_tokens=64, synced_gpus=False)
+            tokens = model.generate(input_ids, max_new_tokens=64)  # synced_gpus=False inside
         ```
     """
     budget = parse_bytes(memory_budget, "gathered(memory_budget)") or default_budget(_local_ranks())
@@ -104,7 +114,7 @@ def gathered(*models: nn.Module, memory_budget: int | str | None = None) -> Iter
             human_bytes(held_bytes),
             level=30,
         )
-    held = []
+    held, restores = [], []
     for model, groups in zip(models, chosen):
         modules = tc.fsdp_groups(model)
         if not modules or not groups:
@@ -115,13 +125,88 @@ def gathered(*models: nn.Module, memory_budget: int | str | None = None) -> Iter
         kept = KeptGroups(groups)
         held.append(kept)
         kept.keep(gather_now=True)
+        if len(groups) == len(modules):  # every group held: no forward gathers anything
+            restores += [IdleForwardHooks(modules).restore, _unsynced_generate(model)]
     try:
         yield
     finally:
+        for restore in reversed(restores):
+            restore()
         for kept in held:
             kept.restore_flags()
             for module in kept.modules:
                 module.reshard()
+
+
+class IdleForwardHooks:
+    """FSDP's forward hooks of `modules` (gathered groups, held so), replaced for forwards without
+    gradients by the mixed-precision casts they would apply; with gradients enabled the hooks run as
+    FSDP's (a forward that a backward may follow needs them). `restore` puts FSDP's hooks back, in place."""
+
+    def __init__(self, modules: list[FSDPModule]):
+        self.slots: list[tuple[dict, int, Any]] = []
+        for module in modules:
+            state = recorded_state(cast(nn.Module, module))
+            if state is None or state.group is None:
+                continue  # not sharded by shard_model: its precision is not known here, keep FSDP's hooks
+            policy = state.group.mp_policy
+            for hooks, key, is_pre in tc.forward_hook_slots(module):
+                original = hooks[key]
+                hooks[key] = _idle_pre_hook(original, policy) if is_pre else _idle_post_hook(original, policy)
+                self.slots.append((hooks, key, original))
+
+    def restore(self) -> None:
+        for hooks, key, original in self.slots:
+            if key in hooks:
+                hooks[key] = original
+        self.slots = []
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+
+
+def _idle_pre_hook(original: Callable, policy: MixedPrecisionPolicy) -> Callable:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if torch.is_grad_enabled():
+            return original(module, args, kwargs)
+        if policy.cast_forward_inputs and policy.param_dtype is not None:
+            return _cast_floats(args, policy.param_dtype), _cast_floats(kwargs, policy.param_dtype)
+        return None
+
+    return hook
+
+
+def _idle_post_hook(original: Callable, policy: MixedPrecisionPolicy) -> Callable:
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if torch.is_grad_enabled():
+            return original(module, args, output)
+        return _cast_floats(output, policy.output_dtype) if policy.output_dtype is not None else None
+
+    return hook
+
+
+def _unsynced_generate(model: nn.Module) -> Callable[[], None]:
+    """Make `model.generate` (if it has one) default to `synced_gpus=False`; returns what undoes it."""
+    generate = getattr(model, "generate", None)
+    if not callable(generate):
+        return lambda: None
+    had_own = "generate" in model.__dict__  # e.g. torch's register_fsdp_forward_method(model, "generate")
+
+    @functools.wraps(generate)
+    def unsynced(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("synced_gpus", False)
+        return generate(*args, **kwargs)
+
+    vars(model)["generate"] = unsynced  # an instance attribute: the class is untouched
+
+    def restore() -> None:
+        if had_own:
+            vars(model)["generate"] = generate
+        else:
+            del vars(model)["generate"]
+
+    return restore
 
 
 def _local_ranks() -> int:

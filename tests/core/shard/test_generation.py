@@ -65,6 +65,25 @@ def _generation_world():
     out["train_after_same_loss"] = losses[0][0] == losses[1][0]
     out["train_after_collectives"] = (losses[0][1], losses[1][1])
 
+    # Inside, FSDP's forward hooks are swapped (forwards without gradients skip them) and put back after;
+    # a forward with gradients still runs them: its gradients are reduced as outside the context.
+    def hooks(m):
+        return [*m._forward_pre_hooks.values(), *m._forward_hooks.values()]
+
+    before = hooks(model)
+    for m in (model, fresh):
+        m.zero_grad(set_to_none=True)
+    with f2.gathered(model):
+        inside = hooks(model)
+        loss_fn(model, idx[mine], target[mine]).backward()
+    loss_fn(fresh, idx[mine], target[mine]).backward()
+    out["hooks_swapped_inside"] = len(inside) == len(before) and any(a is not b for a, b in zip(inside, before))
+    out["hooks_restored"] = all(a is b for a, b in zip(hooks(model), before)) and len(hooks(model)) == len(before)
+    out["grad_inside_diff"] = max(
+        rel_diff(p.grad.full_tensor(), q.grad.full_tensor()) for p, q in zip(model.parameters(), fresh.parameters())
+    )
+    model.zero_grad(set_to_none=True)
+
     # An exception inside the context: every group resharded, the next forward as usual.
     try:
         with f2.gathered(model):
@@ -103,13 +122,13 @@ def _generation_world():
     sharded = f2.shard_model(copy.deepcopy(llama), log_plan=False)
     with count_collectives() as hf_outside:
         out["hf_outside"] = sharded.generate(ids, max_new_tokens=NEW, do_sample=False).tolist()
-    with f2.gathered(sharded), count_collectives() as hf_inside:
+    with f2.gathered(sharded), count_collectives() as hf_inside:  # generate's own defaults
         out["hf_inside"] = sharded.generate(ids, max_new_tokens=NEW, do_sample=False).tolist()
-    with f2.gathered(sharded), count_collectives() as hf_unsynced:
-        out["hf_unsynced"] = sharded.generate(ids, max_new_tokens=NEW, do_sample=False, synced_gpus=False).tolist()
-    out["hf_gathers_outside"], out["hf_gathers_inside"] = _gathers(hf_outside), _gathers(hf_inside)
-    out["hf_synced_all_reduces"] = hf_inside["all_reduce"]
-    out["hf_unsynced_collectives"] = sum(hf_unsynced.values())
+    with f2.gathered(sharded), count_collectives() as hf_synced:
+        out["hf_synced"] = sharded.generate(ids, max_new_tokens=NEW, do_sample=False, synced_gpus=True).tolist()
+    out["hf_generate_restored"] = "generate" not in vars(sharded)
+    out["hf_gathers_outside"], out["hf_inside_collectives"] = _gathers(hf_outside), sum(hf_inside.values())
+    out["hf_synced_all_reduces"] = hf_synced["all_reduce"]
     out["hf_groups"] = len(f2.sharding_plan(sharded).groups)
     return out
 
@@ -122,7 +141,7 @@ def generation():
 def test_tokens_equal_one_process_inside_and_outside(generation):
     r = generation
     assert r["inside"] == r["outside"] == r["reference"]
-    assert r["hf_inside"] == r["hf_outside"] == r["hf_unsynced"] == r["hf_reference"]
+    assert r["hf_inside"] == r["hf_outside"] == r["hf_synced"] == r["hf_reference"]
 
 
 def test_no_collective_per_token_inside_the_context(generation):
@@ -133,10 +152,17 @@ def test_no_collective_per_token_inside_the_context(generation):
     # the root and the last block gathered, so 2.
     assert r["gathers_outside"] == 2 * NEW + 2 and r["gathers_inside"] == 0, r
     assert r["gathers_entering"] == 2, r
-    assert r["hf_gathers_outside"] >= NEW and r["hf_gathers_inside"] == 0, r
-    # generate's synced_gpus (True by default on a sharded model): one all-reduce per step to stop
-    # together; inside the context ranks need not stay in step, and with False no collective is left.
-    assert r["hf_synced_all_reduces"] >= NEW and r["hf_unsynced_collectives"] == 0, r
+    assert r["hf_gathers_outside"] >= NEW, r
+    # Inside, generate defaults to synced_gpus=False: no collective at all (ranks need not stay in
+    # step); a caller's explicit synced_gpus=True is kept (one all-reduce per step to stop together).
+    assert r["hf_inside_collectives"] == 0 and r["hf_synced_all_reduces"] >= NEW, r
+    assert r["hf_generate_restored"]
+
+
+def test_forwards_without_gradients_skip_fsdps_hooks_inside_and_with_gradients_run_them(generation):
+    r = generation
+    assert r["hooks_swapped_inside"] and r["hooks_restored"], r
+    assert r["grad_inside_diff"] < 1e-6, r["grad_inside_diff"]
 
 
 def test_model_is_sharded_and_trains_as_before_after_the_context(generation):
