@@ -10,12 +10,15 @@ Parts (`--parts`, in the order given; the default is the order below):
   tables);
 - `throughput`: `gpu_throughput.py`'s eight paths on the 1 B Llama-shaped model, interleaved rounds:
   tokens/s, MFU, peak memory, ratio to the hand-written `fully_shard` loop;
-- `levers`: the engine's default levers each alone, two interleaved rounds: the hand-written loop,
-  the core (chunked loss by default) and the core with the model's own loss (`chunked_loss=False`);
+- `levers`: the speed levers each alone, two interleaved rounds: the hand-written loop, the core
+  (chunked loss by default), the core with the model's own loss (`chunked_loss=False`) and the core
+  with AdamW's fused kernel;
 - `compile`: the hand-written loop and the core with per-block `torch.compile`, two interleaved
   rounds (one round per machine could not tell the pair apart);
 - `float8`: the same with torchao's float8 linears too, one round, where torchao is installed and the
   GPU has float8 tensor cores;
+- `float8_sweep`: the hand-written loop compiled, bf16 against torchao's float8, on 2 Llama layers
+  of hidden 1024 to 8192 (`gpu_throughput.FLOAT8_SWEEP`), one round each: where float8 starts to pay;
 - `checkpoint`: `checkpoint_save.py` on a 169 M Llama (2 GB of weights and AdamW state): the stall
   of sync, async and overlap saves and the overhead of a save every 10 steps;
 - `generation`: `generation.py` on a 1.2 B Llama in bf16, 128 greedy tokens: the sharded model, the
@@ -65,6 +68,7 @@ PARTS = (
     "levers",
     "compile",
     "float8",
+    "float8_sweep",
     "checkpoint",
     "generation",
     "planner",
@@ -178,6 +182,26 @@ def part_float8(ctx: dict) -> dict:
     return _throughput(ctx, gpu_throughput.FLOAT8, rounds=1)
 
 
+def part_float8_sweep(ctx: dict) -> dict:
+    import torch
+
+    if not _has("torchao"):
+        return {"not_run": "torchao is not installed (carry its wheel)"}
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        return {"not_run": "float8 matrix products need an NVIDIA GPU of compute capability 8.9 or newer"}
+    deadline = time.monotonic() + ctx["limit"]
+    rows = []
+    for hidden in gpu_throughput.FLOAT8_SWEEP:
+        result = gpu_throughput.run(
+            ("hand+compile", "hand+compile+float8"), f"h{hidden}", 1, 6, 3, deadline, timeout=min(120, ctx["limit"])
+        )
+        by_path = {row["path"]: row for row in result["rows"]}
+        bf16, float8 = by_path["hand+compile"], by_path["hand+compile+float8"]
+        ratio = float8["tokens_per_s"] / bf16["tokens_per_s"] if "error" not in bf16 and "error" not in float8 else None
+        rows.append({"hidden": hidden, "bf16": bf16, "float8": float8, "float8_over_bf16": ratio})
+    return {"rows": rows}
+
+
 def _has(module: str) -> bool:
     import importlib.util
 
@@ -283,6 +307,7 @@ RUNNERS = {
     "levers": part_levers,
     "compile": part_compile,
     "float8": part_float8,
+    "float8_sweep": part_float8_sweep,
     "checkpoint": part_checkpoint,
     "generation": part_generation,
     "planner": part_planner,
@@ -296,6 +321,7 @@ LIMITS = {
     "levers": 150,
     "compile": 300,
     "float8": 200,
+    "float8_sweep": 300,
     "checkpoint": 200,
     "generation": 150,
     "planner": 150,
@@ -310,6 +336,7 @@ MIN_START = {
     "levers": 60,
     "compile": 60,
     "float8": 60,
+    "float8_sweep": 60,
     "checkpoint": 30,
     "generation": 30,
     "planner": 30,
@@ -345,6 +372,14 @@ def _part_text(name: str, result) -> str:
         peak = result["peak"]
         head = f"model {result['size']} {result['shape']}; peak {peak['flops'] / 1e12:.0f} TFLOP/s ({peak['source']})"
         return head + "\n" + gpu_throughput.table(result)
+    if name == "float8_sweep":
+        if "not_run" in result:
+            return "not run: " + result["not_run"]
+        return "\n".join(
+            f"hidden {r['hidden']}: float8/bf16 tokens/s "
+            + (f"{r['float8_over_bf16']:.3f}" if r["float8_over_bf16"] else "-")
+            for r in result["rows"]
+        )
     if name in ("checkpoint", "generation", "deepspeed"):
         return result.get("not_run") or result["table"]
     if name == "planner":

@@ -20,7 +20,8 @@ optimizer step per batch, through:
 - `hand+compile`, `core+compile`: per-block `torch.compile` (`compile=True` for the core);
   `...+float8`: torchao's float8 linears first (`FLOAT8`);
 - `core+own_loss`: the core with `chunked_loss=False` (the model's own loss on the full logits), to
-  measure the chunked loss alone against `core` (`LEVERS`).
+  measure the chunked loss alone against `core`; `core+fused_adamw`: the core with AdamW's fused
+  kernel (`LEVERS`, each compared with `hand`).
 
 Each (path, round) is one fresh process (each framework starts its own world); rounds alternate
 the order (A..Z, Z..A). Per path: median seconds per step after `--warmup` steps, tokens/s, MFU
@@ -49,6 +50,11 @@ SIZES = {
     # 1.06 B parameters (18 layers of 51 M, untied 32000-token embeddings), 8192 tokens a step.
     "1b": {"hidden": 2048, "ffn": 5632, "layers": 18, "heads": 16, "vocab": 32000, "seq": 2048, "batch": 4},
 }
+FLOAT8_SWEEP = (1024, 2048, 4096, 8192)
+"""Hidden sizes of the float8 sweep (`device_suite.py`'s `float8_sweep` part): where float8 starts to pay."""
+for _hidden in FLOAT8_SWEEP:  # 2 Llama layers of each width (FFN 8/3 x hidden), 8192 tokens a step
+    SIZES[f"h{_hidden}"] = {"hidden": _hidden, "ffn": 256 * round(8 * _hidden / 3 / 256), "layers": 2,
+                            "heads": _hidden // 128, "vocab": 32000, "seq": 2048, "batch": 4}  # fmt: skip
 PATHS = (
     "hand",
     "core",
@@ -64,9 +70,10 @@ FLOAT8 = ("hand+compile+float8", "core+compile+float8")
 """torchao's float8 training (`convert_to_float8_training`, float8 all-gather with the scales
 precomputed after each optimizer step; the output layer kept in bf16, as torchtitan does), compiled:
 needs torchao and float8 tensor cores."""
-LEVERS = ("hand", "core", "core+own_loss")
-"""The engine's default speed levers, each alone: `core` (defaults: the chunked loss) against the
-same with the model's own loss, and the hand-written loop."""
+LEVERS = ("hand", "core", "core+own_loss", "core+fused_adamw")
+"""The speed levers, each alone against the hand-written loop: `core` (defaults: the chunked loss),
+the same with the model's own loss, and with torch's fused AdamW kernel (`fused=True`)."""
+LEVER_EXTRAS = ("own_loss", "fused_adamw")
 ACCELERATE_PATHS = ("fsdp2_accelerator", "stock_accelerator", "hf_trainer_fsdp2", "hf_trainer_stock")
 
 
@@ -137,7 +144,7 @@ def _device():
 def _plain_loop(model, data, clock: Clock, extras: frozenset = frozenset()) -> None:
     import torch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if "fused_adamw" in extras else None)
     after_step = _float8_scales if "float8" in extras else None
     for ids in data:
         ids = ids.to(clock.device)
@@ -428,7 +435,9 @@ def run(paths, size_name: str, rounds: int, steps: int, warmup: int, deadline: f
 
 
 def _extras(path: str) -> str:
-    return path.partition("+")[2]
+    """The extras that change the model (compile, float8): a path is compared with the hand-written
+    loop that has them too; the levers (`LEVER_EXTRAS`) are what is measured against it."""
+    return "+".join(e for e in path.split("+")[1:] if e not in LEVER_EXTRAS)
 
 
 def _short(r: dict) -> str:

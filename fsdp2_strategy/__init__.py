@@ -40,6 +40,7 @@ from .shard import ShardingPlan, gathered, replicate, sharding_plan, to_4bit
 from .train import (
     AccumulationMode,
     EngineState,
+    LogitsNotBuiltError,
     PeakFlops,
     StepMetrics,
     ThroughputMeter,
@@ -69,6 +70,7 @@ __all__ = [
     "UntrustedCheckpointError",
     "DeepSpeedTranslation",
     "EngineState",
+    "LogitsNotBuiltError",
     "PREEMPTION_EXIT_CODE",
     "PeakFlops",
     "PreemptionWatch",

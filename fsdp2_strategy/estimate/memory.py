@@ -25,7 +25,7 @@ from torch import nn
 from ..activation_checkpoint import apply_activation_checkpointing
 from ..config import FSDP2Config
 from ..groups import ignored_names, resolve_groups
-from ..train import AccumulationMode, accumulation_mode
+from ..train import AccumulationMode, accumulation_mode, install_chunked_loss
 from .reference import reference_sizes
 from .sim_device import resolve_device_type
 from .sim_model import meta_copy
@@ -248,6 +248,8 @@ def estimate_memory(
         lambda s: _shard_and_replicate(s, config, world_size, nodes),
         config.quantised_weights,
     )
+    # The loss the sharded model will compute: chunked where shard_model installs the chunked loss.
+    install_chunked_loss(sim_model, config.chunked_loss, config.tensor_parallel_size > 1)
     groups = [m for spec in specs[1:] for m in spec.modules]
     apply_activation_checkpointing(sim_model, config.activation_checkpointing, groups)
     opt_bytes, step_temp = measure_optimizer(optimizer, sizes, "cpu" if config.cpu_offload else device_type)

@@ -22,8 +22,7 @@ from ..groups import own_named_params, top_level
 from ..mesh import mesh_device
 from ..precision import first_emulation_warning
 from ..tensor_parallel import apply_tensor_parallel, user_parallelised_modules
-from ..train import ReplicatedParams, engine_state, mark_replaced_params, record_mode
-from .causal_lm import install_chunked_loss
+from ..train import ReplicatedParams, engine_state, install_chunked_loss, mark_replaced_params, record_mode
 from .custom_methods import guard_custom_methods
 from .frozen import cast_frozen
 from .host_memory import apply_host_allocator

@@ -85,8 +85,11 @@ def chunked_causal_lm_loss(
             "(vocabulary, hidden) and labels (..., sequence)."
         )
     mask = targets != ignore_index
-    hidden = hidden_states[mask]  # only the labelled positions are projected
-    chosen = targets[mask]
+    if hidden_states.device.type == "meta":
+        # The memory planner's copy: selecting by a mask needs values. Every position counts (the most).
+        hidden, chosen = hidden_states.reshape(-1, hidden_states.shape[-1]), targets.reshape(-1).clamp(min=0)
+    else:
+        hidden, chosen = hidden_states[mask], targets[mask]  # only the labelled positions are projected
     if num_items_in_batch is None:
         denominator = mask.sum().clamp(min=1).to(torch.float32)
     else:

@@ -28,6 +28,7 @@ def test_every_part_ran_and_left_its_files(dry_run):
         "levers",
         "compile",
         "float8",
+        "float8_sweep",
         "checkpoint",
         "generation",
         "planner",
@@ -82,12 +83,14 @@ def test_every_training_path_trains_the_same_model(dry_run):
 
 def test_levers_part_measures_the_chunked_loss_alone(dry_run):
     rows = {row["path"]: row for row in dry_run[0]["parts"]["levers"]["result"]["rows"]}
-    assert set(rows) == {"hand", "core", "core+own_loss"}
+    assert set(rows) == {"hand", "core", "core+own_loss", "core+fused_adamw"}
     assert all("error" not in row for row in rows.values()), rows
     # The same model, seed and batch: the chunked loss (core) starts where the model's own loss does.
     assert rows["core"]["first_loss"] == pytest.approx(rows["core+own_loss"]["first_loss"], rel=1e-3)
     assert rows["core+own_loss"]["first_loss"] == pytest.approx(rows["hand"]["first_loss"], rel=1e-3)
-    assert rows["hand"]["vs_hand"] == 1.0 and rows["core+own_loss"]["tokens_per_s"] > 0
+    # Each lever against the plain hand-written loop (not a "hand+own_loss" that does not exist).
+    for path in ("core", "core+own_loss", "core+fused_adamw"):
+        assert rows[path]["vs_hand"] == rows[path]["tokens_per_s"] / rows["hand"]["tokens_per_s"], path
 
 
 def test_compiled_paths_and_float8_status(dry_run):
@@ -101,8 +104,9 @@ def test_compiled_paths_and_float8_status(dry_run):
     )
     # float8 is a part of its own (one round, so the compiled pair keeps its rounds): not run without
     # torchao or a GPU with float8 tensor cores, and saying which.
-    float8 = dry_run[0]["parts"]["float8"]["result"]
-    assert float8["not_run"].startswith(("torchao is not installed", "float8 matrix products need")), float8
+    for part in ("float8", "float8_sweep"):
+        float8 = dry_run[0]["parts"][part]["result"]
+        assert float8["not_run"].startswith(("torchao is not installed", "float8 matrix products need")), float8
     assert "not run: " + float8["not_run"] in (dry_run[1] / "device_suite.txt").read_text()
 
 

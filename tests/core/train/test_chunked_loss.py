@@ -125,6 +125,16 @@ def test_the_loss_step_peak_is_a_fraction_of_the_plain_one(vocab):
     assert chunked < 0.25 * plain, (chunked, plain)
 
 
+def test_the_memory_planner_counts_the_loss_the_step_will_run():
+    model = tiny_llama(32000)
+    ids = torch.randint(0, 32000, (2, 256), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    chunked = f2.estimate_memory(model, world_size=2, example_batch=batch).peak_bytes
+    plain = f2.estimate_memory(model, {"chunked_loss": False}, world_size=2, example_batch=batch).peak_bytes
+    logits = 512 * 32000 * 4  # fp32: the plain step holds them and their log-softmax at once, at least
+    assert plain - chunked > 1.5 * logits, (plain, chunked, logits)
+
+
 # --------------------------------------------------------------------------- installed by shard_model
 VOCAB = 256
 
@@ -160,6 +170,17 @@ def _compare(sharded, reference, rank: int, world: int) -> float:
     return max(rel_diff(mine[n], ref[n]) for n in ref)
 
 
+class Holder(torch.nn.Module):
+    """A module holding a causal LM, as a LightningModule does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm = tiny_llama(VOCAB)
+
+    def forward(self, **kwargs):
+        return self.lm(**kwargs)
+
+
 def _installed_world():
     import torch.distributed as dist
 
@@ -174,6 +195,11 @@ def _installed_world():
         model = f2.shard_model(copy.deepcopy(reference), log_plan=False, **shard)
         out[f"{name}: plan"] = f2.sharding_plan(model).loss
         out[f"{name}: grad diff"] = _compare(model, reference, rank, world)
+
+    reference = Holder()
+    model = f2.shard_model(copy.deepcopy(reference), log_plan=False)
+    out["held by another module: plan"] = f2.sharding_plan(model).loss
+    out["held by another module: grad diff"] = _compare(model, reference, rank, world)
 
     from peft import LoraConfig, get_peft_model
 
@@ -220,7 +246,7 @@ def installed():
 
 
 def test_sharded_llama_step_equals_one_process(installed):
-    for name in ("untied", "tied", "lm_head own group", "lora"):
+    for name in ("untied", "tied", "lm_head own group", "held by another module", "lora"):
         assert installed[f"{name}: plan"].startswith("chunked cross-entropy"), installed[f"{name}: plan"]
         assert installed[f"{name}: grad diff"] < 1e-5, (name, installed[f"{name}: grad diff"])
 
@@ -243,7 +269,7 @@ def test_models_it_does_not_fit_keep_their_loss_or_are_refused_by_name(installed
         "the model's own: LlamaForCausalLM changes its logits after the output layer (final_logit_softcapping)"
     )
     assert installed["TinyGPT: chunked_loss=True"].startswith(
-        "FSDP2Config.chunked_loss=True: TinyGPT is not a Hugging Face causal LM"
+        "FSDP2Config.chunked_loss=True: TinyGPT holds no Hugging Face causal LM (a *ForCausalLM class)"
     )
     assert "final_logit_softcapping" in installed["softcapped: chunked_loss=True"]
 

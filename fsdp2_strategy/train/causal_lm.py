@@ -4,14 +4,16 @@ A causal LM given `labels` builds the logits of every position (tokens x vocabul
 backward) and takes their cross-entropy. With the chunked loss installed, a training forward
 (`model.train()`, gradients enabled, `labels=` passed) hands the output layer a zero-length slice
 of the hidden states instead and computes the loss from the whole hidden states with
-`train.chunked_causal_lm_loss`, inside the output layer's call, so FSDP has its weight gathered
+`chunked_causal_lm_loss`, inside the output layer's call, so FSDP has its weight gathered
 (and reduces its gradient) as for any forward. Everything else about the forward is the model's
 own: masks, positions, caches, extra inputs. The output's `loss` is the chunked loss, and its
 `logits` a `LogitsNotBuilt` that raises an error naming the switch when used. Evaluation, forwards
 without labels and generation run the model's forward unchanged.
 
 The model's class and instance stay untouched but for two hooks on the output layer and an instance
-`forward` (as torch's `register_fsdp_forward_method` sets one).
+`forward` (as torch's `register_fsdp_forward_method` sets one). `shard_model` installs it on the
+model it shards, and the memory planner on its meta-device copy, so that the estimate counts the
+loss the step will run.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
-from ..train import IGNORE_INDEX, chunked_causal_lm_loss
+from .chunked_loss import IGNORE_INDEX, chunked_causal_lm_loss
 
 SCALED_LOGITS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 """Config attributes of models whose logits are changed after the output layer (softcapping,
@@ -40,8 +42,10 @@ _NOT_BUILT = (
 
 
 class LogitsNotBuiltError(AttributeError):
-    """Raised when the logits a chunked training loss did not build are used (an AttributeError, so
-    `hasattr(outputs.logits, ...)` probes say False instead of failing)."""
+    """Raised when a training step uses `outputs.logits` of a causal LM whose loss was computed in
+    chunks (`FSDP2Config.chunked_loss`), which never built them. The message names the fix:
+    `chunked_loss=False`, or a forward without `labels=`. An `AttributeError`, so that code probing
+    the outputs (`hasattr(outputs.logits, "dtype")`) reads "no" instead of failing."""
 
 
 class LogitsNotBuilt:
@@ -137,14 +141,24 @@ def _with_loss(outputs: Any, loss: Tensor) -> Any:
     return type(outputs)(**fields)  # rebuilt, so `loss` comes first as in the model's own output
 
 
-def chunked_loss_target(model: nn.Module) -> tuple[nn.Module, nn.Linear] | str:
-    """The causal LM inside `model` (itself, or a PEFT model's base) and its output layer; or why
-    the chunked loss does not apply to it (a sentence naming what is in the way)."""
-    get_base = getattr(model, "get_base_model", None)
-    target = get_base() if callable(get_base) else model
+def causal_lms(model: nn.Module) -> list[nn.Module]:
+    """The outermost Hugging Face causal LMs (`*ForCausalLM` classes) in `model`, itself included: a
+    PEFT model's base, the model a LightningModule holds."""
+    found: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if any(outer == "" or name.startswith(f"{outer}.") for outer in found):
+            continue  # inside a causal LM found already
+        if _class_name(module).endswith("ForCausalLM") and any(
+            c.__name__ == "PreTrainedModel" for c in type(module).__mro__
+        ):
+            found[name] = module
+    return list(found.values())
+
+
+def chunked_loss_head(target: nn.Module) -> nn.Linear | str:
+    """The output layer of the causal LM `target` if the chunked loss gives its own numbers; else why
+    not (a sentence naming what is in the way)."""
     name = _class_name(target)
-    if not name.endswith("ForCausalLM") or not any(c.__name__ == "PreTrainedModel" for c in type(target).__mro__):
-        return f"{name} is not a Hugging Face causal LM (a *ForCausalLM class)"
     if getattr(target, "loss_type", None) not in (None, "ForCausalLM") or _custom_loss_function(target):
         return f"{name} computes its own loss (loss_type={getattr(target, 'loss_type', None)!r})"
     config: Any = getattr(target, "config", None)
@@ -157,7 +171,7 @@ def chunked_loss_target(model: nn.Module) -> tuple[nn.Module, nn.Linear] | str:
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
         kind = type(head).__name__ if head is not None else "none"
         return f"{name}'s output layer is not a plain nn.Linear ({kind}: e.g. adapted by PEFT or quantised)"
-    return target, head
+    return head
 
 
 def _class_name(module: nn.Module) -> str:
@@ -182,13 +196,17 @@ def install_chunked_loss(model: nn.Module, setting: bool | str, tensor_parallel:
     """
     if setting is False:
         return "the model's own (chunked_loss=False)"
-    found = chunked_loss_target(model)
-    if isinstance(found, tuple) and tensor_parallel:
-        found = "its output layer may be split by tensor parallelism"
-    if isinstance(found, str):
+    targets = causal_lms(model)
+    heads = [chunked_loss_head(target) for target in targets]
+    reasons = [head for head in heads if isinstance(head, str)]
+    if not targets:
+        reasons = [f"{_class_name(model)} holds no Hugging Face causal LM (a *ForCausalLM class)"]
+    elif tensor_parallel:
+        reasons = ["its output layer may be split by tensor parallelism"]
+    if reasons:
         if setting is True:
-            raise ValueError(f"FSDP2Config.chunked_loss=True: {found}; use chunked_loss='auto' or False.")
-        return f"the model's own: {found}"
-    target, head = found
-    ChunkedLoss(target, head)
+            raise ValueError(f"FSDP2Config.chunked_loss=True: {reasons[0]}; use chunked_loss='auto' or False.")
+        return f"the model's own: {reasons[0]}"
+    for target, head in zip(targets, heads):
+        ChunkedLoss(target, cast(nn.Linear, head))
     return "chunked cross-entropy in training (the full logits are not built; FSDP2Config.chunked_loss)"
