@@ -23,7 +23,7 @@ from .checkpoint import (
 from .choose import compare_strategies, shard_model, shard_reference
 from .config import FSDP2Config, ModuleOverride
 from .distributed import init_distributed, shutdown
-from .estimate import MemoryEstimate, StrategyComparison, estimate_memory
+from .estimate import MemoryEstimate, MicroBatchFit, StrategyComparison, estimate_memory, largest_micro_batch
 from .fsdp1 import fully_shard
 from .migrate import (
     ConvertedCheckpoint,
@@ -78,6 +78,8 @@ __all__ = [
     "ConvertedFSDP1Checkpoint",
     "FSDP2Config",
     "MemoryEstimate",
+    "MicroBatchFit",
+    "largest_micro_batch",
     "ModuleOverride",
     "ShardingPlan",
     "StepMetrics",

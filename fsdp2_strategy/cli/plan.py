@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..choose import compare_strategies
+from ..estimate import largest_micro_batch
 
 
 def add_parser(sub: Any) -> None:
@@ -39,6 +40,12 @@ def add_parser(sub: Any) -> None:
     )
     plan.add_argument("--optimizer", default="adamw", help="adamw, adam, sgd, sgd_plain, adagrad, rmsprop or none")
     plan.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps")
+    plan.add_argument(
+        "--largest-batch",
+        action="store_true",
+        help="also the most rows per rank per micro-batch that fit --device-memory with the recommended strategy "
+        "(needs --batch-size for the batch's shape)",
+    )
     plan.add_argument(
         "--device-type",
         default=None,
@@ -96,4 +103,25 @@ def run(args: argparse.Namespace) -> int:
         + ("" if batch is not None else "; no --batch-size: activations not counted")
     )
     print(comparison)
+    if args.largest_batch:
+        _print_largest_batch(args, model, batch, config, comparison)
     return 0 if comparison.budget is None or comparison.recommended is not None else 1
+
+
+def _print_largest_batch(args: argparse.Namespace, model: nn.Module, batch: Any, config: dict, comparison: Any) -> None:
+    """The largest micro-batch for the recommended strategy (the budget's, or this machine's memory)."""
+    if batch is None:
+        raise ValueError(
+            "plan --largest-batch needs an example batch to grow: --batch-size (and --seq-len) for a Hugging Face "
+            "folder, or a factory returning (model, batch)."
+        )
+    row = comparison.recommended
+    setting: dict[str, Any] = {"sharding_strategy": "FULL_SHARD"}
+    if row is not None:
+        ac = "auto" if row.activation_checkpointing else None
+        setting = {"sharding_strategy": row.strategy, "cpu_offload": row.cpu_offload, "activation_checkpointing": ac}
+    fit = largest_micro_batch(
+        model, {**config, **setting}, world_size=args.world_size, example_batch=batch, nodes=args.nodes,
+        optimizer=args.optimizer, memory_budget=args.device_memory, device_type=args.device_type,
+    )  # fmt: skip
+    print(f"{row.label if row is not None else 'FULL_SHARD'}: {fit}")

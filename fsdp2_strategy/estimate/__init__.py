@@ -15,6 +15,7 @@ from .compare import (
     resolve_auto,
 )
 from .memory import MemoryEstimate, estimate_memory, human_bytes
+from .micro_batch import MicroBatchFit, largest_micro_batch
 from .sim_model import default_loss
 from .sim_optimizer import optimizer_factory
 from .step_time import (
@@ -45,6 +46,8 @@ __all__ = [
     "offload_moves_state",
     "optimizer_factory",
     "MemoryEstimate",
+    "MicroBatchFit",
+    "largest_micro_batch",
     "StrategyComparison",
     "compare_strategies",
     "estimate_memory",

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
-from torch.utils._pytree import tree_map_only
 
 from .. import _torch_compat as tc
 from ..config_checks import parse_bytes
@@ -163,7 +162,7 @@ class IdleForwardHooks:
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
-    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
+    return tc.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def _idle_pre_hook(original: Callable, policy: MixedPrecisionPolicy) -> Callable:
