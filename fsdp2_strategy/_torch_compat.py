@@ -417,7 +417,8 @@ def forward_hook_slots(module: nn.Module | FSDPModule) -> list[tuple[dict, int, 
     slots: dict[tuple[int, int], tuple[dict, int, bool]] = {}
     for handle in (state._pre_forward_hook_handle, state._post_forward_hook_handle):
         for one in getattr(handle, "handles", (handle,)):  # a group of modules: one handle of several
-            hooks = one.hooks_dict_ref()
+            ref = getattr(one, "hooks_dict_ref", None)  # absent: not a hook we know, left alone
+            hooks = ref() if ref is not None else None
             if hooks is not None and one.id in hooks:
                 slots[(id(hooks), one.id)] = (hooks, one.id, id(hooks) in pre_dicts)
     return list(slots.values())

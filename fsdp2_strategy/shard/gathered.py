@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -186,9 +187,10 @@ def _idle_post_hook(original: Callable, policy: MixedPrecisionPolicy) -> Callabl
 
 
 def _unsynced_generate(model: nn.Module) -> Callable[[], None]:
-    """Make `model.generate` (if it has one) default to `synced_gpus=False`; returns what undoes it."""
+    """Make `model.generate` (if it has one that takes `synced_gpus`, as Hugging Face's does) default to
+    `synced_gpus=False`; returns what undoes it."""
     generate = getattr(model, "generate", None)
-    if not callable(generate):
+    if not callable(generate) or not _takes_synced_gpus(model, generate):
         return lambda: None
     had_own = "generate" in model.__dict__  # e.g. torch's register_fsdp_forward_method(model, "generate")
 
@@ -206,6 +208,21 @@ def _unsynced_generate(model: nn.Module) -> Callable[[], None]:
             del vars(model)["generate"]
 
     return restore
+
+
+def _takes_synced_gpus(model: nn.Module, generate: Callable) -> bool:
+    """Whether `generate` takes `synced_gpus`: by name, or through `**kwargs` handed on to a Hugging
+    Face `generate` (a PEFT model's)."""
+    try:
+        parameters = inspect.signature(generate).parameters
+    except (TypeError, ValueError):  # no signature to read: leave it alone
+        return False
+    if "synced_gpus" in parameters:
+        return True
+    passes_on = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    return passes_on and any(
+        any(c.__name__ == "GenerationMixin" for c in type(m).__mro__) for m in model.modules() if m is not model
+    )
 
 
 def _local_ranks() -> int:

@@ -129,6 +129,15 @@ def _generation_world():
     out["hf_generate_restored"] = "generate" not in vars(sharded)
     out["hf_gathers_outside"], out["hf_inside_collectives"] = _gathers(hf_outside), sum(hf_inside.values())
     out["hf_synced_all_reduces"] = hf_synced["all_reduce"]
+    # A PEFT model's generate takes **kwargs and hands them to the base model's: defaulted too.
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = f2.shard_model(
+        get_peft_model(copy.deepcopy(llama), LoraConfig(r=2, target_modules=["q_proj"])), log_plan=False
+    )
+    with f2.gathered(peft_model), count_collectives() as peft_inside:
+        out["peft_tokens"] = peft_model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False).tolist()
+    out["peft_inside_collectives"] = sum(peft_inside.values())
     out["hf_groups"] = len(f2.sharding_plan(sharded).groups)
     return out
 
@@ -157,6 +166,24 @@ def test_no_collective_per_token_inside_the_context(generation):
     # step); a caller's explicit synced_gpus=True is kept (one all-reduce per step to stop together).
     assert r["hf_inside_collectives"] == 0 and r["hf_synced_all_reduces"] >= NEW, r
     assert r["hf_generate_restored"]
+    assert r["peft_tokens"] == r["hf_reference"] and r["peft_inside_collectives"] == 0, r
+
+
+def test_a_generate_without_synced_gpus_is_left_alone():
+    from torch import nn
+
+    from fsdp2_strategy.shard.gathered import _takes_synced_gpus
+
+    class Decoder(nn.Module):
+        def generate(self, ids, steps=8, **options):
+            return ids
+
+    class HF(nn.Module):
+        def generate(self, ids, synced_gpus=None):
+            return ids
+
+    assert not _takes_synced_gpus(Decoder(), Decoder().generate)  # **options, but no HF generate inside
+    assert _takes_synced_gpus(HF(), HF().generate)
 
 
 def test_forwards_without_gradients_skip_fsdps_hooks_inside_and_with_gradients_run_them(generation):
