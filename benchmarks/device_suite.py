@@ -11,8 +11,8 @@ Parts (`--parts`, in the order given; the default is the order below):
 - `throughput`: `gpu_throughput.py`'s eight paths on the 1 B Llama-shaped model, interleaved rounds:
   tokens/s, MFU, peak memory, ratio to the hand-written `fully_shard` loop;
 - `levers`: the speed levers each alone, two interleaved rounds: the hand-written loop, the core
-  (chunked loss by default), the core with the model's own loss (`chunked_loss=False`) and the core
-  with AdamW's fused kernel;
+  (chunked loss by default), the core with the model's own loss (`chunked_loss=False`), the core
+  with AdamW's fused kernel, and the core with the largest micro-batch the memory planner fits;
 - `compile`: the hand-written loop and the core with per-block `torch.compile`, two interleaved
   rounds (one round per machine could not tell the pair apart);
 - `float8`: the same with torchao's float8 linears too, one round, where torchao is installed and the

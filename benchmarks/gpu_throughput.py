@@ -21,7 +21,8 @@ optimizer step per batch, through:
   `...+float8`: torchao's float8 linears first (`FLOAT8`);
 - `core+own_loss`: the core with `chunked_loss=False` (the model's own loss on the full logits), to
   measure the chunked loss alone against `core`; `core+fused_adamw`: the core with AdamW's fused
-  kernel (`LEVERS`, each compared with `hand`).
+  kernel; `core+max_batch`: the core with the largest micro-batch `f2.largest_micro_batch` fits in
+  80 % of the device's memory (at most 4x the size's batch) (`LEVERS`, each compared with `hand`).
 
 Each (path, round) is one fresh process (each framework starts its own world); rounds alternate
 the order (A..Z, Z..A). Per path: median seconds per step after `--warmup` steps, tokens/s, MFU
@@ -70,10 +71,11 @@ FLOAT8 = ("hand+compile+float8", "core+compile+float8")
 """torchao's float8 training (`convert_to_float8_training`, float8 all-gather with the scales
 precomputed after each optimizer step; the output layer kept in bf16, as torchtitan does), compiled:
 needs torchao and float8 tensor cores."""
-LEVERS = ("hand", "core", "core+own_loss", "core+fused_adamw")
+LEVERS = ("hand", "core", "core+own_loss", "core+fused_adamw", "core+max_batch")
 """The speed levers, each alone against the hand-written loop: `core` (defaults: the chunked loss),
-the same with the model's own loss, and with torch's fused AdamW kernel (`fused=True`)."""
-LEVER_EXTRAS = ("own_loss", "fused_adamw")
+the same with the model's own loss, with torch's fused AdamW kernel (`fused=True`), and with the
+largest micro-batch the memory planner fits (`max_batch_rows`)."""
+LEVER_EXTRAS = ("own_loss", "fused_adamw", "max_batch")
 ACCELERATE_PATHS = ("fsdp2_accelerator", "stock_accelerator", "hf_trainer_fsdp2", "hf_trainer_stock")
 
 
@@ -104,6 +106,24 @@ def build_model(size: dict, device):
     torch.manual_seed(0)
     with torch.device(device):
         return LlamaForCausalLM(llama_config(size))
+
+
+def max_batch_rows(size: dict, device) -> int:
+    """The most rows per step the memory planner fits for the core's defaults: in 80 % of the
+    accelerator's memory (a margin for the allocator's fragmentation), at most 4x `size`'s batch."""
+    import torch
+
+    import fsdp2_strategy as f2
+
+    budget = None
+    if device.type == "cuda":
+        budget = int(0.8 * torch.cuda.get_device_properties(device).total_memory)
+    ids = torch.zeros(size["batch"], size["seq"], dtype=torch.long)
+    fit = f2.largest_micro_batch(
+        build_model(size, "meta"), {"mixed_precision": "bf16"}, world_size=1, example_batch={"input_ids": ids, "labels": ids},
+        memory_budget=budget, max_batch=4 * size["batch"], device_type=device.type,
+    )  # fmt: skip
+    return fit.batch_size
 
 
 def batches(size: dict, steps: int):
@@ -330,9 +350,12 @@ def worker(path: str, size_name: str, steps: int, warmup: int, work: Path) -> No
     import fsdp2_strategy as f2
 
     size = SIZES[size_name]
-    clock, data = Clock(_device()), batches(size, steps + warmup)
     base, *extra = path.split("+")
     extras = frozenset(extra)
+    clock = Clock(_device())
+    if "max_batch" in extras:
+        size = {**size, "batch": max_batch_rows(size, clock.device)}
+    data = batches(size, steps + warmup)
     runners = {
         "hand": lambda: run_hand(size, data, clock, extras),
         "core": lambda: run_core(size, data, clock, extras),
@@ -348,6 +371,7 @@ def worker(path: str, size_name: str, steps: int, warmup: int, work: Path) -> No
     sharded = sum(type(p).__name__ == "DTensor" for p in model.parameters())
     result.update(
         path=path,
+        batch=size["batch"],
         sharded_params=sharded,
         params=sum(p.numel() for p in model.parameters()),
         peak_memory_bytes=torch.cuda.max_memory_allocated() if clock.device.type == "cuda" else None,
@@ -387,10 +411,11 @@ def summarise(path: str, runs: list[dict], size: dict, peak_flops: float, flops_
         return {"path": path, "error": runs[-1]["error"] if runs else "not run"}
     times = [t for r in ok for t in r["times"]]
     step = statistics.median(times)
-    tokens_per_s = size["batch"] * size["seq"] / step
+    tokens_per_s = ok[0].get("batch", size["batch"]) * size["seq"] / step
     peaks = [r["peak_memory_bytes"] for r in ok if r["peak_memory_bytes"] is not None]
     return {
         "path": path,
+        "batch": ok[0].get("batch", size["batch"]),
         "step_s": step,
         "step_p25_p75": statistics.quantiles(times, n=4)[::2] if len(times) > 1 else [step, step],
         "tokens_per_s": tokens_per_s,
@@ -448,7 +473,9 @@ def _short(r: dict) -> str:
 
 def table(result: dict) -> str:
     """The rows as a fixed-width table."""
-    lines = [f"{'path':<26} {'s/step':>8} {'tokens/s':>10} {'MFU':>6} {'vs hand':>8} {'peak GiB':>9} {'loss0':>7}"]
+    lines = [
+        f"{'path':<26} {'rows':>4} {'s/step':>8} {'tokens/s':>10} {'MFU':>6} {'vs hand':>8} {'peak GiB':>9} {'loss0':>7}"
+    ]
     for row in result["rows"]:
         if "error" in row:
             lines.append(f"{row['path']:<26} ERROR {row['error'].strip().splitlines()[-1][:150]}")
@@ -456,7 +483,7 @@ def table(result: dict) -> str:
         peak = f"{row['peak_memory_bytes'] / 2**30:.2f}" if row["peak_memory_bytes"] else "-"
         loss = f"{row['first_loss']:.4f}" if row["first_loss"] == row["first_loss"] and row["first_loss"] else "-"
         lines.append(
-            f"{row['path']:<26} {row['step_s']:>8.4f} {row['tokens_per_s']:>10.0f} {row['mfu']:>6.1%} "
+            f"{row['path']:<26} {row['batch']:>4} {row['step_s']:>8.4f} {row['tokens_per_s']:>10.0f} {row['mfu']:>6.1%} "
             f"{row.get('vs_hand', float('nan')):>8.3f} {peak:>9} {loss:>7}"
         )
     return "\n".join(lines)
@@ -465,7 +492,9 @@ def table(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=[*PATHS, *COMPILED, *FLOAT8])
+    parser.add_argument(
+        "--paths", nargs="+", default=list(PATHS), choices=sorted({*PATHS, *LEVERS, *COMPILED, *FLOAT8})
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per process")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")

@@ -83,14 +83,17 @@ def test_every_training_path_trains_the_same_model(dry_run):
 
 def test_levers_part_measures_the_chunked_loss_alone(dry_run):
     rows = {row["path"]: row for row in dry_run[0]["parts"]["levers"]["result"]["rows"]}
-    assert set(rows) == {"hand", "core", "core+own_loss", "core+fused_adamw"}
+    assert set(rows) == {"hand", "core", "core+own_loss", "core+fused_adamw", "core+max_batch"}
     assert all("error" not in row for row in rows.values()), rows
     # The same model, seed and batch: the chunked loss (core) starts where the model's own loss does.
     assert rows["core"]["first_loss"] == pytest.approx(rows["core+own_loss"]["first_loss"], rel=1e-3)
     assert rows["core+own_loss"]["first_loss"] == pytest.approx(rows["hand"]["first_loss"], rel=1e-3)
     # Each lever against the plain hand-written loop (not a "hand+own_loss" that does not exist).
-    for path in ("core", "core+own_loss", "core+fused_adamw"):
+    for path in ("core", "core+own_loss", "core+fused_adamw", "core+max_batch"):
         assert rows[path]["vs_hand"] == rows[path]["tokens_per_s"] / rows["hand"]["tokens_per_s"], path
+    # The planner's largest batch: on this CPU the RAM holds the cap, 4x the tiny size's 2 rows.
+    assert rows["core+max_batch"]["batch"] == 8 and rows["core"]["batch"] == 2
+    assert rows["core+max_batch"]["tokens_per_s"] == 8 * 64 / rows["core+max_batch"]["step_s"]
 
 
 def test_compiled_paths_and_float8_status(dry_run):
