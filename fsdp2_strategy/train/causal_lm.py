@@ -19,6 +19,7 @@ loss the step will run.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -133,6 +134,10 @@ class ChunkedLoss:
         )
 
 
+_INSTALLED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""The causal LMs that have the chunked loss installed."""
+
+
 def _with_loss(outputs: Any, loss: Tensor) -> Any:
     """The model's outputs with `loss` set and the logits replaced by `LogitsNotBuilt`."""
     if isinstance(outputs, tuple):  # return_dict=False: (logits, ...) without a loss
@@ -208,5 +213,7 @@ def install_chunked_loss(model: nn.Module, setting: bool | str, tensor_parallel:
             raise ValueError(f"FSDP2Config.chunked_loss=True: {reasons[0]}; use chunked_loss='auto' or False.")
         return f"the model's own: {reasons[0]}"
     for target, head in zip(targets, heads):
-        ChunkedLoss(target, cast(nn.Linear, head))
+        if target not in _INSTALLED:  # once per model, however often it is sharded or planned
+            ChunkedLoss(target, cast(nn.Linear, head))
+            _INSTALLED.add(target)
     return "chunked cross-entropy in training (the full logits are not built; FSDP2Config.chunked_loss)"

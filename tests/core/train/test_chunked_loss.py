@@ -274,6 +274,19 @@ def test_models_it_does_not_fit_keep_their_loss_or_are_refused_by_name(installed
     assert "final_logit_softcapping" in installed["softcapped: chunked_loss=True"]
 
 
+def test_installing_twice_installs_once_and_an_unsharded_model_trains_the_same():
+    from fsdp2_strategy.train import install_chunked_loss
+
+    model, plain = tiny_llama(VOCAB), tiny_llama(VOCAB)
+    for _ in range(2):
+        assert install_chunked_loss(model, "auto", tensor_parallel=False).startswith("chunked cross-entropy")
+    assert len(model.lm_head._forward_pre_hooks) == 1 and len(model.lm_head._forward_hooks) == 1
+    ids, labels = _batch(None)
+    mine, ref = _step_grads(model, ids, labels), _step_grads(plain, ids, labels)
+    assert mine[0].loss.item() == pytest.approx(ref[0].loss.item(), rel=1e-6)
+    assert max(rel_diff(mine[1][n], ref[1][n]) for n in ref[1]) < 1e-5
+
+
 def test_config_refuses_other_values():
     with pytest.raises(ValueError, match=r"FSDP2Config.chunked_loss=1 is invalid; use 'auto', True or False"):
         f2.FSDP2Config(chunked_loss=1)
