@@ -299,3 +299,7 @@ def test_sigterm_to_one_rank_saves_an_hpc_checkpoint_exits_143_and_resumes_exact
 
 def test_context_parallel_halves_every_sequence_and_matches_one_process(flows):
     flows.assert_passed("context_parallel")
+
+
+def test_a_held_causal_lm_computes_its_loss_in_chunks_and_matches_one_process(flows):
+    flows.assert_passed("chunked_loss")

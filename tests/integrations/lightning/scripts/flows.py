@@ -1119,6 +1119,47 @@ def context_parallel(out: dict, work: Path) -> None:
     )
 
 
+class LitCausalLM(pl.LightningModule):
+    """A Hugging Face causal LM whose training_step returns the model's own `.loss` (labels passed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _cp_llama()
+        self.logits_seen: list[str] = []
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        self.logits_seen.append(type(out.logits).__name__)
+        return out.loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def chunked_loss(out: dict, work: Path) -> None:
+    """`Trainer(strategy="fsdp2")` on a LightningModule holding a Hugging Face causal LM: the chunked
+    loss is installed on the held model (the plan says so, the training output has no logits) and
+    2 steps equal one process (each rank's mean loss, averaged, as the reference computes it)."""
+    check = Checks(out)
+    rows = _cp_rows()
+    reference = _cp_llama()
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(2):
+        pair = [torch.utils.data.default_collate(rows[i : i + 1]) for i in (2 * step, 2 * step + 1)]
+        (sum(reference(**row).loss for row in pair) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    model = LitCausalLM()
+    trainer("fsdp2", max_steps=2).fit(model, torch.utils.data.DataLoader(rows, batch_size=1))
+    check.that("the plan says the loss is chunked", f2.sharding_plan(model).loss.startswith("chunked"), "")
+    check.equal("training outputs carry no logits", model.logits_seen, ["LogitsNotBuilt"] * 2)
+    check.below(
+        "parameters after 2 steps equal one process (relative)",
+        max_rel_diff(full_params(model.model), {n: p.detach() for n, p in reference.named_parameters()}),
+        TOL,
+    )
+
+
 FLOWS = [
     one_step_parity,
     registry_variants,
@@ -1137,6 +1178,7 @@ FLOWS = [
     throughput_monitor,
     resume_other_world_sizes,
     context_parallel,
+    chunked_loss,
 ]
 
 
