@@ -13,7 +13,8 @@ methods of it (their stock bodies call Accelerate's FSDP1-shaped helpers or buil
 - `_has_mixed_mesh_grads` (the Trainer clips by its own per-mesh norm when it sees gradients on
   several meshes; the core's `clip_grad_norm_` spans meshes itself);
 - `_prepare_context_parallel_inputs` and `get_cp_size` (they read Accelerate's parallelism_config,
-  which FSDP2Accelerator leaves None; the adapter's own read its mesh);
+  which FSDP2Accelerator leaves None; the adapter's own read its mesh), and `_get_num_items_in_batch`
+  (transformers 5.17-5.18 divide its count by that config's sizes: the adapter divides by cp);
 - the file names `TRAINER_STATE_NAME`, `SCHEDULER_NAME`, `TRAINING_ARGS_NAME` of `transformers.trainer`.
 
 And `accelerate.state.AcceleratorState._reset_state`: `TrainingArguments` sets up Accelerate's state
@@ -45,6 +46,7 @@ TRAINER_METHODS = (
     "_finalize_training",
     "_prepare_context_parallel_inputs",
     "get_cp_size",
+    "_get_num_items_in_batch",
 )
 for _name in TRAINER_METHODS:
     find_private(f"transformers.trainer:Trainer.{_name}", _missing)

@@ -6,7 +6,8 @@ leaves None (Accelerate's own TP/FSDP code paths must not run): the mixin asks `
 instead, and builds the step's context as the stock `_prepare_context_parallel_inputs` does:
 shifted labels and position ids made from the whole sequences, then the model inputs split by
 `accelerator.maybe_context_parallel` for the forward and the backward. The Trainer's own token
-count (`num_items_in_batch`, divided by the cp size) then makes the loss the one of whole sequences.
+count (`num_items_in_batch`, divided by the cp size: `token_count`) then makes the loss the one of
+whole sequences.
 """
 
 from __future__ import annotations
@@ -17,13 +18,29 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import transformers
 from torch import nn
 
 from fsdp2_strategy.sequence import check_sdpa_attention, prepare
+from fsdp2_strategy.versions import minor
 
 IGNORE_INDEX = -100
 _SPLIT = ("input_ids", "labels", "shift_labels", "position_ids")
 """The inputs split along the sequence (dim 1), as the stock Trainer splits them."""
+
+
+STOCK_COUNT_PER_CP_RANK = minor(transformers.__version__) >= (5, 19)
+"""Whether the stock Trainer divides its token count by `get_cp_size()` (transformers 5.19 on), which
+the mixin answers; 5.17-5.18 divide by Accelerate's `parallelism_config.non_data_parallel_size`,
+which FSDP2Accelerator leaves None, so the division is the adapter's (`token_count`)."""
+
+
+def token_count(count: Any, cp: int) -> Any:
+    """The stock `_get_num_items_in_batch` result per context-parallel rank: each rank of a cp group
+    sums its part of the same sequences, so the whole sequences' count is divided by `cp`."""
+    if count is None or cp == 1 or STOCK_COUNT_PER_CP_RANK:
+        return count
+    return count / cp
 
 
 def cp_size(accelerator: Any) -> int:

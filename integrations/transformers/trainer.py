@@ -18,7 +18,7 @@ from fsdp2_strategy.distributed import log_rank_zero
 from ..accelerate import FSDP2Accelerator, FSDP2Plugin
 from . import _compat as compat
 from . import checkpoint, rl
-from .context_parallel import context_parallel_inputs, cp_size
+from .context_parallel import context_parallel_inputs, cp_size, token_count
 
 __all__ = ["FSDP2Trainer", "FSDP2TrainerMixin", "fsdp2_trainer"]
 
@@ -248,6 +248,10 @@ class FSDP2TrainerMixin:
     def _prepare_context_parallel_inputs(self, model: Any, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """The step's context-parallel split (the stock method reads Accelerate's parallelism_config)."""
         return context_parallel_inputs(self.accelerator, model, inputs)
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: Any) -> Any:
+        """The stock token count, per context-parallel rank on every transformers release (`token_count`)."""
+        return token_count(super()._get_num_items_in_batch(batch_samples, device), cp_size(self.accelerator))
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """The Trainer's `log`; training logs also get the last step's throughput (`log_throughput=True`)."""
