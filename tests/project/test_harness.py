@@ -113,6 +113,9 @@ def _rank1_raises_rank0_hangs():
 
     import torch.distributed as dist
 
+    # Both ranks joined the group first: a rank 1 that fails while rank 0 is still connecting makes rank
+    # 0's init_process_group raise ("Connection closed by peer"), not hang (seen once on CI).
+    dist.barrier()
     if dist.get_rank() == 1:
         raise KeyError("boom from rank one")
     time.sleep(600)  # not in a collective: nothing ends it but the harness
