@@ -8,13 +8,15 @@ runs on accelerators as torch ships it and on CPUs through the kernel `ring` reg
 Others may use: `context_parallel`, `ContextParallelBatch`, `context_mesh` (the model's "cp" mesh),
 `ring_attention` (torch's `context_parallel` on any device, for the adapters' context managers),
 `prepare` (a batch of whole sequences with what a rank cannot derive from its part),
-`check_sdpa_attention` (a Hugging Face model's attention must be SDPA), `set_ring_rotation`.
+`check_sdpa_attention` (a Hugging Face model's attention must be SDPA), `set_ring_rotation`,
+`IGNORE_INDEX` (the label of a token without a target).
 """
 
-from .batch import ContextParallelBatch, prepare
+from .batch import IGNORE_INDEX, ContextParallelBatch, prepare
 from .context import check_sdpa_attention, context_mesh, context_parallel, ring_attention, set_ring_rotation
 
 __all__ = [
+    "IGNORE_INDEX",
     "ContextParallelBatch",
     "check_sdpa_attention",
     "context_mesh",

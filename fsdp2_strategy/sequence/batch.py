@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
-"""The label that marks a token without a target (torch's and Hugging Face's default)."""
+from ..train import IGNORE_INDEX
 
 
 def shift_labels(labels: torch.Tensor, seq_dim: int, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

@@ -8,7 +8,7 @@ Imports only the base modules of the core. `__all__` is what other packages and 
 from .accumulation import mode_of, no_sync, record_mode, set_gradient_sync
 from .accumulation_mode import DEFAULT_MODE, MODES, AccumulationMode, accumulation_mode
 from .causal_lm import LogitsNotBuiltError, install_chunked_loss
-from .chunked_loss import chunked_causal_lm_loss
+from .chunked_loss import IGNORE_INDEX, chunked_causal_lm_loss
 from .clipping import clip_grad_norm_, clip_grad_value_
 from .kept_gathered import KeptGroups
 from .optimizer import check_optimizer, mark_replaced_params, parameters_by_name, rebind_optimizer
@@ -27,6 +27,7 @@ from .throughput import (
 )
 
 __all__ = [
+    "IGNORE_INDEX",
     "LogitsNotBuiltError",
     "install_chunked_loss",
     "chunked_causal_lm_loss",

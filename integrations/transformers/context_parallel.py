@@ -21,10 +21,9 @@ import torch
 import transformers
 from torch import nn
 
-from fsdp2_strategy.sequence import check_sdpa_attention, prepare
+from fsdp2_strategy.sequence import IGNORE_INDEX, check_sdpa_attention, prepare
 from fsdp2_strategy.versions import minor
 
-IGNORE_INDEX = -100
 _SPLIT = ("input_ids", "labels", "shift_labels", "position_ids")
 """The inputs split along the sequence (dim 1), as the stock Trainer splits them."""
 
